@@ -1,0 +1,42 @@
+# kvgate: every target creates .venv and installs what it needs (pinned by constraints.txt).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint typecheck lock bench-quick clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	touch $(STAMP)
+
+## demo: 4 simulated replicas + kvgate on http://127.0.0.1:8000 (Ctrl-C to stop)
+demo: $(STAMP)
+	$(BIN)/kvgate serve --sim 4
+
+## test: lint, type-check, unit + integration tests (real vLLM replicas included)
+test: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest
+
+## test-fast: everything except the real-vLLM integration tests
+test-fast: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest -m "not vllm"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+## lock: re-pin every dependency after a change to pyproject.toml
+lock:
+	rm -rf .lockvenv && $(PY) -m venv .lockvenv
+	.lockvenv/bin/pip install --quiet -e '.[dev,bench]'
+	.lockvenv/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+	rm -rf .lockvenv
+
+clean:
+	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache

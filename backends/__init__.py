@@ -1,0 +1,1 @@
+"""Engine adapters (vLLM, SGLang, OpenAI-compatible), health and load scraping, the simulator."""

@@ -1,0 +1,1 @@
+"""Benchmarks: gateway overhead, index speed, trace replay across routers."""

@@ -1,0 +1,1 @@
+"""Prompt → KV-block keys, the global block index, and KV-event ingestion."""

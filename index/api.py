@@ -1,0 +1,107 @@
+"""The ``Indexer`` interface and the operations it applies, in kvgate's key space.
+
+Engine events (engine hashes) are translated per worker into these operations by the event
+ingestion layer (``index/``), which owns the engine-hash → ``BlockKey`` map. kvgate's own
+routing decisions are expressed the same way for the approximate (event-less) indexer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBlocks:
+    """``keys`` (a chain, parent first) are now cached on the worker in ``tier``."""
+
+    keys: Sequence[BlockKey]
+    tier: Tier = Tier.GPU
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveBlocks:
+    """``keys`` are no longer cached on the worker in ``tier``."""
+
+    keys: Sequence[BlockKey]
+    tier: Tier = Tier.GPU
+
+
+@dataclass(frozen=True, slots=True)
+class ClearAll:
+    """Every block of the worker is gone (engine reset or restart)."""
+
+
+IndexOp = StoreBlocks | RemoveBlocks | ClearAll
+
+
+class Indexer(Protocol):
+    """A global block → workers index."""
+
+    def apply(self, worker: WorkerKey, op: IndexOp) -> None:
+        """Apply one operation for one cache domain."""
+        ...
+
+    def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
+        """Per cache domain holding ``keys[0]``, the contiguous matched prefix by tier."""
+        ...
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        """Forget every block of one cache domain."""
+        ...
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Forget every block of every data-parallel rank of a worker."""
+        ...
+
+    def entry_count(self) -> int:
+        """Number of (block, cache domain) entries held."""
+        ...
+
+
+TokenizeMode = Literal["tokenizer", "engine", "approx", "token_ids"]
+"""How a prompt became tokens: the model's own tokenizer + chat template, the engine's
+``/tokenize`` endpoint, approximate character chunks, or token ids given by the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """The parts of an OpenAI request body that decide its tokens and cache domain."""
+
+    kind: Literal["chat", "completion"]
+    messages: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    prompt: str | Sequence[int] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """A prompt's block keys (full blocks only) and how they were obtained."""
+
+    block_keys: Sequence[BlockKey]
+    block_size: int
+    prompt_tokens: int
+    mode: TokenizeMode
+
+
+class BlockIndex(Protocol):
+    """What the gateway needs from the index layer (implemented in index/)."""
+
+    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+        """Tokenize (exactly as the engine does, or the best fallback) and key a prompt."""
+        ...
+
+    def match(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, PrefixMatch]:
+        """Per worker, the best matched prefix over its data-parallel ranks."""
+        ...
+
+    def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
+        """Tell the index a request was sent (feeds the approximate, event-less mode)."""
+        ...

@@ -1,0 +1,1 @@
+"""kvgate's HTTP gateway: app, proxy, configuration and CLI."""

@@ -1,0 +1,1 @@
+"""Routing policies: per-worker cost terms, then a choice among workers."""

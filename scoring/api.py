@@ -1,0 +1,85 @@
+"""The policy interface: what a policy is given, and what it returns.
+
+A policy never performs I/O. The gateway builds a ``RouteRequest`` (block keys already
+computed and matched against the index) and one ``Candidate`` per eligible, healthy worker,
+then asks the policy for a ``Decision``: every candidate, ranked best first, with the cost
+terms that led there. The gateway tries ``Decision.ranked`` in order (failover).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """Live load of one worker as kvgate sees it.
+
+    ``in_flight``, ``pending_prefill_tokens`` and ``active_decode_blocks`` are predicted by
+    kvgate from its own routing decisions; the ``scraped_*`` fields come from the engine's
+    /metrics (``None`` until the first successful scrape) and include traffic kvgate did
+    not route.
+    """
+
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    scraped_running: int | None = None
+    scraped_waiting: int | None = None
+    scraped_kv_usage: float | None = None  # 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One eligible worker for a request."""
+
+    worker: WorkerId
+    url: str
+    load: WorkerLoad = WorkerLoad()
+    match: PrefixMatch = NO_MATCH  # best over the worker's data-parallel ranks
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs to know about one request."""
+
+    model: str
+    block_keys: Sequence[BlockKey] = ()
+    block_size: int = 16
+    prompt_tokens: int = 0
+    session_key: str | None = None  # x-session-id header, else the ``user`` field
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    """One worker's cost and the visible terms behind it (for /debug/route and logs)."""
+
+    worker: WorkerId
+    cost: float
+    terms: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Candidates best first; ``scores`` in the same order as ``ranked``."""
+
+    ranked: Sequence[WorkerId]
+    scores: Sequence[WorkerScore] = ()
+
+    @property
+    def chosen(self) -> WorkerId:
+        return self.ranked[0]
+
+
+class Policy(Protocol):
+    """A routing policy. ``candidates`` is never empty."""
+
+    name: str
+
+    def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
