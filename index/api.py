@@ -16,10 +16,14 @@ from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 @dataclass(frozen=True, slots=True)
 class StoreBlocks:
-    """``keys`` (a chain, parent first) are now cached on the worker in ``tier``."""
+    """``keys`` (a chain, parent first) are now cached on the worker in ``tier``.
+
+    ``parent`` is the key of the block before ``keys[0]`` (None: ``keys[0]`` is a root).
+    """
 
     keys: Sequence[BlockKey]
     tier: Tier = Tier.GPU
+    parent: BlockKey | None = None
 
 
 @dataclass(frozen=True, slots=True)

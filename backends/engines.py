@@ -1,0 +1,111 @@
+"""Per-engine adapters: where each engine kind keeps its load metrics and endpoints.
+
+``vllm`` and ``sglang`` expose Prometheus gauges for running/waiting requests and KV-cache
+usage; a plain ``openai`` endpoint exposes nothing, so only kvgate's own predicted load
+counts for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import EngineKind
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedLoad:
+    """Load read from one scrape of an engine's /metrics (``None``: not exported)."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAdapter:
+    """What kvgate needs to know about one engine kind."""
+
+    kind: EngineKind
+    running_metrics: tuple[str, ...] = ()
+    waiting_metrics: tuple[str, ...] = ()
+    kv_usage_metrics: tuple[str, ...] = ()  # first present wins; values in 0..1
+    health_path: str = "/health"
+    models_path: str = "/v1/models"
+    metrics_path: str | None = "/metrics"
+    tokenize_path: str | None = None  # POST {"model", "prompt"|"messages"} -> {"tokens": [...]}
+    tokenize_accepts_messages: bool = False  # applies its own chat template
+
+    @property
+    def scrapes_load(self) -> bool:
+        return self.metrics_path is not None and bool(
+            self.running_metrics or self.waiting_metrics or self.kv_usage_metrics
+        )
+
+    def parse_load(self, text: str) -> ScrapedLoad:
+        """Sum running/waiting over every series and average KV usage (several engines/ranks).
+
+        Only the lines of the wanted metrics are handed to the Prometheus parser, so a
+        large /metrics page (histograms) costs a few string scans, not a full parse.
+        """
+        wanted = (*self.running_metrics, *self.waiting_metrics, *self.kv_usage_metrics)
+        lines = [line for line in text.splitlines() if line.startswith(wanted)]
+        values: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(sample.value)
+        running = _first_sum(values, self.running_metrics)
+        waiting = _first_sum(values, self.waiting_metrics)
+        usage = _first_mean(values, self.kv_usage_metrics)
+        return ScrapedLoad(
+            running=None if running is None else round(running),
+            waiting=None if waiting is None else round(waiting),
+            kv_usage=usage,
+        )
+
+
+def _first_sum(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if name in values:
+            return sum(values[name])
+    return None
+
+
+def _first_mean(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if values.get(name):
+            return sum(values[name]) / len(values[name])
+    return None
+
+
+VLLM = EngineAdapter(
+    kind="vllm",
+    running_metrics=("vllm:num_requests_running",),
+    waiting_metrics=("vllm:num_requests_waiting",),
+    # vLLM V0 named it gpu_cache_usage_perc; both are fractions in 0..1.
+    kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    tokenize_path="/tokenize",
+    tokenize_accepts_messages=True,
+)
+
+SGLANG = EngineAdapter(
+    kind="sglang",
+    running_metrics=("sglang:num_running_reqs",),
+    waiting_metrics=("sglang:num_queue_reqs",),
+    kv_usage_metrics=("sglang:token_usage",),
+    tokenize_path="/tokenize",
+)
+
+# A generic OpenAI-compatible server may lack /health: its model list doubles as the probe.
+OPENAI = EngineAdapter(kind="openai", metrics_path=None, health_path="/v1/models")
+
+
+def adapter_for(kind: EngineKind) -> EngineAdapter:
+    match kind:
+        case "vllm":
+            return VLLM
+        case "sglang":
+            return SGLANG
+        case "openai":
+            return OPENAI

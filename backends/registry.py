@@ -1,0 +1,243 @@
+"""The live set of workers: configuration, health, served models and load.
+
+Load is accounted per request with a ``LoadTicket``::
+
+    ticket = registry.begin(worker_id, prompt_tokens, blocks)
+    try:
+        ...                   # send, wait for the first token
+        ticket.first_token()  # the prompt's pending prefill is done
+        ...                   # stream the rest
+    finally:
+        ticket.finish()       # in-flight and decode blocks released (idempotent)
+
+These counters are kvgate's *predicted* load; the health checker adds what it scrapes from
+each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
+from index.types import WorkerId
+from router.config import HealthConfig, WorkerConfig, normalise_url
+from router.errors import WorkerExists, WorkerNotFound
+from scoring.api import Candidate, WorkerLoad
+
+HealthListener = Callable[["Worker"], None]
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One engine replica and everything kvgate knows about it right now."""
+
+    config: WorkerConfig
+    adapter: EngineAdapter
+    healthy: bool = False
+    models: frozenset[str] = frozenset()
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # /v1/models entries
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str | None = None
+    removed: bool = False
+
+    @property
+    def id(self) -> WorkerId:
+        return self.config.id
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            in_flight=self.in_flight,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            active_decode_blocks=self.active_decode_blocks,
+            scraped_running=self.scraped.running,
+            scraped_waiting=self.scraped.waiting,
+            scraped_kv_usage=self.scraped.kv_usage,
+        )
+
+    def set_models(self, cards: Mapping[str, dict[str, Any]]) -> None:
+        self.model_cards = dict(cards)
+        self.models = frozenset(cards)
+
+    def describe(self) -> dict[str, Any]:
+        """The admin view (never includes the API key)."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "engine": self.config.engine,
+            "models": sorted(self.models),
+            "events": self.config.events,
+            "replay": self.config.replay,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
+            "active_decode_blocks": self.active_decode_blocks,
+            "scraped": {
+                "running": self.scraped.running,
+                "waiting": self.scraped.waiting,
+                "kv_usage": self.scraped.kv_usage,
+            },
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+        }
+
+
+class LoadTicket:
+    """One request's share of a worker's predicted load; every release is idempotent."""
+
+    __slots__ = ("_blocks", "_finished", "_prefill_done", "_prompt_tokens", "worker")
+
+    def __init__(self, worker: Worker, prompt_tokens: int, blocks: int) -> None:
+        self.worker = worker
+        self._prompt_tokens = prompt_tokens
+        self._blocks = blocks
+        self._prefill_done = False
+        self._finished = False
+        worker.in_flight += 1
+        worker.pending_prefill_tokens += prompt_tokens
+        worker.active_decode_blocks += blocks
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def first_token(self) -> None:
+        """The first token came back: the prompt is no longer pending prefill."""
+        if not self._prefill_done:
+            self._prefill_done = True
+            self.worker.pending_prefill_tokens -= self._prompt_tokens
+
+    def finish(self) -> None:
+        """The request is over (done, failed or cancelled): release everything."""
+        if self._finished:
+            return
+        self.first_token()
+        self._finished = True
+        self.worker.in_flight -= 1
+        self.worker.active_decode_blocks -= self._blocks
+
+
+class WorkerRegistry:
+    """Workers by id (their normalised URL), in the order they were added."""
+
+    def __init__(self, health: HealthConfig | None = None) -> None:
+        self._health = health or HealthConfig()
+        self._workers: dict[WorkerId, Worker] = {}
+        self._health_listeners: list[HealthListener] = []
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, config: WorkerConfig) -> Worker:
+        if config.id in self._workers:
+            raise WorkerExists(config.id)
+        worker = Worker(config=config, adapter=adapter_for(config.engine))
+        if config.models is not None:
+            worker.set_models(
+                {m: {"id": m, "object": "model", "owned_by": "kvgate"} for m in config.models}
+            )
+        self._workers[config.id] = worker
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self.get(worker_id)
+        del self._workers[worker.id]
+        worker.removed = True
+        worker.healthy = False
+        return worker
+
+    def get(self, worker_id: str) -> Worker:
+        worker = self.find(worker_id)
+        if worker is None:
+            raise WorkerNotFound(worker_id)
+        return worker
+
+    def find(self, worker_id: str) -> Worker | None:
+        worker = self._workers.get(WorkerId(worker_id))
+        if worker is None:
+            try:
+                worker = self._workers.get(WorkerId(normalise_url(worker_id)))
+            except ValueError:
+                return None
+        return worker
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # -- routing view -----------------------------------------------------------------
+    def serves(self, model: str) -> bool:
+        """Does any worker (healthy or not) serve ``model``?"""
+        return any(model in w.models for w in self._workers.values())
+
+    def candidates(self, model: str) -> list[Candidate]:
+        """Healthy workers serving ``model`` (``match`` is left empty for the router)."""
+        return [
+            Candidate(worker=w.id, url=w.url, load=w.load())
+            for w in self._workers.values()
+            if w.healthy and model in w.models
+        ]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of healthy workers' models (first worker's card wins), sorted by id."""
+        cards: dict[str, dict[str, Any]] = {}
+        for worker in self._workers.values():
+            if worker.healthy:
+                for model, card in worker.model_cards.items():
+                    cards.setdefault(model, card)
+        return [cards[m] for m in sorted(cards)]
+
+    def healthy_count(self) -> int:
+        return sum(1 for w in self._workers.values() if w.healthy)
+
+    # -- load -------------------------------------------------------------------------
+    def begin(self, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> LoadTicket:
+        """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens) are pending
+        prefill until its first token; ``blocks`` are active decode blocks until it ends."""
+        return LoadTicket(self.get(worker_id), prefill_tokens, blocks)
+
+    # -- health -----------------------------------------------------------------------
+    def on_health_change(self, listener: HealthListener) -> None:
+        self._health_listeners.append(listener)
+
+    def record_success(self, worker: Worker) -> None:
+        """A health probe succeeded."""
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+        worker.last_error = None
+        if not worker.healthy and worker.consecutive_successes >= self._health.recovery_threshold:
+            self._set_health(worker, healthy=True)
+
+    def record_ok_response(self, worker: Worker) -> None:
+        """A request was answered without a server error (passive signal)."""
+        worker.consecutive_failures = 0
+
+    def record_failure(self, worker: Worker, reason: str, *, immediate: bool = False) -> None:
+        """A probe failed, or (passively) a request hit a connect error or a 5xx.
+
+        ``immediate`` (connection refused) marks the worker unhealthy at once; other
+        failures count towards ``failure_threshold``.
+        """
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        threshold = self._health.failure_threshold
+        if worker.healthy and (immediate or worker.consecutive_failures >= threshold):
+            self._set_health(worker, healthy=False)
+
+    def _set_health(self, worker: Worker, *, healthy: bool) -> None:
+        worker.healthy = healthy
+        if healthy:
+            worker.consecutive_failures = 0
+        for listener in self._health_listeners:
+            listener(worker)

@@ -1,0 +1,167 @@
+"""Configuration of a simulated fleet: engine, timing, KV events and start-up faults.
+
+Defaults model Llama-3.1-8B (bf16) on one H100 80GB SXM served by vLLM; the derivation of
+every figure is in docs/simulator.md ("Calibration").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+EventEncoding = Literal["map", "array"]
+HashFormat = Literal["int", "bytes"]
+SourcesFormat = Literal["object", "list"]
+
+
+class ConfigError(ValueError):
+    """An invalid simulator setting; the message names the setting."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimingConfig:
+    """Step-time model of one replica (wall seconds are these divided by ``speedup``).
+
+    One engine step costs ``max(step_floor_ms, tokens * token_us)`` (weights read once per
+    step vs. the linear layers' compute), plus prefill attention ``prefill_attn_ns`` per
+    (prefill token x earlier token of its sequence), plus ``decode_kv_ns`` per cached token
+    read by each decoding sequence, plus ``cpu_load_us_per_token`` per token brought back
+    from the CPU tier.
+    """
+
+    step_floor_ms: float = 6.0
+    token_us: float = 30.0
+    prefill_attn_ns: float = 1.0
+    decode_kv_ns: float = 49.0
+    cpu_load_us_per_token: float = 5.2
+    speedup: float = 1.0
+
+    def validate(self) -> None:
+        for name in ("step_floor_ms", "token_us", "prefill_attn_ns", "decode_kv_ns"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.cpu_load_us_per_token < 0:
+            raise ConfigError("cpu_load_us_per_token must be >= 0")
+        if not self.speedup > 0:
+            raise ConfigError("speedup must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Scheduler and KV-cache settings of one replica (vLLM names where vLLM has them)."""
+
+    model: str = "kvgate-sim"
+    block_size: int = 16
+    capacity_blocks: int = 27_000
+    cpu_offload_blocks: int = 0
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131_072
+    default_max_tokens: int = 64
+    """Output length when a chat request gives no ``max_tokens`` (completions default: 16)."""
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """``max_model_len`` capped so that one request always fits in the GPU cache."""
+        return min(self.max_model_len, self.capacity_blocks * self.block_size)
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError("model must not be empty")
+        positive = ("block_size", "capacity_blocks", "max_num_seqs", "max_num_batched_tokens")
+        for name in (*positive, "max_model_len", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.cpu_offload_blocks < 0:
+            raise ConfigError("cpu_offload_blocks must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV-event publishing, as vLLM's ``--kv-events-config`` with the ZMQ publisher."""
+
+    encoding: EventEncoding = "map"
+    topic: str = "kv-events"
+    buffer_steps: int = 10_000
+    buffer_bytes: int = 64 * 1024 * 1024
+    """The replay ring also keeps at most this many payload bytes (long prompts make big
+    batches; vLLM bounds the ring by steps only)."""
+    hwm: int = 100_000
+    hash_format: HashFormat = "int"
+    sources_format: SourcesFormat = "object"
+    """``GET /kv_event_sources``: ``object`` = {"0": config} (vLLM 0.32), ``list`` = the bare
+    array of {data_parallel_rank, endpoint, replay_endpoint, topic} of newer vLLM."""
+
+    def validate(self) -> None:
+        if self.encoding not in ("map", "array"):
+            raise ConfigError("event encoding must be 'map' or 'array'")
+        if self.hash_format not in ("int", "bytes"):
+            raise ConfigError("hash format must be 'int' or 'bytes'")
+        if self.sources_format not in ("object", "list"):
+            raise ConfigError("kv_event_sources format must be 'object' or 'list'")
+        if self.buffer_steps < 0 or self.buffer_bytes < 0 or self.hwm < 0:
+            raise ConfigError("buffer_steps, buffer_bytes and hwm must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StartupFaults:
+    """Faults every replica starts with (``--fail-rate`` ...); 0 means off."""
+
+    fail_rate: float = 0.0
+    drop_events_rate: float = 0.0
+    event_delay_s: float = 0.0
+    slowdown: float = 1.0
+
+    def validate(self) -> None:
+        for name in ("fail_rate", "drop_events_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be within 0..1")
+        if self.event_delay_s < 0:
+            raise ConfigError("event_delay_s must be >= 0")
+        if not self.slowdown > 0:
+            raise ConfigError("slowdown must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A fleet of ``replicas`` replicas in one process.
+
+    Ports: replica i serves HTTP on ``port + i`` and publishes KV events on
+    ``events_port + 2 i`` with its replay socket on ``events_port + 2 i + 1``. Port 0 means
+    ephemeral ports for every replica (tests).
+    """
+
+    replicas: int = 4
+    host: str = "127.0.0.1"
+    port: int = 9001
+    events_port: int = 5557
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    faults: StartupFaults = field(default_factory=StartupFaults)
+
+    def validate(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError("replicas must be >= 1")
+        for name in ("port", "events_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be within 0..65535")
+        if self.port and self.port + self.replicas - 1 > 65535:
+            raise ConfigError("port + replicas exceeds 65535")
+        if self.events_port and self.events_port + 2 * self.replicas - 1 > 65535:
+            raise ConfigError("events_port + 2 * replicas exceeds 65535")
+        self.engine.validate()
+        self.timing.validate()
+        self.events.validate()
+        self.faults.validate()
+
+    def http_port(self, index: int) -> int:
+        return self.port + index if self.port else 0
+
+    def pub_port(self, index: int) -> int:
+        return self.events_port + 2 * index if self.events_port else 0
+
+    def replay_port(self, index: int) -> int:
+        return self.events_port + 2 * index + 1 if self.events_port else 0

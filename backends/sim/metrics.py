@@ -1,0 +1,159 @@
+"""A replica's ``/metrics``: vLLM's metric names (so routers scrape it like vLLM) plus a few
+``kvgate_sim_*`` metrics of the simulator itself. One registry per replica, no globals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.sim.engine import SimRequest
+
+# vLLM's time-to-first-token and end-to-end latency buckets.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LiveState:
+    """Callables the gauges read at scrape time."""
+
+    running: Callable[[], int]
+    waiting: Callable[[], int]
+    usage: Callable[[], float]
+    cpu_cached: Callable[[], int]
+    event_seq: Callable[[], int]
+    busy_s: Callable[[], float]
+
+
+class _LiveCollector(Collector):
+    def __init__(self, state: LiveState, labels: dict[str, str], cache_info: dict[str, str]):
+        self._state = state
+        self._labels = labels
+        self._cache_info = cache_info
+
+    def _gauge(
+        self, name: str, doc: str, value: float, extra: dict[str, str] | None = None
+    ) -> Metric:
+        labels = {**self._labels, **(extra or {})}
+        family = GaugeMetricFamily(name, doc, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state
+        yield self._gauge("vllm:num_requests_running", "Requests in the batch.", s.running())
+        yield self._gauge("vllm:num_requests_waiting", "Requests queued.", s.waiting())
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", s.usage())
+        yield self._gauge(
+            "vllm:cache_config_info", "KV-cache configuration.", 1.0, self._cache_info
+        )
+        yield self._gauge("kvgate_sim_cpu_cached_blocks", "Blocks on the CPU tier.", s.cpu_cached())
+        yield self._gauge("kvgate_sim_event_seq", "Next KV-event sequence number.", s.event_seq())
+        busy = CounterMetricFamily(
+            "kvgate_sim_busy_seconds",
+            "Modelled engine step time (wall s).",
+            labels=list(self._labels),
+        )
+        busy.add_metric(list(self._labels.values()), s.busy_s())
+        yield busy
+
+
+class ReplicaMetrics:
+    """The metrics of one simulated replica, in its own registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model: str,
+        live: LiveState,
+        cache_info: dict[str, str],
+        cpu_tier: bool = False,
+    ) -> None:
+        self._cpu_tier = cpu_tier
+        labels = {"model_name": model, "engine": "0"}
+        names = list(labels)
+        values = list(labels.values())
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry)
+
+        self._queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.").labels(
+            *values
+        )
+        self._hits = counter("vllm:prefix_cache_hits", "Prompt tokens found on GPU.").labels(
+            *values
+        )
+        self._ext_queries = counter(
+            "vllm:external_prefix_cache_queries", "Tokens looked up in the CPU tier."
+        ).labels(*values)
+        self._ext_hits = counter(
+            "vllm:external_prefix_cache_hits", "Tokens found in the CPU tier."
+        ).labels(*values)
+        self._cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens served from cache."
+        ).labels(*values)
+        self._prompt = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(*values)
+        self._generation = counter("vllm:generation_tokens", "Tokens generated.").labels(*values)
+        self._preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*values)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests.", [*names, "finished_reason"],
+            registry=registry,
+        )  # fmt: skip
+        self._values = values
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token (wall).", names,
+            buckets=TTFT_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end latency (wall).", names,
+            buckets=E2E_BUCKETS, registry=registry,
+        ).labels(*values)  # fmt: skip
+        self._faults = Counter(
+            "kvgate_sim_faults", "Fault occurrences by kind.", ["kind"], registry=registry
+        )
+        self._batches = Counter(
+            "kvgate_sim_event_batches", "KV-event batches by outcome.", ["outcome"],
+            registry=registry,
+        )  # fmt: skip
+        registry.register(_LiveCollector(live, labels, cache_info))
+
+    # --- engine observer -----------------------------------------------------------------
+
+    def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
+        self._queries.inc(prompt_tokens)
+        self._hits.inc(gpu_hit_tokens)
+        if self._cpu_tier:
+            self._ext_queries.inc(prompt_tokens - gpu_hit_tokens)
+            self._ext_hits.inc(cpu_hit_tokens)
+        self._cached.inc(gpu_hit_tokens + cpu_hit_tokens)
+        self._prompt.inc(prompt_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s)
+
+    def on_finished(self, req: SimRequest, reason: str, e2e_s: float) -> None:
+        self._generation.inc(req.num_output)
+        self._success.labels(*self._values, reason).inc()
+        self._e2e.observe(e2e_s)
+
+    def on_preempted(self) -> None:
+        self._preemptions.inc()
+
+    # --- simulator -----------------------------------------------------------------------
+
+    def on_fault(self, kind: str) -> None:
+        self._faults.labels(kind).inc()
+
+    def on_batch(self, outcome: str) -> None:
+        """``published``, ``delayed``, ``dropped`` (replayable) or ``lost``."""
+        self._batches.labels(outcome).inc()

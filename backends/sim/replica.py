@@ -1,0 +1,372 @@
+"""One simulated replica: engine, KV-event publisher, HTTP server and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from typing import Any, get_args
+
+import uvicorn
+import xxhash
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from backends.sim.api import ReplicaApp
+from backends.sim.cache import CacheSnapshot
+from backends.sim.config import SimConfig
+from backends.sim.engine import Engine
+from backends.sim.events import KVEvent
+from backends.sim.faults import (
+    FAULT_KINDS,
+    Fault,
+    FaultError,
+    FaultState,
+    StandingKind,
+    parse_fault,
+)
+from backends.sim.metrics import LiveState, ReplicaMetrics
+from backends.sim.publisher import EventPublisher
+from backends.sim.tokenizer import SimTokenizer
+
+_STANDING: tuple[str, ...] = get_args(StandingKind)
+log = logging.getLogger(__name__)
+_STARTUP_TIMEOUT_S = 10.0
+
+
+def _seconds(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise FaultError(f"'{name}' must be a number >= 0")
+    return float(value)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal capture: many servers share one loop; the CLI owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class SimReplica:
+    """A simulated vLLM replica. ``start``/``stop`` it; faults via ``apply_fault`` or methods."""
+
+    def __init__(
+        self,
+        index: int,
+        config: SimConfig,
+        tokenizer: SimTokenizer,
+        peer: Callable[[int], SimReplica],
+    ) -> None:
+        self.index = index
+        self.config = config
+        self.tokenizer = tokenizer
+        self._peer = peer
+        self.generation = 0
+        self.started_at = int(time.time())
+        self.registry = CollectorRegistry()
+        self.faults = FaultState(random.Random(f"{config.seed}:{index}:faults"), time.monotonic)
+        cfg = config.engine
+        self.metrics = ReplicaMetrics(
+            self.registry,
+            cfg.model,
+            LiveState(
+                running=lambda: len(self.engine.running),
+                waiting=lambda: len(self.engine.waiting),
+                usage=lambda: self.engine.cache.usage,
+                cpu_cached=lambda: self.engine.cache.cpu_cached,
+                event_seq=lambda: self.publisher.next_seq,
+                busy_s=lambda: self.engine.busy_s,
+            ),
+            {
+                "block_size": str(cfg.block_size),
+                "num_gpu_blocks": str(cfg.capacity_blocks),
+                "num_cpu_blocks": str(cfg.cpu_offload_blocks),
+                "enable_prefix_caching": "True",
+            },
+            cpu_tier=cfg.cpu_offload_blocks > 0,
+        )
+        self.publisher = EventPublisher(config.events, self.faults, self.metrics, time.monotonic)
+        self.engine = Engine(
+            cfg,
+            timing=config.timing,
+            faults=self.faults,
+            rng=random.Random(f"{config.seed}:{index}:tokens"),
+            hash_seed=self._hash_seed(),
+            first_output_id=tokenizer.first_generated_id,
+            on_batch=self._publish,
+            observer=self.metrics,
+        )
+        self._app = ReplicaApp(self)
+        self._http_port = config.http_port(index)
+        self._server: _Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._apply_startup_faults()
+
+    # --- identity ------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self._http_port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str:
+        return self.publisher.replay_endpoint
+
+    @property
+    def http_up(self) -> bool:
+        return self._server is not None
+
+    def _hash_seed(self) -> int:
+        key = f"{self.config.seed}:{self.index}:{self.generation}"
+        return xxhash.xxh3_64_intdigest(key.encode())
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        self.publisher.publish(events)
+
+    def _apply_startup_faults(self) -> None:
+        start = self.config.faults
+        if start.fail_rate > 0:
+            self.faults.set(Fault("fail", rate=start.fail_rate, value=500))
+        if start.drop_events_rate > 0:
+            self.faults.set(Fault("drop_events", rate=start.drop_events_rate))
+        if start.event_delay_s > 0:
+            self.faults.set(Fault("delay_events", value=start.event_delay_s))
+        if start.slowdown != 1.0:
+            self.faults.set(Fault("slow", value=start.slowdown))
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self, ctx: zmq.asyncio.Context) -> None:
+        cfg = self.config
+        await self.publisher.start(
+            ctx, cfg.host, cfg.pub_port(self.index), cfg.replay_port(self.index)
+        )
+        self._engine_task = asyncio.create_task(self.engine.run())
+        self._engine_task.add_done_callback(self._engine_stopped)
+        try:
+            await self._start_http()
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _engine_stopped(self, task: asyncio.Task[None]) -> None:
+        """A bug in the step loop must not leave clients waiting forever: fail them, loudly."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("replica %d: engine loop died", self.index, exc_info=error)
+            self.engine.fail_all(f"simulated engine crashed: {error!r}")
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        self.engine.fail_all("replica stopped")
+        await self._stop_http()
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_task
+            self._engine_task = None
+        for task in list(self._background):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.publisher.stop()
+
+    async def _start_http(self) -> None:
+        if self._server is not None:
+            return
+        host = self.config.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto=IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, self._http_port))
+        except OSError:
+            sock.close()
+            raise
+        self._http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self._app,
+            lifespan="off",
+            http="httptools",
+            ws="none",
+            log_config=None,
+            log_level=None,
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
+        server = _Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not server.started:
+            if task.done():
+                sock.close()
+                task.result()
+                raise RuntimeError(f"replica {self.index}: HTTP server exited at start-up")
+            if time.monotonic() > deadline:
+                task.cancel()
+                sock.close()
+                raise TimeoutError(f"replica {self.index}: HTTP server did not start")
+            await asyncio.sleep(0.005)
+        self._server, self._server_task = server, task
+
+    async def _stop_http(self) -> None:
+        server, task = self._server, self._server_task
+        self._server = self._server_task = None
+        if server is None or task is None:
+            return
+        server.should_exit = True
+        await task
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- faults --------------------------------------------------------------------------
+
+    async def restart(self, downtime_s: float = 0.0) -> None:
+        """Crash and restart: requests fail, cache empty, new hash seed, event seq from 0.
+
+        With ``downtime_s`` > 0 the HTTP port refuses connections for that long.
+        """
+        self.generation += 1
+        self.metrics.on_fault("restart")
+        self.engine.restart(self._hash_seed(), "engine restarted (simulated fault)")
+        self.publisher.reset()
+        if downtime_s > 0:
+            await self._stop_http()
+            self._spawn(self._resume_after(downtime_s))
+
+    async def refuse(self, duration_s: float | None = None) -> None:
+        """Stop listening (connections refused) until ``resume`` or for ``duration_s``.
+
+        Requests in flight fail; the cache and the event stream are kept.
+        """
+        self.metrics.on_fault("refuse")
+        self.engine.fail_all("connection lost (simulated fault)")
+        await self._stop_http()
+        if duration_s is not None:
+            self._spawn(self._resume_after(duration_s))
+
+    async def resume(self) -> None:
+        """Listen again after ``refuse`` (same port)."""
+        await self._start_http()
+
+    async def _resume_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await self.resume()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    async def apply_fault(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The admin API (``POST /sim/fault``); ``replica`` may name another replica."""
+        target = body.get("replica", self.index)
+        if isinstance(target, bool) or not isinstance(target, int):
+            raise FaultError("'replica' must be an integer")
+        if target != self.index:
+            return await self._peer(target).apply_fault({**body, "replica": target})
+        kind = body.get("kind")
+        if kind in _STANDING:
+            fault = parse_fault(body, time.monotonic())
+            self.faults.set(fault)
+        elif kind == "clear":
+            which = body.get("fault")
+            if which is not None and which not in _STANDING:
+                raise FaultError(f"'fault' must be one of {', '.join(_STANDING)}")
+            self.faults.clear(which)
+            if which in (None, "delay_events"):
+                self.publisher.release_delayed()
+        elif kind == "reset_cache":
+            return {"replica": self.index, "reset": self.reset_prefix_cache()}
+        elif kind == "restart":
+            downtime = _seconds(body, "downtime_s")
+            if downtime:  # HTTP goes down: answer first, act right after
+                self._spawn(self.restart(downtime))
+            else:
+                await self.restart()
+        elif kind == "refuse":
+            self._spawn(self.refuse(_seconds(body, "duration_s")))
+        elif kind == "resume":
+            await self.resume()
+        else:
+            raise FaultError(f"'kind' must be one of {', '.join(FAULT_KINDS)}")
+        return {"replica": self.index, "faults": self.faults.describe()}
+
+    # --- introspection -------------------------------------------------------------------
+
+    def snapshot(self) -> CacheSnapshot:
+        """The cached hashes per tier (what the published events must rebuild)."""
+        return self.engine.cache.snapshot()
+
+    def idle(self) -> bool:
+        """No request queued or running (every event of finished work is published)."""
+        return not self.engine.running and not self.engine.waiting
+
+    def kv_event_sources(self) -> Any:
+        ev = self.config.events
+        endpoint = self.publisher.endpoint.replace("0.0.0.0", "*")
+        replay = self.publisher.replay_endpoint.replace("0.0.0.0", "*")
+        if ev.sources_format == "list":
+            return [
+                {
+                    "data_parallel_rank": 0,
+                    "endpoint": endpoint,
+                    "replay_endpoint": replay,
+                    "topic": ev.topic,
+                }
+            ]
+        return {
+            "0": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+                "buffer_steps": ev.buffer_steps,
+                "hwm": ev.hwm,
+                "max_queue_size": 100_000,
+                "topic": ev.topic,
+            }
+        }
+
+    def state(self) -> dict[str, Any]:
+        engine, cache = self.engine, self.engine.cache
+        return {
+            "replica": self.index,
+            "model": self.config.engine.model,
+            "url": self.url,
+            "events_endpoint": self.events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "generation": self.generation,
+            "event_seq": self.publisher.next_seq,
+            "running": len(engine.running),
+            "waiting": len(engine.waiting),
+            "steps": engine.steps,
+            "busy_s": engine.busy_s,
+            "gpu_blocks": cache.num_blocks,
+            "gpu_free_blocks": cache.free_blocks,
+            "gpu_cached_blocks": cache.gpu_cached,
+            "cpu_cached_blocks": cache.cpu_cached,
+            "kv_cache_usage": cache.usage,
+            "faults": self.faults.describe(),
+            "fault_hits": dict(self.faults.hits),
+        }

@@ -1,0 +1,259 @@
+"""One comparison run: for each router, a cold simulated fleet, the router, one replay of the
+same trace slice, then everything stopped; summaries, a markdown table and plots at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench import report
+from bench.fleet import (
+    FleetSpec,
+    KvgateSpec,
+    ManagedProcess,
+    SimFleet,
+    process_cpu_seconds,
+    start_fleet,
+    start_kvgate,
+    system_cpu_times,
+)
+from bench.oracle import oracle
+from bench.peers import PEERS, start_peer
+from bench.replay import (
+    SAMPLED_METRICS,
+    MetricsSample,
+    ReplayConfig,
+    ReplayResult,
+    parse_prometheus,
+    replay,
+    select_slice,
+    write_records,
+)
+from bench.traces import TraceRequest
+
+KVGATE_POLICIES = ("kv", "round_robin", "random", "least_loaded", "session")
+ALL_ROUTERS = (
+    "kv",
+    "round_robin",
+    "least_loaded",
+    "session",
+    "sglang_cache_aware",
+    "vllm_cache_aware",
+    "vllm_kv_aware",
+)
+
+
+def router_label(name: str) -> str:
+    if name in PEERS:
+        return PEERS[name].label
+    return f"kvgate {name}"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRun:
+    """One router of a comparison: a kvgate policy (with knobs) or a peer."""
+
+    name: str  # kvgate policy or a key of PEERS
+    label: str
+    knobs: tuple[tuple[str, str], ...] = ()  # kv policy knobs (sweep)
+
+
+def kv_knob_args(knobs: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """kv policy knobs as ``kvgate serve`` flags (``--scoring-overlap-credit 2``)."""
+    out: list[str] = []
+    for name, value in knobs:
+        out += [f"--scoring-{name.replace('_', '-')}", value]
+    return tuple(out)
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    fleet: FleetSpec
+    replay: ReplayConfig  # target is filled per router
+    out_dir: Path
+    title: str
+    trace_block_tokens: int = 512
+    kvgate_extra_args: tuple[str, ...] = ()
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
+
+
+def _scrape_all(urls: Sequence[str]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    with httpx.Client(timeout=5.0) as client:
+        for url in urls:
+            try:
+                resp = client.get(f"{url}/metrics")
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                out[f"{url}/metrics"] = parse_prometheus(resp.text, SAMPLED_METRICS)
+    return out
+
+
+def warm_up(url: str, model: str, requests: int, timeout_s: float = 30.0) -> int:
+    """A few tiny requests through the router before measuring (lazy start-up work such as
+    loading a tokenizer or opening connections is not measured). Prompts shorter than one
+    KV block leave nothing in any cache. Returns how many succeeded."""
+    body = {"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0.0}
+    ok = 0
+    with httpx.Client(timeout=timeout_s) as client:
+        for _ in range(requests):
+            try:
+                resp = client.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError:
+                continue
+            ok += resp.status_code == 200
+    return ok
+
+
+def _start_router(
+    run: RouterRun, fleet: SimFleet, cfg: CompareConfig, log_dir: Path
+) -> tuple[ManagedProcess, str]:
+    if run.name in PEERS:
+        return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
+    spec = KvgateSpec(run.name, (), (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args))
+    return start_kvgate(spec, fleet, log_dir)
+
+
+@dataclass(slots=True)
+class RunOutput:
+    summary: report.RunSummary
+    result: ReplayResult
+
+
+def run_one(
+    run: RouterRun, requests: Sequence[TraceRequest], cfg: CompareConfig, oracle_rate: float
+) -> RunOutput:
+    """Cold fleet + router, replay, stop both; write records and summary under out_dir."""
+    slug = run.label.replace(" ", "_").replace("/", "_")
+    run_dir = cfg.out_dir / slug
+    cfg.log(f"[{run.label}] starting fleet ({cfg.fleet.replicas} replicas) and router")
+    fleet = start_fleet(cfg.fleet, run_dir / "logs")
+    router: ManagedProcess | None = None
+    try:
+        router, url = _start_router(run, fleet, cfg, run_dir / "logs")
+        metrics_urls = tuple(f"{u}/metrics" for u in fleet.urls)
+        rcfg = ReplayConfig(**{**asdict(cfg.replay), "target": url, "metrics_urls": metrics_urls})
+        warm_up(url, cfg.replay.model, 2 * cfg.fleet.replicas)
+        before = _scrape_all(fleet.urls)
+        cpu0 = _cpu_snapshot(router, fleet)
+        box0 = system_cpu_times()[0]
+        t0 = time.perf_counter()
+        result = asyncio.run(replay(requests, rcfg))
+        wall = time.perf_counter() - t0
+        cpu1 = _cpu_snapshot(router, fleet)
+        box1 = system_cpu_times()[0]
+    finally:
+        if router is not None:
+            router.stop()
+        fleet.stop()
+    cpu = report.CpuUse(
+        wall_s=wall,
+        seconds={k: cpu1[k] - cpu0[k] for k in cpu0},
+        box_busy_s=box1 - box0,
+        cores=os.cpu_count() or 2,
+    )
+    summary = report.summarize(
+        run.label,
+        result.records,
+        oracle_hit_rate=oracle_rate,
+        wall_s=result.wall_s,
+        replicas=cfg.fleet.replicas,
+        cpu=cpu,
+        metrics_before=before,
+        metrics_after=result.final_metrics,
+        samples=result.samples,
+    )
+    write_records(run_dir / "records.jsonl", result.records)
+    report.write_summary(run_dir / "summary.json", summary)
+    _write_samples(run_dir / "samples.jsonl", result.samples)
+    cfg.log(
+        f"[{run.label}] ok {summary.ok}/{summary.requests} hit {summary.hit_rate:.3f} "
+        f"(÷oracle {summary.hit_vs_oracle:.2f}) ttft p50 {summary.ttft_p50_s:.3f}s "
+        f"p99 {summary.ttft_p99_s:.3f}s imbalance {summary.imbalance:.2f} "
+        f"fleet busy {summary.fleet_busy:.2f} box {cpu.box_utilisation:.0%}"
+    )
+    warning = report.saturation_warning([summary])
+    if warning:
+        cfg.log(warning)
+    return RunOutput(summary, result)
+
+
+def _cpu_snapshot(router: ManagedProcess, fleet: SimFleet) -> dict[str, float]:
+    return {
+        "router": router.cpu_seconds(),
+        "fleet": fleet.process.cpu_seconds(),
+        "replayer": process_cpu_seconds(os.getpid(), include_reaped_children=False),
+    }
+
+
+def _write_samples(path: Path, samples: Sequence[MetricsSample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for s in samples:
+            fh.write(json.dumps(asdict(s), separators=(",", ":")) + "\n")
+
+
+def compare(
+    runs: Sequence[RouterRun], requests: Sequence[TraceRequest], cfg: CompareConfig
+) -> list[RunOutput]:
+    """Run every router on the same slice; write table.md, summary.json and PNGs."""
+    chosen = select_slice(requests, cfg.replay)
+    orc = oracle(chosen, block_tokens=cfg.trace_block_tokens)
+    cfg.log(
+        f"slice: {len(chosen)} requests, {orc.prompt_tokens} prompt tokens, "
+        f"oracle hit rate {orc.token_hit_rate:.3f} (blocks {orc.block_hit_rate:.3f})"
+    )
+    outputs: list[RunOutput] = []
+    failed: list[str] = []
+    for run in runs:
+        try:
+            outputs.append(run_one(run, chosen, cfg, orc.token_hit_rate))
+        except (RuntimeError, TimeoutError, OSError, subprocess.CalledProcessError) as exc:
+            cfg.log(f"[{run.label}] could not run: {exc}")
+            failed.append(f"{run.label}: {exc}")
+    write_comparison(outputs, orc.token_hit_rate, cfg, failed)
+    return outputs
+
+
+def write_comparison(
+    outputs: Sequence[RunOutput],
+    oracle_rate: float,
+    cfg: CompareConfig,
+    failed: Sequence[str] = (),
+) -> str:
+    summaries = [o.summary for o in outputs]
+    table = report.markdown_table(summaries, oracle_rate)
+    warning = report.saturation_warning(summaries)
+    text = f"## {cfg.title}\n\n{table}"
+    if warning:
+        text += f"\n{warning}\n"
+    for line in failed:
+        text += f"\nNot measured: {line}\n"
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "table.md").write_text(text)
+    (cfg.out_dir / "summaries.json").write_text(
+        json.dumps(
+            {"oracle": oracle_rate, "runs": [asdict(s) for s in summaries]}, indent=2, default=str
+        )
+        + "\n"
+    )
+    records = {o.summary.label: o.result.records for o in outputs}
+    report.plot_ttft_cdf(records, cfg.out_dir / "ttft_cdf.png", cfg.title)
+    report.plot_hit_rates(summaries, oracle_rate, cfg.out_dir / "hit_rate.png", cfg.title)
+    report.plot_replica_load(
+        {o.summary.label: o.result.samples for o in outputs},
+        cfg.out_dir / "replica_load.png",
+        cfg.title,
+    )
+    print(text)
+    return text

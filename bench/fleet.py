@@ -1,0 +1,317 @@
+"""Processes a benchmark starts on 127.0.0.1: the simulated fleet and the router under test.
+
+Every process gets its own log file and is stopped by its own pid (SIGTERM, then SIGKILL).
+CPU use is read from /proc/<pid>/stat (utime + stime of the process and its live
+descendants, plus what exited children left in cutime/cstime), so no psutil is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from backends.sim.tokenizer import tokenizer_dir
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+LOOPBACK = "127.0.0.1"
+SIM_MODEL = "kvgate-sim"
+
+
+# --- CPU accounting -----------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) is in parentheses and may contain spaces
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def process_cpu_seconds(pid: int, include_reaped_children: bool = True) -> float:
+    """utime + stime of one process (and of its children it has waited for)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0
+    # after the name: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14)
+    ticks = int(fields[11]) + int(fields[12])
+    if include_reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / CLK_TCK
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (from the ppid field of every /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and all its live descendants."""
+    return process_cpu_seconds(pid) + sum(
+        process_cpu_seconds(c, include_reaped_children=False) for c in descendants(pid)
+    )
+
+
+def system_cpu_times() -> tuple[float, float]:
+    """(busy, total) seconds summed over all cores since boot, from /proc/stat."""
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in first]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    total = sum(values[:8])
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+# --- ports and readiness ------------------------------------------------------------------
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(count: int, start: int = 20000, stride: int = 1, end: int = 60000) -> int:
+    """First port p >= start such that p, p+stride, ... (count ports) are all free."""
+    p = start
+    while p + count * stride < end:
+        if all(port_free(p + i * stride) for i in range(count)):
+            return p
+        p += count * stride
+    raise RuntimeError("no free port range on 127.0.0.1")
+
+
+def wait_http(url: str, timeout_s: float = 60.0, proc: ManagedProcess | None = None) -> None:
+    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` died."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and not proc.alive():
+                raise RuntimeError(f"{proc.name} exited early; see {proc.log_path}")
+            try:
+                resp = client.get(url)
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last})")
+
+
+# --- managed processes --------------------------------------------------------------------
+
+
+@dataclass
+class ManagedProcess:
+    """A child process with a log file, stopped by pid."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(self.env or {})},
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.popen is None:
+            raise RuntimeError(f"{self.name} not started")
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.pid) if self.alive() else 0.0
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group we created, then SIGKILL if it lingers."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=timeout_s)
+
+
+def kvgate_argv(*args: str) -> list[str]:
+    """Run a kvgate sub-command with this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+# --- the simulated fleet ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    replicas: int = 4
+    speedup: float = 1.0
+    capacity_blocks: int | None = None
+    block_size: int = 16
+    topic: str = ""  # empty: vllm-router kv_aware only reads empty-topic events
+    event_encoding: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class SimFleet:
+    """``kvgate sim`` with N replicas: HTTP on ``http_port + i``, events PUB on
+    ``events_port + 2 i`` and replay on the port after each."""
+
+    spec: FleetSpec
+    http_port: int
+    events_port: int
+    process: ManagedProcess
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{LOOPBACK}:{self.http_port + i}" for i in range(self.spec.replicas)]
+
+    @property
+    def event_endpoints(self) -> list[str]:
+        return [f"tcp://{LOOPBACK}:{self.events_port + 2 * i}" for i in range(self.spec.replicas)]
+
+    @property
+    def replay_endpoints(self) -> list[str]:
+        return [
+            f"tcp://{LOOPBACK}:{self.events_port + 2 * i + 1}" for i in range(self.spec.replicas)
+        ]
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def sim_argv(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
+    argv = kvgate_argv(
+        "sim",
+        "--replicas",
+        str(spec.replicas),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(http_port),
+        "--events-port",
+        str(events_port),
+        "--speedup",
+        str(spec.speedup),
+        "--block-size",
+        str(spec.block_size),
+        f"--topic={spec.topic}",
+    )
+    if spec.capacity_blocks is not None:
+        argv += ["--capacity-blocks", str(spec.capacity_blocks)]
+    if spec.event_encoding is not None:
+        argv += ["--event-encoding", spec.event_encoding]
+    return argv + list(spec.extra_args)
+
+
+def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimFleet:
+    """Start the simulated fleet on free loopback ports and wait until every replica is up."""
+    http_port = free_port_range(spec.replicas, start=21000)
+    events_port = free_port_range(2 * spec.replicas, start=25000)
+    proc = ManagedProcess(
+        "sim", sim_argv(spec, http_port, events_port), log_dir / "sim.log"
+    ).start()
+    fleet = SimFleet(spec, http_port, events_port, proc)
+    try:
+        for url in fleet.urls:
+            wait_http(f"{url}/health", timeout_s, proc)
+    except (TimeoutError, RuntimeError):
+        fleet.stop()
+        raise
+    return fleet
+
+
+# --- kvgate under test --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KvgateSpec:
+    policy: str
+    env: tuple[tuple[str, str], ...] = ()  # e.g. KVGATE_KV__OVERLAP_CREDIT
+    extra_args: tuple[str, ...] = ()
+
+
+def kvgate_serve_argv(
+    spec: KvgateSpec, fleet: SimFleet, port: int, model: str = SIM_MODEL
+) -> list[str]:
+    """``kvgate serve`` wired to the fleet's replicas, events and the simulator's tokenizer."""
+    argv = kvgate_argv(
+        "serve", "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
+        "--tokenizer", f"{model}={tokenizer_dir()}", "--log-level", "warning",
+    )  # fmt: skip
+    for url, events, replay in zip(
+        fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, strict=True
+    ):
+        argv += ["--worker", f"{url},models={model},events={events},replay={replay}"]
+    return argv + list(spec.extra_args)
+
+
+def start_kvgate(
+    spec: KvgateSpec, fleet: SimFleet, log_dir: Path, timeout_s: float = 60.0
+) -> tuple[ManagedProcess, str]:
+    port = free_port_range(1, start=18000)
+    proc = ManagedProcess(
+        f"kvgate-{spec.policy}",
+        kvgate_serve_argv(spec, fleet, port),
+        log_dir / f"kvgate-{spec.policy}.log",
+        env=dict(spec.env),
+    ).start()
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        wait_http(f"{url}/ready", timeout_s, proc)
+    except (TimeoutError, RuntimeError):
+        proc.stop()
+        raise
+    return proc, url
+
+
+def stop_all(processes: Sequence[ManagedProcess | SimFleet | None]) -> None:
+    for p in processes:
+        if p is not None:
+            p.stop()

@@ -1,0 +1,419 @@
+"""Gateway overhead: the latency kvgate adds in front of an engine, and its top request rate.
+
+    python -m bench.overhead [--sequential 1000] [--concurrent 64] [--per-stream 25]
+                             [--rps-requests 6400] [--json results.json]
+
+One run measures, against the same instant fake engine (a subprocess on 127.0.0.1):
+``direct`` (no router), ``kvgate round_robin`` (pure proxy path, no block index),
+``kvgate kv`` (tokenizer + block index + cost policy) and ``sglang-router round_robin``
+(0.3.2, installed into ``.engines/sglang-router``). For each: sequential and 64-concurrent
+latency of non-streaming requests and time to first body byte of streaming ones (median,
+p99), then the most requests/s at 64 connections. The load generator is a minimal
+keep-alive HTTP/1.1 client on uvloop, so the client's own cost stays small and identical
+for every target. Added latency = target minus direct, per statistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL = "bench-model"
+CHAT_PATH = "/v1/chat/completions"
+LOOPBACK = "127.0.0.1"
+
+# --------------------------------------------------------------------------- fake engine
+
+_USAGE_FIELDS = {"prompt_tokens": 200, "completion_tokens": 4, "total_tokens": 204,
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+_MESSAGE = {"role": "assistant", "content": "ok"}
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": _MESSAGE, "finish_reason": "stop"}],
+        "usage": _USAGE_FIELDS,
+    }
+).encode()
+_CHUNK_FIELDS = {"id": "c", "object": "chat.completion.chunk", "model": MODEL}
+_CHUNK = (
+    b"data: "
+    + json.dumps({**_CHUNK_FIELDS, "choices": [{"index": 0, "delta": {"content": "ok"}}]}).encode()
+    + b"\n\n"
+)
+_USAGE = (
+    b"data: "
+    + json.dumps({**_CHUNK_FIELDS, "choices": [], "usage": _USAGE_FIELDS}).encode()
+    + b"\n\n"
+)
+_MODELS = json.dumps(
+    {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
+).encode()
+_JSON = [(b"content-type", b"application/json")]
+
+
+async def engine_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An engine that answers at once: JSON, or 4 SSE chunks (+ usage when asked) and [DONE]."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    path = scope["path"]
+    if scope["method"] == "POST" and path.startswith("/v1/"):
+        if b'"stream":true' in body.replace(b" ", b""):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+            for _ in range(4):
+                await send({"type": "http.response.body", "body": _CHUNK, "more_body": True})
+            if b'"include_usage":true' in body.replace(b" ", b""):
+                await send({"type": "http.response.body", "body": _USAGE, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        payload = _COMPLETION
+    elif path == "/v1/models":
+        payload = _MODELS
+    elif path == "/metrics":
+        payload = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+    else:  # /health, /get_model_info, /get_server_info, ...
+        payload = b"{}"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*_JSON, (b"content-length", str(len(payload)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": payload})
+
+
+def run_engine(port: int) -> None:
+    import uvicorn  # noqa: PLC0415
+
+    uvicorn.run(engine_app, host=LOOPBACK, port=port, loop="uvloop", http="httptools",
+                ws="none", lifespan="off", access_log=False, log_level="warning")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- load client
+
+
+def request_bytes(port: int, stream: bool) -> bytes:
+    words = " ".join(f"word{i % 50}" for i in range(200))
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": words},
+            ],
+            "max_tokens": 4,
+            "stream": stream,
+        }
+    ).encode()
+    head = (
+        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {LOOPBACK}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; ``call`` returns (first body byte, end) seconds."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        return cls(reader, writer)
+
+    async def call(self, raw: bytes) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {head[:200]!r}")
+        lower = head.lower()
+        first = 0.0
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readuntil(b"\r\n")
+                    break
+                await self.reader.readexactly(size + 2)
+                first = first or time.perf_counter()
+        else:
+            at = lower.index(b"content-length:") + len(b"content-length:")
+            length = int(lower[at : lower.index(b"\r\n", at)])
+            await self.reader.readexactly(length)
+            first = time.perf_counter()
+        end = time.perf_counter()
+        return first - start, end - start
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+async def run_load(
+    port: int, *, stream: bool, connections: int, per_connection: int
+) -> tuple[list[float], float]:
+    """Latencies (TTFB when streaming, else full response) and the wall time of the run."""
+    raw = request_bytes(port, stream)
+    conns = [await Connection.open(port) for _ in range(connections)]
+    samples: list[float] = []
+
+    async def worker(conn: Connection) -> None:
+        for _ in range(per_connection):
+            ttfb, total = await conn.call(raw)
+            samples.append(ttfb if stream else total)
+
+    try:
+        for conn in conns:  # warm every connection (and the target's pools)
+            for _ in range(3):
+                await conn.call(raw)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in conns))
+        wall = time.perf_counter() - start
+    finally:
+        for conn in conns:
+            await conn.close()
+    return samples, wall
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Stats:
+    median_ms: float
+    p99_ms: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        ordered = sorted(samples)
+        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        return cls(statistics.median(ordered) * 1e3, p99 * 1e3, len(ordered))
+
+
+@dataclass
+class TargetResult:
+    name: str
+    stats: dict[str, Stats] = field(default_factory=dict)
+    max_rps: float = 0.0
+    cpu_us_per_request: dict[str, float] = field(default_factory=dict)  # router process
+
+
+@dataclass(frozen=True)
+class Plan:
+    sequential: int
+    concurrent: int
+    per_stream: int
+    rps_requests: int
+
+
+async def measure(name: str, port: int, plan: Plan, cpu: Callable[[], float]) -> TargetResult:
+    """Every phase against one target; ``cpu`` reads the router's CPU seconds (0 if none)."""
+    result = TargetResult(name)
+    for stream in (False, True):
+        label = "ttfb" if stream else "full"
+        used = cpu()
+        seq, _ = await run_load(port, stream=stream, connections=1, per_connection=plan.sequential)
+        kind = "stream" if stream else "json"
+        result.cpu_us_per_request[f"sequential {kind}"] = (
+            (cpu() - used) / (plan.sequential + 3) * 1e6
+        )
+        result.stats[f"sequential {label}"] = Stats.of(seq)
+        conc, _ = await run_load(
+            port, stream=stream, connections=plan.concurrent, per_connection=plan.per_stream
+        )
+        result.stats[f"{plan.concurrent} concurrent {label}"] = Stats.of(conc)
+    per_conn = max(1, plan.rps_requests // plan.concurrent)
+    used = cpu()
+    _, wall = await run_load(
+        port, stream=False, connections=plan.concurrent, per_connection=per_conn
+    )
+    result.max_rps = per_conn * plan.concurrent / wall
+    result.cpu_us_per_request["rate run json"] = (
+        (cpu() - used) / ((per_conn + 3) * plan.concurrent) * 1e6
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, start) per routed target; ``start`` returns (process, port)."""
+    from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
+    from bench.fleet import ManagedProcess, free_port_range, kvgate_argv, wait_http  # noqa: PLC0415
+    from bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
+
+    def kvgate(policy: str, *extra: str) -> Callable[[], Any]:
+        def start() -> Any:
+            port = free_port_range(1, start=18100)
+            argv = kvgate_argv(
+                "serve", "--host", LOOPBACK, "--port", str(port), "--policy", policy,
+                "--worker", f"{engine_url},models={MODEL}", "--log-level", "warning", *extra,
+            )  # fmt: skip
+            proc = ManagedProcess(
+                f"kvgate-{policy}", argv, log_dir / f"overhead-kvgate-{policy}.log"
+            ).start()
+            wait_http(f"http://{LOOPBACK}:{port}/ready", 60, proc)
+            return proc, port
+
+        return start
+
+    def sglang() -> Any:
+        bin_dir = ensure_installed(SGLANG_ROUTER, log_dir)
+        port = free_port_range(2, start=19100)
+        argv = [
+            str(bin_dir / "python"), "-m", "sglang_router.launch_router",
+            "--host", LOOPBACK, "--port", str(port),
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(port + 1),
+            "--worker-urls", engine_url, "--policy", "round_robin",
+        ]  # fmt: skip
+        proc = ManagedProcess("sglang-router", argv, log_dir / "overhead-sglang-router.log").start()
+        wait_http(f"http://{LOOPBACK}:{port}/readiness", 90, proc)
+        return proc, port
+
+    return [
+        ("kvgate round_robin", kvgate("round_robin", "--no-kv-index")),
+        ("kvgate kv", kvgate("kv", "--tokenizer", f"{MODEL}={tokenizer_dir()}")),
+        ("sglang-router round_robin", sglang),
+    ]
+
+
+def run_all(plan: Plan, log_dir: Path, only: set[str] | None) -> list[TargetResult]:
+    from bench.fleet import ManagedProcess, free_port_range, wait_http  # noqa: PLC0415
+
+    engine_port = free_port_range(1, start=18000)
+    engine = ManagedProcess(
+        "overhead-engine",
+        [sys.executable, "-m", "bench.overhead", "engine", "--port", str(engine_port)],
+        log_dir / "overhead-engine.log",
+    ).start()
+    results: list[TargetResult] = []
+    try:
+        engine_url = f"http://{LOOPBACK}:{engine_port}"
+        wait_http(f"{engine_url}/health", 30, engine)
+        results.append(_run(measure("direct", engine_port, plan, lambda: 0.0)))
+        for name, start in _targets(engine_url, log_dir):
+            if only is not None and name not in only:
+                continue
+            proc, port = start()
+            try:
+                results.append(_run(measure(name, port, plan, proc.cpu_seconds)))
+            finally:
+                proc.stop()
+    finally:
+        engine.stop()
+    return results
+
+
+def _run(coro: Awaitable[TargetResult]) -> TargetResult:
+    import uvloop  # noqa: PLC0415
+
+    async def wrapped() -> TargetResult:
+        return await coro
+
+    return uvloop.run(wrapped())
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    system = f"{platform.system()} {platform.release()}"
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {system}"
+
+
+def markdown(results: list[TargetResult]) -> str:
+    direct = results[0]
+    keys = list(direct.stats)
+    lines = [
+        "| target | " + " | ".join(f"{k} p50 / p99 (ms)" for k in keys) + " | max req/s |",
+        "|---" * (len(keys) + 2) + "|",
+    ]
+    for r in results:
+        cells = [f"{r.stats[k].median_ms:.2f} / {r.stats[k].p99_ms:.2f}" for k in keys]
+        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {r.max_rps:.0f} |")
+    lines += ["", "| added vs direct | " + " | ".join(f"{k} p50 / p99 (ms)" for k in keys) + " |",
+              "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+    for r in results[1:]:
+        cells = [
+            f"{r.stats[k].median_ms - direct.stats[k].median_ms:+.2f} / "
+            f"{r.stats[k].p99_ms - direct.stats[k].p99_ms:+.2f}"
+            for k in keys
+        ]
+        lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+    cpu_keys = list(results[-1].cpu_us_per_request) if len(results) > 1 else []
+    lines += ["", "| router CPU per request (µs) | " + " | ".join(cpu_keys) + " |",
+              "|---" * (len(cpu_keys) + 1) + "|"]  # fmt: skip
+    for r in results[1:]:
+        cells = [f"{r.cpu_us_per_request.get(k, 0.0):.0f}" for k in cpu_keys]
+        lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["engine"]:
+        parser = argparse.ArgumentParser(prog="bench.overhead engine")
+        parser.add_argument("--port", type=int, required=True)
+        run_engine(parser.parse_args(args[1:]).port)
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--sequential", type=int, default=1000, help="requests, one connection")
+    parser.add_argument("--concurrent", type=int, default=64, help="parallel connections")
+    parser.add_argument("--per-stream", type=int, default=25, help="requests per connection")
+    parser.add_argument("--rps-requests", type=int, default=6400, help="requests of the rate run")
+    parser.add_argument("--only", action="append", help="routed targets to run (default: all)")
+    parser.add_argument("--logs", type=Path, default=Path(".engines/logs"), help="process logs")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    ns = parser.parse_args(args)
+    plan = Plan(ns.sequential, ns.concurrent, ns.per_stream, ns.rps_requests)
+    started = time.time()
+    results = run_all(plan, ns.logs, set(ns.only) if ns.only else None)
+    print(f"machine: {machine()}")
+    print(f"plan: {plan}; {time.time() - started:.0f} s\n")
+    print(markdown(results))
+    if ns.json is not None:
+        report = {
+            "machine": machine(),
+            "plan": asdict(plan),
+            "results": [asdict(r) for r in results],
+        }
+        ns.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Configuration of the index layer (every field has a default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from index.types import Tier
+
+DEFAULT_MEDIUM_TIERS: dict[str, Tier] = {
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "CPU_TIER": Tier.CPU,
+    "DISK": Tier.DISK,
+    "SSD": Tier.DISK,
+}
+
+
+class IndexConfig(BaseModel):
+    """Knobs of tokenization, block keys, the indexes and event ingestion."""
+
+    block_size: int = Field(16, gt=0, description="Engine KV block size in tokens (default).")
+    model_block_sizes: dict[str, int] = Field(
+        default_factory=dict, description="Per-model block size overrides."
+    )
+    tokenizers: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Per-model local directory holding tokenizer.json (+ tokenizer_config.json).",
+    )
+    default_tokenizer: Path | None = Field(
+        None, description="Tokenizer directory used for models without their own entry."
+    )
+    max_entries: int = Field(
+        2_000_000,
+        gt=0,
+        description="Cap on (block, cache domain) entries (about 150-350 bytes each); "
+        "least recently stored leaves are pruned past it.",
+    )
+    approx_ttl_s: float = Field(
+        120.0, gt=0, description="Approximate mode: how long a routed prefix is assumed cached."
+    )
+    approx_worker_capacity: int = Field(
+        200_000, gt=0, description="Approximate mode: blocks remembered per worker (LRU)."
+    )
+    approx_chars_per_block: int = Field(
+        64, gt=0, description="Approximate tokenization: characters per pseudo-block."
+    )
+    medium_tiers: dict[str, Tier] = Field(
+        default_factory=lambda: dict(DEFAULT_MEDIUM_TIERS),
+        description="Event `medium` (upper-cased) → tier.",
+    )
+    unknown_medium_tier: Tier = Field(Tier.DISK, description="Tier of media not listed above.")
+    tokenize_cache_tokens: int = Field(
+        4_000_000, ge=0, description="Budget (tokens) of the rendered-prefix tokenization cache."
+    )
+    tokenize_inline_chars: int = Field(
+        8_000, ge=0, description="Cold tokenizations of longer texts run in a worker thread."
+    )
+    engine_tokenize: bool = Field(True, description="Fall back to the engine's POST /tokenize.")
+    engine_tokenize_timeout_s: float = Field(2.0, gt=0)
+    topic: str = Field("", description="ZMQ topic prefix subscribed to ('' = every topic).")
+    reconnect_backoff_s: float = Field(0.2, gt=0, description="First reconnect delay.")
+    reconnect_backoff_max_s: float = Field(5.0, gt=0, description="Longest reconnect delay.")
+    replay_timeout_s: float = Field(2.0, gt=0, description="Give up on a replay after this.")
+    silence_probe_s: float = Field(
+        10.0, gt=0, description="Without events for this long, check the publisher is alive."
+    )
+    discovery_timeout_s: float = Field(2.0, gt=0, description="GET /kv_event_sources timeout.")
+    decode_error_log_interval_s: float = Field(
+        10.0, gt=0, description="At most one log line per burst of undecodable payloads."
+    )
+
+    def block_size_for(self, model: str) -> int:
+        return self.model_block_sizes.get(model, self.block_size)
+
+    def tokenizer_dir(self, model: str) -> Path | None:
+        return self.tokenizers.get(model, self.default_tokenizer)
+
+    def tier_of(self, medium: str | None) -> Tier:
+        if medium is None:
+            return Tier.GPU
+        return self.medium_tiers.get(medium.upper(), self.unknown_medium_tier)

@@ -1,0 +1,136 @@
+"""The two ``Indexer`` implementations.
+
+* ``EventIndex``: fed by the engines' KV events (translated to kvgate keys); bounded by a cap
+  on entries, pruning least recently stored leaves of the largest cache domain first.
+* ``ApproxIndex``: for engines without events; kvgate's own routing decisions, each assumed
+  cached for ``ttl_s`` and at most ``capacity`` blocks per cache domain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from index.api import ClearAll, IndexOp, RemoveBlocks, StoreBlocks
+from index.table import BlockTable, SlotStats
+from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+
+Clock = Callable[[], float]
+
+
+class EventIndex:
+    """Exact block → cache-domain index fed by engine events, capped at ``max_entries``."""
+
+    def __init__(self, max_entries: int = 2_000_000) -> None:
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        self._table = BlockTable()
+        self._max_entries = max_entries
+        self.pruned = 0
+
+    def apply(self, worker: WorkerKey, op: IndexOp) -> None:
+        if isinstance(op, StoreBlocks):
+            self._table.store(worker, op.keys, op.tier, op.parent)
+            if self._table.entry_count() > self._max_entries:
+                self._prune()
+        elif isinstance(op, RemoveBlocks):
+            self._table.remove(worker, op.keys, op.tier)
+        elif isinstance(op, ClearAll):
+            self._table.clear(worker)
+
+    def _prune(self) -> None:
+        table = self._table
+        while table.entry_count() > self._max_entries:
+            largest = table.largest()
+            if largest is None or not table.prune_leaf(largest):
+                return
+            self.pruned += 1
+
+    def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
+        return self._table.find_matches(keys)
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        self._table.clear(worker)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        for key in self._table.workers():
+            if key.worker == worker:
+                self._table.clear(key)
+
+    def entry_count(self) -> int:
+        return self._table.entry_count()
+
+    def block_count(self) -> int:
+        return self._table.block_count()
+
+    def stats(self) -> list[SlotStats]:
+        return self._table.stats()
+
+
+class ApproxIndex:
+    """Index of kvgate's own routing decisions: TTL-bounded and capacity-bounded per domain."""
+
+    def __init__(
+        self,
+        ttl_s: float = 120.0,
+        capacity: int = 200_000,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0 or capacity <= 0:
+            raise ValueError("ttl_s and capacity must be positive")
+        self._table = BlockTable()
+        self._ttl_s = ttl_s
+        self._capacity = capacity
+        self._clock = clock
+
+    def record(self, worker: WorkerKey, keys: Sequence[BlockKey]) -> None:
+        """A request with these keys was routed to ``worker``: assume its prefix is cached."""
+        self.apply(worker, StoreBlocks(keys))
+
+    def apply(self, worker: WorkerKey, op: IndexOp) -> None:
+        if isinstance(op, StoreBlocks):
+            now = self._clock()
+            self._expire(worker, now)
+            self._table.store(worker, op.keys, op.tier, op.parent, stamp=now)
+            while self._table.slot_entries(worker) > self._capacity:
+                if not self._table.prune_leaf(worker, second_chances=0):
+                    break
+        elif isinstance(op, RemoveBlocks):
+            self._table.remove(worker, op.keys, op.tier)
+        elif isinstance(op, ClearAll):
+            self._table.clear(worker)
+
+    def _expire(self, worker: WorkerKey, now: float) -> None:
+        table = self._table
+        deadline = now - self._ttl_s
+        while True:
+            oldest = table.oldest(worker)
+            if oldest is None or oldest[1] > deadline:
+                return
+            table.evict(worker, oldest[0])
+
+    def expire(self) -> None:
+        """Drop every entry older than the TTL (also done lazily on store and match)."""
+        now = self._clock()
+        for worker in self._table.workers():
+            self._expire(worker, now)
+
+    def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
+        self.expire()
+        return self._table.find_matches(keys)
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        self._table.clear(worker)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        for key in self._table.workers():
+            if key.worker == worker:
+                self._table.clear(key)
+
+    def entry_count(self) -> int:
+        self.expire()
+        return self._table.entry_count()
+
+    def stats(self) -> list[SlotStats]:
+        self.expire()
+        return self._table.stats()

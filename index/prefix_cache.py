@@ -1,0 +1,188 @@
+"""Exact incremental tokenization of growing texts (agent histories).
+
+Hugging Face tokenizers split the text on added tokens *before* normalizing and
+pre-tokenizing, so the pieces between added tokens are tokenized independently. Cutting a text
+right before an added token that cannot merge with its surroundings (no lstrip/rstrip/
+single_word, matched on raw text, not contained in another added token) therefore gives
+``tokens(text) == tokens(text[:c]) + tokens(text[c:])``. The piece starting at ``c`` starts
+with that added token, so no piece changes its offset-0 status (Metaspace "first" schemes).
+
+The cache remembers tokenized texts with their safe cut points (char offset, token index),
+indexed by a hash of the text up to and including each cut's added token. A new text looks up
+its own cut points from the last one back; on a hit, the cached tokens up to the cut are reused
+(after checking the text really is equal up there) and only the rest is tokenized.
+Block keys of the reused prefix are reused the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from index.types import BlockKey
+
+MIN_GAP_CHARS = 512
+"""Cut points closer than this to the previous one are not indexed (fewer hashes per text;
+at most this many more characters are tokenized on a hit)."""
+
+Cut = tuple[int, int, int]
+"""(char offset of the added token, char offset after it, index of its token)."""
+
+
+@dataclass(slots=True)
+class Entry:
+    text: str
+    ids: array[int]
+    cuts: list[Cut]
+    refs: int = 0
+    digests: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
+    keys_for: tuple[int, int] | None = None  # (seed, block_size) of ``keys``
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to tokenize for a text: ``text[start:]``, after ``prefix`` ids (from ``entry``)."""
+
+    start: int
+    prefix: array[int]
+    entry: Entry | None
+    digests: dict[int, int]
+
+
+class PrefixTokenCache:
+    """Bounded LRU of tokenized texts, keyed by their safe cut points."""
+
+    def __init__(self, safe_tokens: dict[str, int], budget_tokens: int) -> None:
+        self.safe_ids = frozenset(safe_tokens.values())
+        ordered = sorted(safe_tokens, key=len, reverse=True)
+        self._pattern = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
+        self._budget = budget_tokens
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._by_digest: dict[int, tuple[Entry, int]] = {}
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._pattern is not None and self._budget > 0
+
+    def _digests(self, text: str) -> dict[int, int]:
+        """Hash of ``text[:end]`` at the end of safe added-token occurrences, taken at least
+        ``MIN_GAP_CHARS`` apart (a rule that only depends on the text before: texts sharing a
+        prefix select the same cut points in it)."""
+        assert self._pattern is not None
+        hasher = xxhash.xxh3_64()
+        digests: dict[int, int] = {}
+        pos = 0
+        next_allowed = 0
+        ascii_bytes = memoryview(text.encode()) if text.isascii() else None
+        for match in self._pattern.finditer(text):
+            start = match.start()
+            if start < next_allowed:
+                continue
+            end = match.end()
+            if ascii_bytes is not None:
+                hasher.update(ascii_bytes[pos:end])
+            else:
+                hasher.update(text[pos:end].encode())
+            pos = end
+            next_allowed = end + MIN_GAP_CHARS
+            digests[end] = hasher.intdigest()
+        return digests
+
+    def plan(self, text: str) -> Plan:
+        if not self.enabled:
+            return Plan(0, array("I"), None, {})
+        digests = self._digests(text)
+        for end in reversed(digests):
+            found = self._by_digest.get(digests[end])
+            if found is None:
+                continue
+            entry, cut_index = found
+            start, cut_end, token_index = entry.cuts[cut_index]
+            cached = entry.text if len(entry.text) == end else entry.text[:end]
+            if cut_end == end and text.startswith(cached):
+                self.hits += 1
+                self._entries.move_to_end(id(entry))
+                return Plan(start, entry.ids[:token_index], entry, digests)
+        self.misses += 1
+        return Plan(0, array("I"), None, digests)
+
+    def commit(
+        self,
+        text: str,
+        plan: Plan,
+        tail_ids: Iterable[int],
+        tail_cuts: Iterable[Cut],
+    ) -> Entry:
+        """Remember ``text``: ``plan.prefix`` + ``tail_ids`` (``tail_cuts`` relative to start)."""
+        ids = array("I", plan.prefix)
+        token_offset = len(ids)
+        ids.extend(array("I", tail_ids) if not isinstance(tail_ids, array) else tail_ids)
+        cuts: list[Cut] = []
+        if plan.entry is not None:
+            cuts = [cut for cut in plan.entry.cuts if cut[0] < plan.start]
+        cuts.extend((plan.start + s, plan.start + e, token_offset + k) for s, e, k in tail_cuts)
+        entry = Entry(text, ids, cuts)
+        if self.enabled:
+            self._insert(entry, plan.digests)
+        return entry
+
+    def _insert(self, entry: Entry, digests: dict[int, int]) -> None:
+        by_digest = self._by_digest
+        released: dict[int, tuple[Entry, int]] = {}
+        for index, (_, end, _) in enumerate(entry.cuts):
+            digest = digests.get(end)
+            if digest is None:
+                continue
+            previous = by_digest.get(digest)
+            by_digest[digest] = (entry, index)
+            entry.digests.append(digest)
+            if previous is not None:
+                owner = previous[0]
+                count = released.get(id(owner), (owner, 0))[1]
+                released[id(owner)] = (owner, count + 1)
+        entry.refs += len(entry.digests)
+        for owner, count in released.values():
+            self._release(owner, count)
+        if entry.refs == 0:
+            return
+        self._entries[id(entry)] = entry
+        self._tokens += len(entry.ids)
+        while self._tokens > self._budget and self._entries:
+            _, oldest = self._entries.popitem(last=False)
+            self._forget(oldest)
+
+    def _release(self, entry: Entry, count: int) -> None:
+        entry.refs -= count
+        if entry.refs <= 0 and self._entries.pop(id(entry), None) is not None:
+            self._tokens -= len(entry.ids)
+
+    def _forget(self, entry: Entry) -> None:
+        self._tokens -= len(entry.ids)
+        for digest in entry.digests:
+            found = self._by_digest.get(digest)
+            if found is not None and found[0] is entry:
+                del self._by_digest[digest]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def cuts_in(
+    ids: list[int], safe_ids: frozenset[int], offsets: Callable[[int], tuple[int, int]]
+) -> list[Cut]:
+    """The safe cut points of one encoding (``offsets(i)``: char span of token ``i``)."""
+    cuts: list[Cut] = []
+    for index, token in enumerate(ids):
+        if token in safe_ids:
+            start, end = offsets(index)
+            cuts.append((start, end, index))
+    return cuts

@@ -1,0 +1,618 @@
+"""The block table behind both indexers: block key → which cache domains hold it, by tier.
+
+Layout (see docs/block-keys.md, "Index layout"):
+
+* per block key, in plain ``dict[int, int]`` maps (which the garbage collector does not track,
+  so a million entries add no GC pauses): a bit mask with 3 bits per cache-domain slot (one per
+  tier), the parent key (roots have none), the first child key and, for branch points only,
+  the other children. Keys nobody holds are kept while they have children (so depths and
+  links survive), then dropped.
+* per slot: an ``OrderedDict`` of its keys in LRU order (the tail is the most recent; chains are
+  touched leaf first so that roots are the most recent and leaves are pruned first), tier
+  counters, and the *orphans* of each presence class: held blocks whose parent is not held
+  in that class.
+
+Exact matching in O(log n) lookups: a presence class (GPU; CPU-or-better; any) of a slot is
+prefix-closed along every chain unless one of the chain's blocks is an orphan of that class.
+With no orphan on the query chain, "block i is held" is monotone in i, so the first missing
+block of every slot is found by bisection, all slots at once (the class masks only lose bits
+along the chain). A slot with an orphan on the chain (or too many orphans to check) is
+walked block by block instead. Either way the result equals a sequential walk.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+
+from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+
+_UNKNOWN_PARENT = -1
+"""Parent of a record created only as some block's parent: its own ancestry is unknown."""
+
+_BITS = 3  # one bit per tier in each slot's group
+_GROUP = 0b111
+# Presence classes: bit 0 GPU, bit 1 CPU-or-better, bit 2 any tier.
+_CLASS_OF_TIERS = [(t & 1) | (bool(t & 0b011) << 1) | (bool(t) << 2) for t in range(8)]
+_CLASSES = (0, 1, 2)
+_MAX_ORPHANS_CHECKED = 64
+_MASK_INTERN_LIMIT = 4096
+_MATCH_MEMO_LIMIT = 4096
+_SECOND_CHANCES = 64
+
+
+class _Lru:
+    """Keys in least-recently-touched order, in storage the garbage collector never scans.
+
+    A touch appends (key, stamp) to flat arrays; ``_records`` counts each key's records still
+    in the log (positive: the key is live, negative: discarded), so the values are small
+    cached ints. A record at the head is the key's latest touch exactly when it is the key's
+    only record. The log is compacted when stale records outnumber live keys.
+    """
+
+    __slots__ = ("_head", "_keys", "_live", "_records", "_stamps")
+
+    def __init__(self) -> None:
+        self._records: dict[int, int] = {}
+        self._keys = array("Q")
+        self._stamps = array("d")
+        self._head = 0
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, key: int) -> bool:
+        return self._records.get(key, 0) > 0
+
+    def keys(self) -> list[int]:
+        return [key for key, count in self._records.items() if count > 0]
+
+    def touch(self, key: int, stamp: float) -> None:
+        self._count(key)
+        self._keys.append(key)
+        self._stamps.append(stamp)
+        self._maybe_compact()
+
+    def _count(self, key: int) -> None:
+        records = self._records
+        count = records.get(key, 0)
+        if count > 0:
+            records[key] = count + 1
+        else:
+            records[key] = 1 - count
+            self._live += 1
+
+    def touch_all(self, keys: Sequence[int], stamp: float) -> None:
+        """``touch`` each of ``keys`` in order (the last is the most recent)."""
+        records = self._records
+        if not any(map(records.__contains__, keys)):
+            records.update(dict.fromkeys(keys, 1))
+            self._live += len(keys)
+        else:
+            for key in keys:
+                self._count(key)
+        self._keys.extend(keys)
+        self._stamps.extend(repeat(stamp, len(keys)))
+        self._maybe_compact()
+
+    def discard(self, key: int) -> None:
+        count = self._records.get(key, 0)
+        if count > 0:
+            self._records[key] = -count
+            self._live -= 1
+
+    def oldest(self) -> tuple[int, float] | None:
+        records, keys = self._records, self._keys
+        head, end = self._head, len(keys)
+        try:
+            while head < end:
+                key = keys[head]
+                count = records[key]
+                if count == 1:
+                    return key, self._stamps[head]
+                head += 1
+                if count == -1:
+                    del records[key]
+                else:
+                    records[key] = count - 1 if count > 0 else count + 1
+            return None
+        finally:
+            self._head = head
+
+    def _maybe_compact(self) -> None:
+        if len(self._keys) - self._head > 2 * self._live + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep each live key's latest record only."""
+        records = self._records
+        latest: dict[int, int] = {}
+        keys = self._keys
+        for i in range(self._head, len(keys)):
+            if records[keys[i]] > 0:
+                latest[keys[i]] = i
+        order = sorted(latest.values())
+        self._keys = array("Q", [keys[i] for i in order])
+        self._stamps = array("d", [self._stamps[i] for i in order])
+        self._records = dict.fromkeys(self._keys, 1)
+        self._head = 0
+
+
+@dataclass(slots=True)
+class _Slot:
+    worker: WorkerKey
+    lru: _Lru = field(default_factory=_Lru)
+    tier_counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    orphans: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
+        default_factory=lambda: ({}, {}, {})
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """Entries of one cache domain (a block counts once per tier it is held in)."""
+
+    worker: WorkerKey
+    entries: int
+    by_tier: Mapping[Tier, int]
+    orphans: int
+
+
+class BlockTable:
+    """Blocks held per cache domain, with LRU order per domain and exact prefix matching."""
+
+    def __init__(self) -> None:
+        self._mask: dict[int, int] = {}  # key -> holders (3 bits per slot); 0 = kept for links
+        self._parent: dict[int, int] = {}  # key -> parent key (absent: a root)
+        self._child: dict[int, int] = {}  # key -> its first child
+        self._more: dict[int, set[int]] = {}  # key -> its other children (branch points)
+        self._slots: list[_Slot | None] = []
+        self._slot_of: dict[WorkerKey, int] = {}
+        self._free_slots: list[int] = []
+        self._masks: dict[int, int] = {}
+        self._matches: dict[tuple[int, int, int], PrefixMatch] = {}
+        self._entries = 0
+        self._gpu_bits = 0  # bit 3s of every slot s
+        self._cpu_bits = 0  # bit 3s+1 of every slot s
+
+    # ----------------------------------------------------------------- slots
+    def _slot(self, worker: WorkerKey) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            return slot
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._slots[slot] = _Slot(worker)
+        else:
+            slot = len(self._slots)
+            self._slots.append(_Slot(worker))
+            self._gpu_bits |= 1 << (slot * _BITS)
+            self._cpu_bits |= 2 << (slot * _BITS)
+        self._slot_of[worker] = slot
+        return slot
+
+    def _state(self, slot: int) -> _Slot:
+        state = self._slots[slot]
+        assert state is not None
+        return state
+
+    def workers(self) -> list[WorkerKey]:
+        return list(self._slot_of)
+
+    def entry_count(self) -> int:
+        return self._entries
+
+    def block_count(self) -> int:
+        return len(self._mask)
+
+    def slot_entries(self, worker: WorkerKey) -> int:
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else len(self._state(slot).lru)
+
+    def stats(self) -> list[SlotStats]:
+        out = []
+        for worker, slot in self._slot_of.items():
+            state = self._state(slot)
+            by_tier = {tier: state.tier_counts[tier] for tier in Tier}
+            orphans = sum(len(o) for o in state.orphans)
+            out.append(SlotStats(worker, len(state.lru), by_tier, orphans))
+        return out
+
+    def _intern(self, mask: int) -> int:
+        masks = self._masks
+        if len(masks) > _MASK_INTERN_LIMIT:
+            masks.clear()
+        return masks.setdefault(mask, mask)
+
+    # ----------------------------------------------------------------- store
+    def store(
+        self,
+        worker: WorkerKey,
+        keys: Sequence[BlockKey],
+        tier: Tier,
+        parent: BlockKey | None,
+        stamp: float = 0.0,
+    ) -> None:
+        """Hold ``keys`` (a chain after ``parent``) in ``tier``; stamp them in LRU order."""
+        if not keys:
+            return
+        slot = self._slot(worker)
+        state = self._state(slot)
+        shift = slot * _BITS
+        tier_bit = 1 << tier
+        fresh_mask = self._intern(tier_bit << shift)
+        fresh_classes = _CLASS_OF_TIERS[tier_bit]
+        masks = self._mask
+        counts = state.tier_counts
+        if not any(map(masks.__contains__, keys)):
+            self._store_fresh(state, shift, keys, tier=tier, parent=parent, mask=fresh_mask)
+            state.lru.touch_all(keys[::-1], stamp)
+            return
+        prev: int | None = parent
+        for key in keys:
+            mask = masks.get(key)
+            if mask is None:
+                # Fast path: a block nobody holds yet (no children, no other holder).
+                masks[key] = fresh_mask
+                counts[tier] += 1
+                self._entries += 1
+                if prev is not None:
+                    self._parent[key] = prev
+                    held = self._link(key, prev)
+                    if fresh_classes & ~_CLASS_OF_TIERS[(held >> shift) & _GROUP]:
+                        self._on_gain(state, shift, key, fresh_classes)
+            else:
+                if self._parent.get(key) == _UNKNOWN_PARENT:
+                    if prev is None:
+                        del self._parent[key]  # known now: a root
+                    else:
+                        self._parent[key] = prev
+                        self._link(key, prev)
+                tiers = (mask >> shift) & _GROUP
+                if not tiers & tier_bit:
+                    masks[key] = self._intern(mask | (tier_bit << shift))
+                    counts[tier] += 1
+                    if not tiers:
+                        self._entries += 1
+                    gained = _CLASS_OF_TIERS[tiers | tier_bit] & ~_CLASS_OF_TIERS[tiers]
+                    if gained:
+                        self._on_gain(state, shift, key, gained)
+            prev = key
+        state.lru.touch_all(keys[::-1], stamp)
+
+    def _store_fresh(
+        self,
+        state: _Slot,
+        shift: int,
+        keys: Sequence[BlockKey],
+        *,
+        tier: Tier,
+        parent: BlockKey | None,
+        mask: int,
+    ) -> None:
+        """A chain of keys nobody holds yet: bulk inserts, no per-key Python work."""
+        n = len(keys)
+        self._mask.update(dict.fromkeys(keys, mask))
+        state.tier_counts[tier] += n
+        self._entries += n
+        if n > 1:
+            tail = keys[1:]
+            self._parent.update(zip(tail, keys, strict=False))
+            self._child.update(zip(keys, tail, strict=False))
+        if parent is not None:
+            first = keys[0]
+            self._parent[first] = parent
+            held = self._link(first, parent)
+            classes = _CLASS_OF_TIERS[1 << tier]
+            if classes & ~_CLASS_OF_TIERS[(held >> shift) & _GROUP]:
+                self._on_gain(state, shift, first, classes)
+
+    def _link(self, key: int, parent: int) -> int:
+        """Record ``key`` as a child of ``parent``; return the parent's holder mask."""
+        held = self._mask.get(parent)
+        if held is None:
+            held = self._mask[parent] = 0
+            self._parent[parent] = _UNKNOWN_PARENT
+        first = self._child.get(parent)
+        if first is None:
+            self._child[parent] = key
+        elif first != key:
+            self._more.setdefault(parent, set()).add(key)
+        return held
+
+    def _unlink(self, key: int, parent: int) -> None:
+        more = self._more.get(parent)
+        if self._child.get(parent) == key:
+            if more:
+                self._child[parent] = more.pop()
+                if not more:
+                    del self._more[parent]
+            else:
+                self._child.pop(parent, None)
+        elif more is not None:
+            more.discard(key)
+            if not more:
+                del self._more[parent]
+
+    def _children(self, key: int) -> list[int]:
+        first = self._child.get(key)
+        if first is None:
+            return []
+        more = self._more.get(key)
+        return [first, *more] if more else [first]
+
+    def _on_gain(self, state: _Slot, shift: int, key: int, gained: int) -> None:
+        parent = self._parent.get(key)
+        parent_classes = 7
+        if parent is not None:
+            parent_classes = _CLASS_OF_TIERS[(self._mask.get(parent, 0) >> shift) & _GROUP]
+        children: list[int] | None = None
+        for cls in _CLASSES:
+            if not gained >> cls & 1:
+                continue
+            orphans = state.orphans[cls]
+            if not parent_classes >> cls & 1:
+                orphans[key] = self._depth(key)
+            if orphans:
+                if children is None:
+                    children = self._children(key)
+                for child in children:
+                    orphans.pop(child, None)
+
+    def _depth(self, key: int) -> int:
+        """Position of ``key`` in its chain (0 = root), or -1 when its ancestry is unknown."""
+        depth = 0
+        parents = self._parent
+        parent = parents.get(key)
+        while parent is not None:
+            if parent == _UNKNOWN_PARENT:
+                return -1
+            depth += 1
+            parent = parents.get(parent)
+        return depth
+
+    # ---------------------------------------------------------------- remove
+    def remove(self, worker: WorkerKey, keys: Sequence[BlockKey], tier: Tier) -> None:
+        """``keys`` are no longer held in ``tier`` (unknown keys are ignored)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        state = self._state(slot)
+        for key in keys:
+            self._drop(state, slot, key, 1 << tier)
+
+    def _drop(self, state: _Slot, slot: int, key: int, tier_bits: int) -> None:
+        mask = self._mask.get(key)
+        if mask is None:
+            return
+        shift = slot * _BITS
+        tiers = (mask >> shift) & _GROUP
+        dropped = tiers & tier_bits
+        if not dropped:
+            return
+        left = tiers & ~dropped
+        mask = self._mask[key] = self._intern(mask & ~(dropped << shift))
+        for tier in Tier:
+            if dropped >> tier & 1:
+                state.tier_counts[tier] -= 1
+        lost = _CLASS_OF_TIERS[tiers] & ~_CLASS_OF_TIERS[left]
+        if lost:
+            self._on_loss(state, shift, key, lost)
+        if not left:
+            self._entries -= 1
+            state.lru.discard(key)
+            if not mask:
+                self._collect(key)
+
+    def _on_loss(self, state: _Slot, shift: int, key: int, lost: int) -> None:
+        masks = self._mask
+        children = self._children(key)
+        for cls in _CLASSES:
+            if not lost >> cls & 1:
+                continue
+            orphans = state.orphans[cls]
+            orphans.pop(key, None)
+            for child in children:
+                if _CLASS_OF_TIERS[(masks.get(child, 0) >> shift) & _GROUP] >> cls & 1:
+                    orphans[child] = self._depth(child)
+
+    def _collect(self, key: int) -> None:
+        """Drop keys nobody holds and nobody descends from, walking up the chain."""
+        masks = self._mask
+        while not masks.get(key, 1) and key not in self._child:
+            del masks[key]
+            parent = self._parent.pop(key, None)
+            if parent is None or parent == _UNKNOWN_PARENT:
+                return
+            self._unlink(key, parent)
+            key = parent
+
+    # ----------------------------------------------------------------- clear
+    def clear(self, worker: WorkerKey) -> None:
+        """Forget every block of one cache domain (the slot is released)."""
+        slot = self._slot_of.pop(worker, None)
+        if slot is None:
+            return
+        state = self._state(slot)
+        shift = slot * _BITS
+        group = _GROUP << shift
+        masks = self._mask
+        dead: list[int] = []
+        for key in state.lru.keys():  # noqa: SIM118 - _Lru is not a dict
+            mask = masks.get(key)
+            if mask is not None:
+                mask = masks[key] = self._intern(mask & ~group)
+                if not mask:
+                    dead.append(key)
+        self._entries -= len(state.lru)
+        for key in dead:
+            self._collect(key)
+        self._slots[slot] = None
+        self._free_slots.append(slot)
+
+    # ----------------------------------------------------------------- prune
+    def oldest(self, worker: WorkerKey) -> tuple[int, float] | None:
+        """The least recently stored (key, stamp) of a cache domain."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return None
+        return self._state(slot).lru.oldest()
+
+    def evict(self, worker: WorkerKey, key: int) -> None:
+        """Drop ``key`` from every tier of a cache domain."""
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            self._drop(self._state(slot), slot, key, _GROUP)
+
+    def prune_leaf(self, worker: WorkerKey, second_chances: int = _SECOND_CHANCES) -> bool:
+        """Evict the least recently stored leaf of a cache domain (bounded second chances:
+        an entry whose child is still held goes back to the recent end, up to that many)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return False
+        state = self._state(slot)
+        lru = state.lru
+        shift = slot * _BITS
+        for _ in range(second_chances + 1):
+            oldest = lru.oldest()
+            if oldest is None:
+                return False
+            key, stamp = oldest
+            if not self._has_held_child(key, shift):
+                break
+            lru.touch(key, stamp)
+        self._drop(state, slot, key, _GROUP)
+        return True
+
+    def _has_held_child(self, key: int, shift: int) -> bool:
+        masks = self._mask
+        return any((masks.get(child, 0) >> shift) & _GROUP for child in self._children(key))
+
+    def largest(self) -> WorkerKey | None:
+        best: tuple[int, WorkerKey] | None = None
+        for worker, slot in self._slot_of.items():
+            size = len(self._state(slot).lru)
+            if best is None or size > best[0]:
+                best = (size, worker)
+        return None if best is None else best[1]
+
+    # ----------------------------------------------------------------- match
+    def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]:
+        """Per cache domain holding ``keys[0]``: its contiguous matched prefix by tier."""
+        if not keys:
+            return {}
+        holders = self._mask.get(keys[0], 0)
+        if not holders:
+            return {}
+        slots = [(slot, self._state(slot)) for slot in self._slots_in(holders)]
+        walked: dict[int, tuple[int, int, int]] = {}
+        safe_groups = 0
+        for slot, state in slots:
+            if self._chain_has_orphan(state, keys):
+                walked[slot] = self._walk(slot, keys)
+            else:
+                safe_groups |= _GROUP << (slot * _BITS)
+        ends = self._bisect(keys, safe_groups) if safe_groups else {}
+        result: dict[WorkerKey, PrefixMatch] = {}
+        for slot, state in slots:
+            if slot in walked:
+                gpu, cpu, any_ = walked[slot]
+            else:
+                base = slot * _BITS
+                gpu, cpu, any_ = ends.get(base, 0), ends.get(base + 1, 0), ends.get(base + 2, 0)
+            if any_:
+                result[state.worker] = self._match(gpu, cpu - gpu, any_ - cpu)
+        return result
+
+    def _match(self, gpu: int, cpu: int, disk: int) -> PrefixMatch:
+        """Shared immutable ``PrefixMatch`` objects (a frozen dataclass is slow to build)."""
+        memo = self._matches
+        found = memo.get((gpu, cpu, disk))
+        if found is None:
+            if len(memo) > _MATCH_MEMO_LIMIT:
+                memo.clear()
+            found = memo[(gpu, cpu, disk)] = PrefixMatch(gpu, cpu, disk)
+        return found
+
+    @staticmethod
+    def _slots_in(mask: int) -> Iterator[int]:
+        slot = 0
+        while mask:
+            if mask & _GROUP:
+                yield slot
+            mask >>= _BITS
+            slot += 1
+
+    @staticmethod
+    def _chain_has_orphan(state: _Slot, keys: Sequence[BlockKey]) -> bool:
+        gpu, cpu, any_ = state.orphans
+        if not (gpu or cpu or any_):
+            return False
+        n = len(keys)
+        for orphans in state.orphans:
+            if len(orphans) > _MAX_ORPHANS_CHECKED:
+                return True
+            for key, depth in orphans.items():
+                if depth < 0 or (depth < n and keys[depth] == key):
+                    return True
+        return False
+
+    def _walk(self, slot: int, keys: Sequence[BlockKey]) -> tuple[int, int, int]:
+        """Sequential walk of one slot: the end of its GPU, CPU-or-better and any-tier runs."""
+        shift = slot * _BITS
+        get = self._mask.get
+        ends = [-1, -1, -1]
+        for i, key in enumerate(keys):
+            classes = _CLASS_OF_TIERS[(get(key, 0) >> shift) & _GROUP]
+            for cls in _CLASSES:
+                if ends[cls] < 0 and not classes >> cls & 1:
+                    ends[cls] = i
+            if ends[2] >= 0:
+                break
+        n = len(keys)
+        gpu, cpu, any_ = (n if end < 0 else end for end in ends)
+        return gpu, cpu, any_
+
+    def _classes(self, mask: int) -> int:
+        gpu = mask & self._gpu_bits
+        return mask | (gpu << 1) | (gpu << 2) | ((mask & self._cpu_bits) << 1)
+
+    def _bisect(self, keys: Sequence[BlockKey], groups: int) -> dict[int, int]:
+        """For every class bit of ``groups`` held at keys[0]: the index of its first miss."""
+        get = self._mask.get
+        memo: dict[int, int] = {0: 0}  # holder mask -> its class bits within ``groups``
+
+        def classes_of(mask: int) -> int:
+            value = memo[mask] = self._classes(mask) & groups
+            return value
+
+        first = get(keys[0], 0)
+        ends: dict[int, int] = {}
+        stack = [(0, classes_of(first), len(keys), 0)]
+        pop, push = stack.pop, stack.append
+        while stack:
+            lo, v_lo, hi, v_hi = pop()
+            if v_lo == v_hi:
+                continue
+            if hi - lo == 1:
+                _record_ends(ends, v_lo & ~v_hi, hi)
+                continue
+            mid = (lo + hi) >> 1
+            mask = get(keys[mid], 0)
+            v_mid = memo.get(mask)
+            if v_mid is None:
+                v_mid = classes_of(mask)
+            v_mid &= v_lo
+            push((mid, v_mid, hi, v_hi & v_mid))
+            push((lo, v_lo, mid, v_mid))
+        return ends
+
+
+def _record_ends(ends: dict[int, int], lost: int, index: int) -> None:
+    while lost:
+        low = lost & -lost
+        ends[low.bit_length() - 1] = index
+        lost ^= low

@@ -1,0 +1,264 @@
+"""``create_app``: the kvgate FastAPI application (OpenAI API, probes, metrics, admin)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from backends.discovery import DiscoveredFleet
+from backends.health import HealthChecker, HealthMetrics
+from backends.registry import WorkerRegistry
+from index.api import BlockIndex
+from index.service import KvIndexService
+from router.config import Settings
+from router.errors import InvalidJSON, KvgateError, NotFound
+from router.gateway import Gateway, error_response, json_response
+from router.metrics import GatewayMetrics, register_worker_gauges
+from router.proxy import Proxy
+from router.requests import ChatBody, CompletionBody
+from router.routing import Router
+from router.upstream import UpstreamPool
+from scoring.api import Policy
+from scoring.policies import make_policy
+
+log = logging.getLogger("kvgate")
+
+
+def _http_client(settings: Settings) -> httpx.AsyncClient:
+    upstream = settings.upstream
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=upstream.connect_timeout_s,
+            read=upstream.read_timeout_s,
+            write=upstream.read_timeout_s,
+            pool=upstream.connect_timeout_s,
+        ),
+        limits=httpx.Limits(
+            max_connections=upstream.max_connections,
+            max_keepalive_connections=upstream.max_keepalive,
+        ),
+        trust_env=False,  # engines are reached directly, never through an environment proxy
+    )
+
+
+def build_gateway(
+    settings: Settings,
+    *,
+    block_index: BlockIndex | None = None,
+    policy: Policy | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+) -> Gateway:
+    """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
+    metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+    registry = WorkerRegistry(settings.health)
+    for worker in settings.workers:
+        registry.add(worker)
+    if policy is None:
+        policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
+    client = _http_client(settings)
+    index: KvIndexService | None = None
+    if block_index is None and settings.kv_index:
+        index = KvIndexService(settings.index, metrics_registry, client)
+        block_index = index
+    router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
+    metrics = GatewayMetrics(metrics_registry)
+    register_worker_gauges(metrics_registry, registry)
+    health = HealthChecker(registry, client, settings.health, HealthMetrics(metrics_registry))
+    upstream = UpstreamPool(
+        connect_timeout=settings.upstream.connect_timeout_s,
+        read_timeout=settings.upstream.read_timeout_s,
+        max_idle_per_origin=settings.upstream.max_keepalive,
+    )
+    proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
+    gateway = Gateway(
+        settings=settings,
+        registry=registry,
+        router=router,
+        proxy=proxy,
+        health=health,
+        metrics=metrics,
+        metrics_registry=metrics_registry,
+        client=client,
+        index=index,
+    )
+    if settings.discover:
+        gateway.discovery = DiscoveredFleet(
+            settings.discover,
+            add=gateway.add_worker,
+            remove=gateway.remove_worker,
+            exists=lambda url: registry.find(url) is not None,
+            registry=metrics_registry,
+        )
+    return gateway
+
+
+FastHandler = Callable[[Request], Awaitable[Response]]
+
+
+class KvgateApp(FastAPI):
+    """FastAPI, with the two proxied hot paths dispatched before its middleware stack.
+
+    Those handlers report their own errors (OpenAI bodies) and need neither dependency
+    injection nor FastAPI's middleware; skipping them saves a good share of the gateway's
+    per-request CPU. Every other path (and these same routes, for the OpenAPI docs) goes
+    through FastAPI as usual.
+    """
+
+    fast_routes: dict[tuple[str, str], FastHandler]  # set by create_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self.fast_routes.get((scope["method"], scope["path"]))
+            if handler is not None:
+                scope["app"] = self
+                response = await handler(Request(scope, receive, send))
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    block_index: BlockIndex | None = None,
+    policy: Policy | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The kvgate ASGI app; ``app.state.gateway`` holds its parts.
+
+    Without ``block_index``, kvgate builds its own ``KvIndexService`` (tokenizers, KV events,
+    approximate fallback) when ``settings.kv_index`` is on, and keeps it in step with the
+    workers; a given ``block_index`` is used as is (the caller runs it). ``policy``
+    overrides ``settings.policy``; metrics go to ``metrics_registry`` (a fresh one if None).
+    """
+    gateway = build_gateway(
+        settings, block_index=block_index, policy=policy, metrics_registry=metrics_registry
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = KvgateApp(title="kvgate", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.fast_routes = {
+        ("POST", "/v1/chat/completions"): lambda request: gateway.generate(request, ChatBody),
+        ("POST", "/v1/completions"): lambda request: gateway.generate(request, CompletionBody),
+    }
+    _add_error_handlers(app)
+    _add_openai_routes(app, gateway)
+    _add_ops_routes(app, gateway)
+    _add_admin_routes(app, gateway)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def kvgate_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, KvgateError)
+        return error_response(exc, request.headers.get("x-request-id"))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        error = NotFound(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        error.status = exc.status_code
+        if exc.status_code == 405:
+            error.code = "method_not_allowed"
+        return error_response(error)
+
+    app.add_exception_handler(KvgateError, kvgate_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.generate(request, ChatBody)
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, CompletionBody)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models(request: Request) -> Response:
+        return gateway.list_models(request)
+
+    @app.get("/v1/models/{model:path}", tags=["openai"])
+    async def get_model(request: Request, model: str) -> Response:
+        return gateway.get_model(request, model)
+
+    @app.api_route(
+        "/v1/{path:path}",
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+        tags=["openai"],
+        summary="Any other OpenAI endpoint, passed through to a worker serving the model",
+    )
+    async def pass_through(request: Request, path: str) -> Response:
+        return await gateway.pass_through(request)
+
+
+def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.get("/health", tags=["ops"])
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready", tags=["ops"])
+    async def ready() -> Response:
+        return gateway.ready()
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.get("/admin/workers", tags=["admin"])
+    async def list_workers(request: Request) -> Response:
+        gateway.check_admin(request)
+        return json_response(gateway.describe_workers())
+
+    @app.post("/admin/workers", tags=["admin"])
+    async def add_worker(request: Request) -> Response:
+        gateway.check_admin(request)
+        spec: Any = _json_or_text(await gateway.read_body(request))
+        worker = await gateway.add_worker(spec)
+        return json_response(worker.describe(), 201)
+
+    @app.delete("/admin/workers/{worker_id:path}", tags=["admin"])
+    async def remove_worker(request: Request, worker_id: str) -> Response:
+        gateway.check_admin(request)
+        worker = await gateway.remove_worker(worker_id)
+        return json_response(worker.describe())
+
+    @app.post("/debug/route", tags=["admin"])
+    async def debug_route(request: Request) -> Response:
+        return await gateway.explain(request)
+
+    @app.get("/debug/index", tags=["admin"])
+    async def debug_index(request: Request) -> Response:
+        gateway.check_admin(request)
+        return json_response(gateway.index_stats())
+
+
+def _json_or_text(raw: bytes) -> Any:
+    """An admin body: a JSON worker object or string, or the bare CLI form as text."""
+    text = raw.strip()
+    if text[:1] not in (b"{", b'"'):
+        return text.decode("utf-8", "replace")
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc

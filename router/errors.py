@@ -1,0 +1,227 @@
+"""kvgate's one error hierarchy and its OpenAI-style wire form.
+
+Every failure the gateway reports is a ``KvgateError``: it knows its HTTP status, the
+OpenAI error ``type``, a machine ``code`` and the offending ``param``. Upstream (engine)
+failures raised by httpx are mapped to the most specific subclass by ``from_httpx``.
+Before a response has started the error becomes a JSON response; once a stream has
+started it goes inside the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+import msgspec
+
+_json_encode = msgspec.json.Encoder().encode
+
+
+class KvgateError(Exception):
+    """Base of every error kvgate reports to a client."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+    retryable: bool = False  # may the gateway try the next worker (nothing was received yet)?
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def payload(self) -> dict[str, dict[str, str | None]]:
+        """The OpenAI error body ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def body_bytes(self) -> bytes:
+        return _json_encode(self.payload())
+
+    def sse_bytes(self) -> bytes:
+        """The error as in-stream SSE events: the error event, then ``[DONE]``."""
+        return b"data: " + self.body_bytes() + b"\n\ndata: [DONE]\n\n"
+
+
+class InvalidRequest(KvgateError):
+    """Malformed or invalid request (400); ``param`` names the field."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidJSON(InvalidRequest):
+    code = "invalid_json"
+
+
+class Unauthorized(KvgateError):
+    """Missing or wrong client API key or admin token (401)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"www-authenticate": "Bearer"})
+
+
+class ClientClosed(KvgateError):
+    """The client went away before its request was read (nginx's 499; nobody sees it)."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before sending its whole request")
+
+
+class NotFound(KvgateError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """No configured worker serves the requested model (404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class WorkerNotFound(NotFound):
+    code = "worker_not_found"
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"no worker {worker!r} is registered", param="id")
+
+
+class WorkerExists(KvgateError):
+    status = 409
+    type = "invalid_request_error"
+    code = "worker_exists"
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"worker {worker!r} is already registered", param="url")
+
+
+class PayloadTooLarge(KvgateError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds the limit of {limit} bytes")
+
+
+class NoHealthyWorker(KvgateError):
+    """Workers serve the model but none is healthy right now (503 + Retry-After)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "no_healthy_worker"
+
+    def __init__(self, model: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"no healthy worker serves model '{model}'",
+            param="model",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class UpstreamError(KvgateError):
+    """The chosen engine failed; ``worker`` is its URL."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+    def __init__(self, message: str, *, worker: str) -> None:
+        super().__init__(f"{message} (worker {worker})")
+        self.worker = worker
+
+
+class UpstreamConnectError(UpstreamError):
+    """Connection refused, reset or not established in time: nothing reached the engine."""
+
+    code = "upstream_connect_error"
+    retryable = True
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine closed the connection or broke HTTP (before or during the response)."""
+
+    code = "upstream_protocol_error"
+    retryable = True  # only ever retried when no response byte was received
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine did not answer (or send the next chunk) in time (504)."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamHTTPError(KvgateError):
+    """An engine 4xx/5xx, passed through to the client unchanged (status and body)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None, *, worker: str) -> None:
+        super().__init__(f"upstream answered {status} (worker {worker})")
+        self.status = status
+        self.type = "upstream_error"
+        self.code = f"upstream_http_{status}"
+        self.body = body
+        self.content_type = content_type or "application/json"
+        self.worker = worker
+
+    def body_bytes(self) -> bytes:
+        return self.body
+
+    def sse_bytes(self) -> bytes:
+        # Inside a stream the body must become one SSE event: keep it if it is JSON.
+        try:
+            msgspec.json.decode(self.body)
+        except msgspec.DecodeError:
+            return super().sse_bytes()
+        return b"data: " + self.body + b"\n\ndata: [DONE]\n\n"
+
+    def payload(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.body.decode("utf-8", "replace"),
+                "type": self.type,
+                "param": None,
+                "code": self.code,
+            }
+        }
+
+
+def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
+    """Map an httpx failure talking to ``worker`` to the most specific ``UpstreamError``."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return UpstreamConnectError(f"cannot connect to the engine: {detail}", worker=worker)
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"the engine timed out: {detail}", worker=worker)
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return UpstreamProtocolError(f"the engine broke the connection: {detail}", worker=worker)
+    return UpstreamError(f"upstream failure: {detail}", worker=worker)

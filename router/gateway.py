@@ -1,0 +1,332 @@
+"""The gateway's request handlers: authenticate, parse, route, hand over to the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+from prometheus_client import CollectorRegistry
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from backends.discovery import DiscoveredFleet
+from backends.health import HealthChecker
+from backends.registry import Worker, WorkerRegistry
+from index.types import WorkerId
+from router.config import Settings, WorkerConfig
+from router.errors import (
+    ClientClosed,
+    InvalidRequest,
+    KvgateError,
+    ModelNotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from router.metrics import GatewayMetrics
+from router.proxy import Exchange, Proxy, UsageMode, forwardable_headers
+from router.requests import (
+    AnyModelBody,
+    ChatBody,
+    CompletionBody,
+    decode_json_object,
+    validate,
+    with_usage_requested,
+)
+from router.routing import Router
+
+log = logging.getLogger("kvgate.gateway")
+_encode = msgspec.json.Encoder().encode
+_MAX_REQUEST_ID = 128
+
+
+class IndexLifecycle(Protocol):
+    """What the gateway drives on the KV index service (``index.service.KvIndexService``)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def add_worker(
+        self,
+        worker: WorkerId,
+        url: str,
+        *,
+        engine: str,
+        events: str | None,
+        replay: str | None,
+        discover: bool = True,
+        model: str | None = None,
+    ) -> None: ...
+
+    async def remove_worker(self, worker: WorkerId) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encode(data), status, headers, media_type="application/json")
+
+
+def error_response(error: KvgateError, request_id: str | None = None) -> Response:
+    headers = dict(error.headers)
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    content_type = getattr(error, "content_type", "application/json")
+    return Response(error.body_bytes(), error.status, headers, media_type=content_type)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization")
+    if value is None:
+        return request.headers.get("x-api-key")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _secret_matches(given: str | None, secrets: list[str]) -> bool:
+    if given is None:
+        return False
+    encoded = given.encode()
+    return any(hmac.compare_digest(encoded, s.encode()) for s in secrets)
+
+
+@dataclass
+class Gateway:
+    """Every long-lived part of one kvgate process."""
+
+    settings: Settings
+    registry: WorkerRegistry
+    router: Router
+    proxy: Proxy
+    health: HealthChecker
+    metrics: GatewayMetrics
+    metrics_registry: CollectorRegistry
+    client: httpx.AsyncClient
+    index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
+    discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
+
+    # -- auth ---------------------------------------------------------------------------
+    def check_client(self, request: Request) -> None:
+        keys = [k.get_secret_value() for k in self.settings.api_keys]
+        if keys and not _secret_matches(_bearer(request), keys):
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+
+    def check_admin(self, request: Request) -> None:
+        token = self.settings.admin_token
+        if token is not None and not _secret_matches(_bearer(request), [token.get_secret_value()]):
+            raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(limit)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(limit)
+                chunks.append(chunk)
+        except ClientDisconnect as exc:
+            raise ClientClosed from exc
+        return b"".join(chunks)
+
+    # -- proxied endpoints --------------------------------------------------------------
+    async def generate(
+        self, request: Request, body_type: type[ChatBody | CompletionBody]
+    ) -> Response:
+        """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+        received_at = time.perf_counter()
+        request_id = _request_id(request)
+        model = "none"
+        try:
+            self.check_client(request)
+            raw = await self.read_body(request)
+            data = decode_json_object(raw)
+            parsed = validate(body_type, data)
+            model = parsed.model
+            session = request.headers.get("x-session-id") or parsed.user
+            routed = await self.router.decide(
+                model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
+            )
+        except KvgateError as exc:
+            return self._refuse(exc, request_id, model)
+        stream = bool(parsed.stream)
+        usage_mode, body = UsageMode.BODY, raw
+        if stream:
+            asked = parsed.stream_options is not None and parsed.stream_options.include_usage
+            if asked:
+                usage_mode = UsageMode.TAP
+            elif self.settings.capture_usage:
+                usage_mode, body = UsageMode.HIDE, with_usage_requested(data)
+            else:
+                usage_mode = UsageMode.NONE
+        return self.proxy.respond(
+            Exchange(
+                request_id=request_id,
+                method="POST",
+                path=request.scope["path"],
+                body=body,
+                headers=forwardable_headers(request.headers.raw),
+                model=model,
+                routed=routed,
+                stream=stream,
+                usage_mode=usage_mode,
+                received_at=received_at,
+            )
+        )
+
+    async def pass_through(self, request: Request) -> Response:
+        """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model."""
+        received_at = time.perf_counter()
+        request_id = _request_id(request)
+        model = "none"
+        try:
+            self.check_client(request)
+            raw = await self.read_body(request)
+            model = self._model_of(request, raw)
+            routed = await self.router.decide(
+                model, None, session_key=request.headers.get("x-session-id")
+            )
+        except KvgateError as exc:
+            return self._refuse(exc, request_id, model)
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        path = request.scope["path"] + (f"?{query}" if query else "")
+        return self.proxy.respond(
+            Exchange(
+                request_id=request_id,
+                method=request.method,
+                path=path,
+                body=raw,
+                headers=forwardable_headers(request.headers.raw),
+                model=model,
+                routed=routed,
+                stream=True,
+                usage_mode=UsageMode.NONE,
+                received_at=received_at,
+            )
+        )
+
+    def _model_of(self, request: Request, raw: bytes) -> str:
+        if raw.strip():
+            return validate(AnyModelBody, decode_json_object(raw)).model
+        model = request.query_params.get("model")
+        if not model:
+            raise InvalidRequest("model: a model is required to choose a worker", param="model")
+        return model
+
+    def _refuse(self, error: KvgateError, request_id: str, model: str) -> Response:
+        if isinstance(error, ModelNotFound):
+            model = "unknown"  # never one label series per made-up model name
+        self.metrics.route("none", model).answered(str(error.status))
+        if error.status >= 500:
+            log.warning("%s: %s", request_id, error.message)
+        return error_response(error, request_id)
+
+    # -- models and probes --------------------------------------------------------------
+    def list_models(self, request: Request) -> Response:
+        self.check_client(request)
+        return json_response({"object": "list", "data": self.registry.model_cards()})
+
+    def get_model(self, request: Request, model: str) -> Response:
+        self.check_client(request)
+        for card in self.registry.model_cards():
+            if card.get("id") == model:
+                return json_response(card)
+        self.router.require_servable(model)  # 404 when nobody serves it
+        return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
+
+    def ready(self) -> Response:
+        healthy = self.registry.healthy_count()
+        body = {"ready": healthy > 0, "healthy_workers": healthy, "workers": len(self.registry)}
+        return json_response(body, 200 if healthy else 503)
+
+    # -- admin --------------------------------------------------------------------------
+    def describe_workers(self) -> dict[str, Any]:
+        return {
+            "policy": self.router.policy.name,
+            "workers": [w.describe() for w in self.registry],
+        }
+
+    async def add_worker(self, spec: Any) -> Worker:
+        try:
+            config = WorkerConfig.model_validate(spec)
+        except ValueError as exc:  # pydantic.ValidationError is a ValueError
+            raise InvalidRequest(f"invalid worker: {exc}", param="url") from exc
+        worker = self.registry.add(config)
+        await self.health.probe(worker)
+        await self._index_worker(worker)
+        log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
+        return worker
+
+    async def remove_worker(self, worker_id: str) -> Worker:
+        worker = self.registry.remove(worker_id)
+        self.proxy.upstream.close_origin(self.proxy.origin(worker))
+        if self.index is not None:
+            await self.index.remove_worker(worker.id)
+        log.info("worker removed: %s", worker.url)
+        return worker
+
+    async def explain(self, request: Request) -> Response:
+        """``POST /debug/route``: the routing decision for a body, without sending it."""
+        self.check_admin(request)
+        data = decode_json_object(await self.read_body(request))
+        parsed: ChatBody | CompletionBody
+        parsed = validate(ChatBody, data) if "messages" in data else validate(CompletionBody, data)
+        session = request.headers.get("x-session-id") or parsed.user
+        routed = await self.router.decide(
+            parsed.model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
+        )
+        return json_response(self.router.explain(routed))
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def index_stats(self) -> dict[str, Any]:
+        return self.index.stats() if self.index is not None else {"index": None}
+
+    async def _index_worker(self, worker: Worker) -> None:
+        if self.index is None:
+            return
+        config = worker.config
+        model = next(iter(worker.models)) if len(worker.models) == 1 else None
+        await self.index.add_worker(
+            worker.id,
+            worker.url,
+            engine=config.engine,
+            events=config.events,
+            replay=config.replay,
+            model=model,
+        )
+
+    async def start(self) -> None:
+        if self.index is not None:
+            await self.index.start()
+        await self.health.probe_all()
+        await asyncio.gather(*(self._index_worker(w) for w in self.registry))
+        self.health.start()
+        if self.discovery is not None:
+            await self.discovery.start()
+
+    async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.health.stop()
+        if self.index is not None:
+            await self.index.stop()
+        await self.proxy.upstream.aclose()
+        await self.client.aclose()

@@ -1,0 +1,195 @@
+"""The gateway's Prometheus metrics (``kvgate_*``), created on an injected registry.
+
+Per-worker gauges (in-flight, health, predicted and scraped load) are read from the
+``WorkerRegistry`` at scrape time by a collector, so the request path never updates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from backends.registry import WorkerRegistry
+
+_MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_OVERHEAD_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """Request, latency, failover and cache-hit metrics of the gateway."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests answered, by worker (none: not routed), model and HTTP status",
+            ["worker", "model", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "Gateway time from request received to the first response body byte",
+            ["worker", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "kvgate_request_duration_seconds",
+            "Gateway time from request received to the last response byte",
+            ["worker", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "kvgate_router_overhead_seconds",
+            "Time from request received to the upstream request being sent",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "kvgate_upstream_retries",
+            "Attempts that failed before any response byte and were retried on another worker",
+            ["worker", "reason"],
+            registry=registry,
+        )
+        self.failovers = Counter(
+            "kvgate_failovers",
+            "Requests answered by a worker other than the policy's first choice",
+            ["worker", "model"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens",
+            "Prompt tokens of answered requests (engine usage when reported, else kvgate's count)",
+            ["worker", "model"],
+            registry=registry,
+        )
+        self.predicted_cached = Counter(
+            "kvgate_predicted_cached_tokens",
+            "Prompt tokens kvgate predicted cached on the chosen worker (matched blocks x size)",
+            ["worker", "model"],
+            registry=registry,
+        )
+        self.engine_cached = Counter(
+            "kvgate_engine_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["worker", "model"],
+            registry=registry,
+        )
+        self.best_available_cached = Counter(
+            "kvgate_best_available_cached_tokens",
+            "Best predicted cached prompt tokens over every eligible worker of the request",
+            ["worker", "model"],
+            registry=registry,
+        )
+
+        self._routes: dict[tuple[str, str], RouteMetrics] = {}
+
+    def route(self, worker: str, model: str) -> RouteMetrics:
+        """The labelled children of one (worker, model) pair, looked up once and kept."""
+        found = self._routes.get((worker, model))
+        if found is None:
+            if len(self._routes) >= _MAX_CACHED_ROUTES:
+                self._routes.clear()
+            found = self._routes[(worker, model)] = RouteMetrics(self, worker, model)
+        return found
+
+
+class RouteMetrics:
+    """Pre-labelled metrics of one (worker, model) pair: the request path's hot counters."""
+
+    __slots__ = (
+        "_labels", "_requests", "_statuses", "best_available_cached", "e2e", "engine_cached",
+        "failovers", "predicted_cached", "prompt_tokens", "ttft",
+    )  # fmt: skip
+
+    def __init__(self, metrics: GatewayMetrics, worker: str, model: str) -> None:
+        self._requests = metrics.requests
+        self._statuses: dict[str, Any] = {}
+        labels = (worker, model)
+        self.ttft = metrics.ttft.labels(*labels)
+        self.e2e = metrics.e2e.labels(*labels)
+        self.failovers = metrics.failovers.labels(*labels)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self.predicted_cached = metrics.predicted_cached.labels(*labels)
+        self.engine_cached = metrics.engine_cached.labels(*labels)
+        self.best_available_cached = metrics.best_available_cached.labels(*labels)
+        self._labels = labels
+
+    def answered(self, status: str) -> None:
+        child = self._statuses.get(status)
+        if child is None:
+            child = self._statuses[status] = self._requests.labels(*self._labels, status)
+        child.inc()
+
+    def record_cache(
+        self, *, prompt_tokens: int, predicted: int, best_available: int, engine_cached: int | None
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted_cached.inc(predicted)
+        self.best_available_cached.inc(best_available)
+        if engine_cached is not None:
+            self.engine_cached.inc(engine_cached)
+
+
+class WorkerStateCollector(Collector):
+    """Per-worker gauges read from the registry when Prometheus scrapes."""
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauges = {
+            "healthy": GaugeMetricFamily(
+                "kvgate_worker_healthy", "1 when the worker is healthy", labels=["worker"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "kvgate_worker_in_flight", "Requests in flight on the worker", labels=["worker"]
+            ),
+            "prefill": GaugeMetricFamily(
+                "kvgate_worker_pending_prefill_tokens",
+                "Predicted prompt tokens waiting for their first token",
+                labels=["worker"],
+            ),
+            "decode": GaugeMetricFamily(
+                "kvgate_worker_active_decode_blocks",
+                "Predicted KV blocks of requests in flight",
+                labels=["worker"],
+            ),
+            "waiting": GaugeMetricFamily(
+                "kvgate_worker_scraped_waiting",
+                "Waiting requests scraped from the engine's /metrics",
+                labels=["worker"],
+            ),
+            "kv_usage": GaugeMetricFamily(
+                "kvgate_worker_scraped_kv_usage",
+                "KV-cache usage (0..1) scraped from the engine's /metrics",
+                labels=["worker"],
+            ),
+        }
+        for w in self._workers:
+            labels = [w.url]
+            gauges["healthy"].add_metric(labels, 1.0 if w.healthy else 0.0)
+            gauges["in_flight"].add_metric(labels, w.in_flight)
+            gauges["prefill"].add_metric(labels, w.pending_prefill_tokens)
+            gauges["decode"].add_metric(labels, w.active_decode_blocks)
+            if w.scraped.waiting is not None:
+                gauges["waiting"].add_metric(labels, w.scraped.waiting)
+            if w.scraped.kv_usage is not None:
+                gauges["kv_usage"].add_metric(labels, w.scraped.kv_usage)
+        yield from gauges.values()
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+
+def register_worker_gauges(registry: CollectorRegistry, workers: WorkerRegistry) -> None:
+    registry.register(WorkerStateCollector(workers))

@@ -1,0 +1,203 @@
+"""Routing decisions: prompt -> block keys -> index matches -> policy ranking.
+
+``Router.decide`` is shared by the proxy path and ``POST /debug/route`` (which only explains).
+The block index is optional: without one, keys and matches are empty and the cache-unaware
+baselines still work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from backends.registry import WorkerRegistry
+from index.api import BlockIndex, PromptInput, PromptKeys
+from index.types import NO_MATCH, PrefixMatch, WorkerId
+from router.errors import ModelNotFound, NoHealthyWorker
+from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
+from scoring.cost import overlap_tokens, request_size
+
+log = logging.getLogger("kvgate.routing")
+DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One routing decision and the facts it was made on."""
+
+    request: RouteRequest
+    keys: PromptKeys | None
+    candidates: Mapping[WorkerId, Candidate]  # with their matches
+    decision: Decision
+    policy: str
+
+    def match(self, worker: WorkerId) -> PrefixMatch:
+        candidate = self.candidates.get(worker)
+        return candidate.match if candidate is not None else NO_MATCH
+
+    def predicted_cached_tokens(self, worker: WorkerId) -> int:
+        """Tokens the worker should report cached: its matched whole blocks, never the last
+        prompt token (an engine always computes that one)."""
+        return overlap_tokens(self.match(worker).blocks, request_size(self.request))
+
+    def predicted_uncached_tokens(self, worker: WorkerId) -> int:
+        """Prompt tokens the worker still has to prefill (its pending prefill work)."""
+        return max(self.request.prompt_tokens - self.predicted_cached_tokens(worker), 0)
+
+    @property
+    def best_available_cached_tokens(self) -> int:
+        """The best overlap any eligible worker had (what a pure cache policy would get)."""
+        best = max((c.match.blocks for c in self.candidates.values()), default=0)
+        return overlap_tokens(best, request_size(self.request))
+
+    @property
+    def load_blocks(self) -> int:
+        """The request's blocks, counted as active decode blocks while it runs."""
+        return math.ceil(self.request.prompt_tokens / self.request.block_size)
+
+
+class Router:
+    """Turns a request into a ranked choice of workers."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        block_index: BlockIndex | None = None,
+        *,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.block_index = block_index
+        self.retry_after_s = retry_after_s
+
+    async def decide(
+        self,
+        model: str,
+        prompt: PromptInput | None,
+        *,
+        session_key: str | None = None,
+        max_tokens: int | None = None,
+    ) -> Routed:
+        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``)."""
+        self.require_servable(model)
+        keys = None
+        if self.block_index is not None and prompt is not None:
+            keys = await self.block_index.keys_for(model, prompt)
+        candidates = self.registry.candidates(model)  # after the await: the freshest load
+        if not candidates:
+            raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
+        if keys is not None and keys.block_keys and self.block_index is not None:
+            matches = self.block_index.match(keys.block_keys)
+            candidates = [replace(c, match=matches.get(c.worker, NO_MATCH)) for c in candidates]
+        request = RouteRequest(
+            model=model,
+            block_keys=keys.block_keys if keys is not None else (),
+            block_size=keys.block_size if keys is not None else DEFAULT_BLOCK_SIZE,
+            prompt_tokens=keys.prompt_tokens if keys is not None else 0,
+            session_key=session_key,
+            max_tokens=max_tokens,
+        )
+        decision = self.policy.rank(request, candidates)
+        routed = Routed(
+            request=request,
+            keys=keys,
+            candidates={c.worker: c for c in candidates},
+            decision=decision,
+            policy=self.policy.name,
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s", _log_line(routed))
+        return routed
+
+    def require_servable(self, model: str) -> None:
+        if not self.registry.serves(model):
+            raise ModelNotFound(model)
+
+    def record_sent(self, routed: Routed, worker: WorkerId) -> None:
+        """The request went to ``worker``: tell the index (approximate mode learns from it)."""
+        if self.block_index is not None and routed.keys is not None and routed.keys.block_keys:
+            self.block_index.record_routed(worker, routed.keys.block_keys)
+
+    def explain(self, routed: Routed) -> dict[str, Any]:
+        """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
+        scores = {s.worker: (rank, s) for rank, s in enumerate(routed.decision.scores)}
+        request = routed.request
+        workers = []
+        for worker in self.registry:
+            entry: dict[str, Any] = {"worker": worker.url, "healthy": worker.healthy}
+            if worker.id in scores:
+                rank, score = scores[worker.id]
+                entry |= _scored_entry(routed, worker.id, rank, score)
+            else:
+                entry |= {"eligible": False, "reason": _ineligible_reason(request.model, worker)}
+            workers.append(entry)
+        keys = routed.keys
+        return {
+            "chosen": routed.decision.chosen,
+            "policy": routed.policy,
+            "model": request.model,
+            "tokenize_mode": keys.mode if keys is not None else None,
+            "block_size": request.block_size,
+            "prompt_tokens": request.prompt_tokens,
+            "request_blocks": len(request.block_keys),
+            "session_key": request.session_key,
+            "ranked": list(routed.decision.ranked),
+            "workers": workers,
+        }
+
+
+def _scored_entry(
+    routed: Routed, worker: WorkerId, rank: int, score: WorkerScore
+) -> dict[str, Any]:
+    candidate = routed.candidates.get(worker)
+    match = candidate.match if candidate is not None else NO_MATCH
+    load = candidate.load if candidate is not None else None
+    terms = dict(score.terms)
+    request_blocks = len(routed.request.block_keys)
+    return {
+        "eligible": True,
+        "rank": rank,
+        "chosen": rank == 0,
+        "matched_blocks": {"gpu": match.gpu, "cpu": match.cpu, "disk": match.disk},
+        "overlap_tokens": match.blocks * routed.request.block_size,
+        "prefill_blocks": terms.get("prefill_blocks", request_blocks - match.blocks),
+        "decode_blocks": terms.get(
+            "decode_blocks", load.active_decode_blocks if load is not None else 0
+        ),
+        "in_flight": load.in_flight if load is not None else 0,
+        "cost": score.cost,
+        "terms": terms,
+        "reason": score.reason,
+    }
+
+
+def _ineligible_reason(model: str, worker: Any) -> str:
+    if model not in worker.models:
+        return f"does not serve model {model!r}"
+    return "unhealthy" if not worker.healthy else "not ranked by the policy"
+
+
+def _log_line(routed: Routed) -> str:
+    parts = [
+        f"model={routed.request.model}",
+        f"policy={routed.policy}",
+        f"blocks={len(routed.request.block_keys)}",
+        f"chosen={routed.decision.chosen}",
+    ]
+    for score in _top(routed.decision.scores):
+        match = routed.match(score.worker)
+        terms = " ".join(f"{k}={v:g}" for k, v in score.terms.items())
+        parts.append(
+            f"[{score.worker} gpu={match.gpu} cpu={match.cpu} disk={match.disk} "
+            f"cost={score.cost:g} {terms} reason={score.reason!r}]"
+        )
+    return " ".join(parts)
+
+
+def _top(scores: Sequence[WorkerScore], limit: int = 8) -> Sequence[WorkerScore]:
+    return scores[:limit]

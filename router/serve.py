@@ -1,0 +1,102 @@
+"""``kvgate serve``: parse flags, build the settings, run the gateway under uvicorn.
+
+``--sim N`` first starts N simulated replicas (``kvgate sim`` in a subprocess), waits for
+them to answer ``/health``, routes to them with their KV events wired, and stops them on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from router.app import create_app
+from router.config import ConfigError, Settings, load_settings
+from router.flags import add_settings_flags, given_settings
+from router.simfleet import SimFleet, SimFleetError
+
+log = logging.getLogger("kvgate")
+
+_DESCRIPTION = """\
+Run the kvgate gateway: an OpenAI-compatible router in front of vLLM / SGLang replicas.
+
+Settings come from (highest precedence first) these flags, KVGATE_* environment variables
+(nested with __, e.g. KVGATE_HEALTH__INTERVAL_S=1), the --config YAML file, and defaults.
+"""
+
+_EXAMPLES = """\
+examples:
+  kvgate serve --worker http://127.0.0.1:9001 --worker http://127.0.0.1:9002
+  kvgate serve --worker http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
+  kvgate serve --sim 4                 # 4 simulated replicas, cache-aware routing
+  kvgate serve --config kvgate.yaml --policy least_loaded
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate serve",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML settings file")
+    add_settings_flags(parser, Settings)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for chatty in ("httpx", "httpcore"):  # one line per health probe otherwise
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def run(settings: Settings) -> None:
+    """Serve until interrupted (uvloop event loop, httptools HTTP parser)."""
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        server_header=False,
+        proxy_headers=False,  # kvgate is the front door: the client address is the peer
+        # SIGTERM: stop accepting, let in-flight streams finish, then cut them (docs/scaling.md)
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+    )
+    uvicorn.Server(config).run()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    overrides: dict[str, Any] = given_settings(args, Settings)
+    try:
+        settings = load_settings(args.config, overrides)
+    except ConfigError as exc:
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging(settings.log_level)
+    if not settings.sim:
+        if not settings.workers:
+            log.warning("no --worker given: add workers with POST /admin/workers")
+        run(settings)
+        return 0
+    try:
+        with SimFleet(settings.sim) as fleet:
+            settings = load_settings(args.config, fleet.settings_overrides(overrides))
+            log.info("routing to %d simulated replicas", settings.sim)
+            run(settings)
+    except SimFleetError as exc:
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,115 @@
+"""The simulated fleet behind ``kvgate serve --sim N``: a ``kvgate sim`` subprocess.
+
+Port scheme: replica i (0-based) serves HTTP on ``base_port + i``, publishes KV events on
+``events_port + 2i`` and answers replays on ``events_port + 2i + 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("kvgate.sim")
+
+SIM_MODEL = "kvgate-sim"
+BASE_PORT = 9001
+EVENTS_PORT = 5557
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+class SimFleetError(RuntimeError):
+    """The simulated fleet did not come up."""
+
+
+class SimFleet:
+    """Start ``replicas`` simulated engines; stop them when the ``with`` block ends."""
+
+    def __init__(
+        self, replicas: int, *, base_port: int = BASE_PORT, events_port: int = EVENTS_PORT
+    ) -> None:
+        self.replicas = replicas
+        self.base_port = base_port
+        self.events_port = events_port
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "router.cli", "sim",
+            "--replicas", str(self.replicas),
+            "--port", str(self.base_port),
+            "--events-port", str(self.events_port),
+        ]  # fmt: skip
+
+    def worker_specs(self) -> list[str]:
+        specs = []
+        for i in range(self.replicas):
+            events = self.events_port + 2 * i
+            specs.append(
+                f"http://127.0.0.1:{self.base_port + i},models={SIM_MODEL},"
+                f"events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{events + 1}"
+            )
+        return specs
+
+    def settings_overrides(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """``overrides`` plus the simulated workers and the simulator's tokenizer."""
+        from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415 - only with --sim
+
+        tokenizers = [*(overrides.get("tokenizers") or []), f"{SIM_MODEL}={tokenizer_dir()}"]
+        workers = [*(overrides.get("workers") or []), *self.worker_specs()]
+        return {**overrides, "workers": workers, "tokenizers": tokenizers}
+
+    def __enter__(self) -> SimFleet:
+        log.info("starting %d simulated replicas: %s", self.replicas, " ".join(self.command))
+        self._process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        """Poll every replica's /health until all answer (bounded by START_TIMEOUT_S)."""
+        pending = {f"http://127.0.0.1:{self.base_port + i}/health" for i in range(self.replicas)}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(timeout=1.0, trust_env=False) as client:
+            while pending:
+                if self._process is not None and self._process.poll() is not None:
+                    raise SimFleetError(f"kvgate sim exited with code {self._process.returncode}")
+                if time.monotonic() > deadline:
+                    raise SimFleetError(f"simulated replicas not healthy: {sorted(pending)}")
+                for url in list(pending):
+                    try:
+                        if client.get(url).status_code == 200:
+                            pending.discard(url)
+                    except httpx.HTTPError:
+                        pass
+                if pending:
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

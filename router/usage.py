@@ -1,0 +1,141 @@
+"""Engine-reported usage: prompt tokens and ``prompt_tokens_details.cached_tokens``.
+
+Non-streaming bodies are decoded into a tiny struct (msgspec skips every other field).
+Streams pass through ``SseUsageTap``, which frames SSE events at C speed and decodes only
+the event(s) whose bytes contain ``"usage"``; when kvgate itself asked for usage
+(``hide=True``), that event is removed before the client sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+_USAGE = b'"usage"'
+_EVENT_END = b"\n\n"
+_MAX_PENDING = 1 << 20  # an SSE event larger than this is not inspected
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Body(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_body = msgspec.json.Decoder(_Body).decode
+_decode_any = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None
+    cached_tokens: int | None  # None: the engine does not report prompt_tokens_details
+
+
+def _from_struct(usage: _Usage | None) -> Usage | None:
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details
+    return Usage(usage.prompt_tokens, details.cached_tokens if details is not None else None)
+
+
+def _from_mapping(usage: Any) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("prompt_tokens")
+    return Usage(
+        prompt if isinstance(prompt, int) else None, cached if isinstance(cached, int) else None
+    )
+
+
+def usage_from_body(body: bytes) -> Usage | None:
+    """The ``usage`` of a non-streaming JSON response, if any."""
+    if _USAGE not in body:
+        return None
+    try:
+        return _from_struct(_decode_body(body).usage)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class SseUsageTap:
+    """Watch an SSE byte stream for the usage event; optionally hide it.
+
+    ``feed`` returns the bytes to forward now. Without ``hide`` every byte is forwarded
+    unchanged and at once; with ``hide`` a partial trailing event is held until complete
+    (engines send whole events per chunk, so in practice nothing waits).
+    """
+
+    __slots__ = ("_hide", "_overflow", "_pending", "usage")
+
+    def __init__(self, *, hide: bool) -> None:
+        self._hide = hide
+        self._pending = b""
+        self._overflow = False
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._overflow:
+            return chunk
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(_EVENT_END)
+        if cut < 0:
+            return self._hold(data, chunk)
+        complete, self._pending = data[: cut + 2], data[cut + 2 :]
+        if _USAGE in complete:
+            complete = self._scan(complete)
+        if not self._hide:
+            return chunk
+        return complete
+
+    def flush(self) -> bytes:
+        """End of stream: whatever is still held (an unterminated last event)."""
+        rest, self._pending = self._pending, b""
+        return rest if self._hide else b""
+
+    def _hold(self, data: bytes, chunk: bytes) -> bytes:
+        if len(data) > _MAX_PENDING:  # not SSE as we know it: stop inspecting
+            self._overflow = True
+            self._pending = b""
+            return data if self._hide else chunk
+        self._pending = data
+        return b"" if self._hide else chunk
+
+    def _scan(self, complete: bytes) -> bytes:
+        """Record usage from the events that mention it; drop or strip them when hiding."""
+        out: list[bytes] = []
+        for event in complete.split(_EVENT_END)[:-1]:
+            kept = self._usage_event(event) if _USAGE in event else event
+            if kept:
+                out.append(kept + _EVENT_END)
+        return b"".join(out)
+
+    def _usage_event(self, event: bytes) -> bytes:
+        prefix, sep, payload = event.partition(b"data:")
+        if not sep:
+            return event
+        try:
+            obj = _decode_any(payload)
+        except msgspec.DecodeError:
+            return event
+        if not isinstance(obj, dict) or obj.get("usage") is None:
+            return event
+        self.usage = _from_mapping(obj["usage"]) or self.usage
+        if not self._hide:
+            return event
+        if obj.get("choices"):  # usage rode on a content chunk: keep the content
+            del obj["usage"]
+            return prefix + b"data: " + _encode(obj)
+        return b""

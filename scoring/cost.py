@@ -1,0 +1,203 @@
+"""The ``kv`` cost of one worker for one request: pure arithmetic, no choice.
+
+All quantities are in KV blocks of ``RouteRequest.block_size`` unless named ``*_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from index.types import PrefixMatch, WorkerId
+from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.config import KvPolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BlendedLoad:
+    """One load term: kvgate's prediction, the engine-scraped estimate, and their blend."""
+
+    predicted: float
+    scraped: float | None
+    blended: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCost:
+    """Every term behind one worker's cost (all visible through ``terms()``)."""
+
+    worker: WorkerId
+    match: PrefixMatch  # clipped to the request's blocks
+    request_blocks: int
+    overlap_tokens: int
+    uncached_tokens: int
+    credited: float
+    prefill_blocks: float
+    queued_prefill: BlendedLoad
+    decode: BlendedLoad
+    load_blocks: float
+    cost: float
+    in_flight: int
+    busy: str | None  # why the worker is busy, or None
+
+    def terms(self) -> dict[str, float]:
+        """The named terms, for /debug/route and the decision log line."""
+        terms: dict[str, float] = {
+            "gpu_blocks": float(self.match.gpu),
+            "cpu_blocks": float(self.match.cpu),
+            "disk_blocks": float(self.match.disk),
+            "matched_blocks": float(self.match.blocks),
+            "overlap_tokens": float(self.overlap_tokens),
+            "uncached_tokens": float(self.uncached_tokens),
+            "request_blocks": float(self.request_blocks),
+            "credited": self.credited,
+            "prefill_blocks": self.prefill_blocks,
+            "predicted_queued_prefill_blocks": self.queued_prefill.predicted,
+            "queued_prefill_blocks": self.queued_prefill.blended,
+            "predicted_decode_blocks": self.decode.predicted,
+            "decode_blocks": self.decode.blended,
+            "load_blocks": self.load_blocks,
+            "cost": self.cost,
+            "in_flight": float(self.in_flight),
+            "busy": 1.0 if self.busy else 0.0,
+        }
+        if self.queued_prefill.scraped is not None:
+            terms["scraped_queued_prefill_blocks"] = self.queued_prefill.scraped
+        if self.decode.scraped is not None:
+            terms["scraped_decode_blocks"] = self.decode.scraped
+        return terms
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSize:
+    """The request's size, computed once and shared by every candidate's cost."""
+
+    block_size: int
+    prompt_tokens: int  # the token count, else the blocks' tokens
+    blocks: int  # blocks to prefill without any cache (a partial tail block counts)
+    full_blocks: int  # whole blocks: the only ones an engine can have cached
+    max_overlap_tokens: int  # cached tokens can never exceed this
+
+
+def request_size(request: RouteRequest) -> RequestSize:
+    """Blocks and token bounds of ``request``.
+
+    An engine always computes the prompt's last token, so at most the whole blocks before it
+    can be hits (vLLM's rule); without a token count, every whole block can be.
+    """
+    block_size = max(request.block_size, 1)
+    tokens = request.prompt_tokens
+    full = max(len(request.block_keys), tokens // block_size)
+    blocks = max(full, -(-tokens // block_size))
+    if tokens > 0:
+        max_overlap = min(full, (tokens - 1) // block_size) * block_size
+    else:
+        max_overlap = full * block_size
+    return RequestSize(
+        block_size=block_size,
+        prompt_tokens=tokens if tokens > 0 else blocks * block_size,
+        blocks=blocks,
+        full_blocks=full,
+        max_overlap_tokens=max_overlap,
+    )
+
+
+def request_blocks(request: RouteRequest) -> int:
+    """Blocks the prompt occupies: its full-block keys, or its token count rounded up."""
+    return request_size(request).blocks
+
+
+def clip_match(match: PrefixMatch, blocks: int) -> PrefixMatch:
+    """The match limited to ``blocks`` (GPU run first, then CPU, then disk)."""
+    if match.blocks <= blocks and min(match.gpu, match.cpu, match.disk) >= 0:
+        return match
+    gpu = min(max(match.gpu, 0), blocks)
+    cpu = min(max(match.cpu, 0), blocks - gpu)
+    disk = min(max(match.disk, 0), blocks - gpu - cpu)
+    return PrefixMatch(gpu=gpu, cpu=cpu, disk=disk)
+
+
+def credited_blocks(match: PrefixMatch, config: KvPolicyConfig) -> float:
+    """``gpu_prefix + w_cpu * cpu_past_gpu + w_disk * disk_past_those`` (each tier weighted)."""
+    return (
+        config.gpu_weight * match.gpu
+        + config.cpu_weight * match.cpu
+        + config.disk_weight * match.disk
+    )
+
+
+def overlap_tokens(matched_blocks: int, size: RequestSize) -> int:
+    """Prompt tokens the engine should report cached if the match holds."""
+    return min(matched_blocks * size.block_size, size.max_overlap_tokens)
+
+
+def _blend(predicted: float, scraped: float | None, config: KvPolicyConfig) -> BlendedLoad:
+    """max of the weighted prediction and weighted scrape: never their sum (no double count)."""
+    weighted = config.predicted_load_weight * predicted
+    if scraped is not None:
+        weighted = max(weighted, config.scraped_load_weight * scraped)
+    return BlendedLoad(predicted=predicted, scraped=scraped, blended=weighted)
+
+
+def queued_prefill_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
+    """Prefill work queued ahead of a new request on this worker, in blocks (``block_size`` > 0)."""
+    predicted = load.pending_prefill_tokens / block_size
+    scraped = None
+    if load.scraped_waiting is not None:
+        scraped = load.scraped_waiting * config.waiting_request_prefill_tokens / block_size
+    return _blend(predicted, scraped, config)
+
+
+def decode_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
+    """KV blocks held by the worker's running requests."""
+    scraped = None
+    if load.scraped_kv_usage is not None and config.kv_capacity_blocks is not None:
+        scraped = load.scraped_kv_usage * config.kv_capacity_blocks
+    return _blend(float(load.active_decode_blocks), scraped, config)
+
+
+def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
+    """Why the busy guard skips this worker, or None when it is not busy."""
+    waiting, limit = load.scraped_waiting, config.max_waiting_requests
+    if waiting is not None and limit is not None and waiting > limit:
+        return f"busy: waiting {waiting} > {limit}"
+    usage, max_usage = load.scraped_kv_usage, config.max_kv_usage
+    if usage is not None and max_usage is not None and usage > max_usage:
+        return f"busy: kv usage {usage:.3g} > {max_usage:g}"
+    return None
+
+
+def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> WorkerCost:
+    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
+    match = clip_match(candidate.match, size.full_blocks)
+    credited = credited_blocks(match, config)
+    prefill = size.blocks - credited
+    overlap = overlap_tokens(match.blocks, size)
+    queued = queued_prefill_load(candidate.load, size.block_size, config)
+    decode = decode_load(candidate.load, config)
+    load_blocks = (
+        config.queued_prefill_weight * queued.blended + config.decode_weight * decode.blended
+    )
+    return WorkerCost(
+        worker=candidate.worker,
+        match=match,
+        request_blocks=size.blocks,
+        overlap_tokens=overlap,
+        uncached_tokens=max(size.prompt_tokens - overlap, 0),
+        credited=credited,
+        prefill_blocks=prefill,
+        queued_prefill=queued,
+        decode=decode,
+        load_blocks=load_blocks,
+        cost=config.overlap_credit * prefill + load_blocks,
+        in_flight=candidate.load.in_flight,
+        busy=busy_reason(candidate.load, config),
+    )
+
+
+def worker_costs(
+    request: RouteRequest, candidates: Sequence[Candidate], config: KvPolicyConfig
+) -> list[WorkerCost]:
+    """Every candidate's cost for ``request``, in candidate order."""
+    size = request_size(request)
+    return [worker_cost(size, candidate, config) for candidate in candidates]

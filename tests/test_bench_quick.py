@@ -1,0 +1,64 @@
+"""Quick benchmark (CI): a small trace slice, 2 simulated replicas, kvgate policies only.
+
+Checks that the whole pipeline (cold fleet per policy, router, replay, summary, table, plots)
+produces complete, sane output. No performance assertion: which policy wins is measured in
+docs/benchmarks.md, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main as bench_main
+from bench.replay import read_records
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+POLICIES = ("kv", "round_robin", "least_loaded", "session")
+
+
+def _trace_args() -> list[str]:
+    if SHARED_TRACE.is_file():  # a real slice when ../shared/traces is beside the repo
+        return ["--trace", str(SHARED_TRACE), "--max-requests", "24", "--token-scale", "0.25"]
+    return ["--trace", "synthetic", "--syn-sessions", "4", "--syn-turns", "5", "--session-rate",
+            "4", "--max-gap", "1"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quick_compare_produces_complete_sane_output(tmp_path: Path) -> None:
+    argv = [
+        "compare", *_trace_args(),
+        "--replicas", "2", "--speedup", "4", "--capacity-blocks", "4096",
+        "--routers", ",".join(POLICIES),
+        "--drain-timeout", "45", "--no-progress", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+
+    for name in ("table.md", "summaries.json", "ttft_cdf.png", "hit_rate.png",
+                 "replica_load.png", "command.txt"):  # fmt: skip
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "summaries.json").read_text())
+    runs = data["runs"]
+    assert [r["label"] for r in runs] == [f"kvgate {p}" for p in POLICIES]
+    assert 0.0 < data["oracle"] <= 1.0
+    sizes = {r["requests"] for r in runs}
+    assert len(sizes) == 1 and sizes.pop() > 0  # same slice for every policy
+    table = (tmp_path / "table.md").read_text()
+    for run in runs:
+        assert run["ok"] == run["requests"], run  # every request accounted for and answered
+        assert 0.0 <= run["hit_rate"] <= 1.0
+        assert run["ttft_p50_s"] > 0 and not math.isnan(run["ttft_p99_s"])
+        assert run["label"] in table
+        run_dir = tmp_path / run["label"].replace(" ", "_")
+        records = read_records(run_dir / "records.jsonl")
+        assert len(records) == run["requests"]
+        for rec in records:
+            assert rec.status == "ok"
+            assert rec.worker is not None
+            assert 0 <= rec.cached_tokens <= rec.prompt_tokens == rec.expected_prompt_tokens
+            assert rec.ttft_s is not None and rec.e2e_s is not None
+            assert 0 < rec.ttft_s <= rec.e2e_s

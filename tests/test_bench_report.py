@@ -1,0 +1,103 @@
+"""Summary metrics, plots, and the process/CPU accounting used by benchmarks."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.fleet import ManagedProcess, process_cpu_seconds, system_cpu_times, tree_cpu_seconds
+from bench.replay import MetricsSample, RequestRecord
+from bench.report import (
+    CpuUse,
+    busy_from_metrics,
+    busy_from_records,
+    imbalance,
+    percentile,
+    plot_hit_rates,
+    plot_replica_load,
+    plot_sweep,
+    plot_ttft_cdf,
+    saturation_warning,
+    summarize,
+)
+
+
+def _rec(i: int, worker: str, sent: float, e2e: float, cached: int = 0) -> RequestRecord:
+    return RequestRecord(
+        index=i, session_id=None, scheduled_s=sent, expected_prompt_tokens=100, max_tokens=4,
+        sent_s=sent, ttft_s=e2e / 2, e2e_s=e2e, prompt_tokens=100, cached_tokens=cached,
+        output_tokens=4, worker=worker, status="ok",
+    )  # fmt: skip
+
+
+def test_percentile_and_imbalance() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    assert imbalance({"a": 2.0, "b": 2.0}, 2) == pytest.approx(1.0)
+    assert imbalance({"a": 3.0}, 3) == pytest.approx(3.0)  # idle replicas count
+
+
+def test_busy_time_is_union_of_in_flight_spans() -> None:
+    recs = [_rec(0, "a", 0.0, 2.0), _rec(1, "a", 1.0, 2.0), _rec(2, "a", 5.0, 1.0),
+            _rec(3, "b", 0.0, 1.0)]  # fmt: skip
+    assert busy_from_records(recs) == pytest.approx({"a": 4.0, "b": 1.0})
+    before = {"u1": {"kvgate_sim_busy_seconds_total": 1.0}}
+    after = {"u1": {"kvgate_sim_busy_seconds_total": 4.0}}
+    assert busy_from_metrics(before, after) == {"u1": 3.0}
+    assert busy_from_metrics({}, {"u1": {}}) is None
+
+
+def test_summary_counts_and_rates() -> None:
+    recs = [_rec(0, "a", 0.0, 1.0, cached=50), _rec(1, "b", 0.0, 1.0)]
+    recs.append(RequestRecord(2, None, 0.0, 100, 4, status="cancelled"))
+    cpu = CpuUse(
+        wall_s=10.0,
+        seconds={"router": 2.0, "fleet": 5.0, "replayer": 1.0},
+        box_busy_s=19.0,
+        cores=2,
+    )
+    s = summarize("x", recs, oracle_hit_rate=0.5, wall_s=10.0, replicas=2, cpu=cpu)
+    assert (s.requests, s.ok, s.cancelled, s.failed) == (3, 2, 1, 0)
+    assert s.hit_rate == pytest.approx(0.25)
+    assert s.hit_vs_oracle == pytest.approx(0.5)
+    assert s.cpu["fleet"] == pytest.approx(0.5)
+    assert s.imbalance == pytest.approx(1.0)
+    warning = saturation_warning([s])
+    assert warning is not None and "speedup" in warning
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    recs = [_rec(i, "a", float(i), 0.5 + i / 10) for i in range(20)]
+    s = summarize("kv", recs, oracle_hit_rate=0.8, wall_s=20.0, replicas=2)
+    plot_ttft_cdf({"kv": recs}, tmp_path / "cdf.png", "t")
+    plot_hit_rates([s], 0.8, tmp_path / "hit.png", "t")
+    samples = [MetricsSample(float(t), f"r{k}", {"vllm:num_requests_running": float(t % 3)})
+               for t in range(5) for k in range(2)]  # fmt: skip
+    plot_replica_load({"kv": samples}, tmp_path / "load.png", "t")
+    plot_sweep([(0.5, 0.0, 0.7, 1.0), (1.0, 0.0, 0.8, 2.0)], tmp_path / "sweep.png", "t")
+    for name in ("cdf.png", "hit.png", "load.png", "sweep.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_accounting_of_a_child_process(tmp_path: Path) -> None:
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    spin += "time.sleep(30)\n"
+    proc = ManagedProcess("spin", [sys.executable, "-c", spin], tmp_path / "spin.log").start()
+    try:
+        for _ in range(200):  # bounded wait until the child has burned its 0.3 s
+            if proc.cpu_seconds() >= 0.3:
+                break
+            time.sleep(0.05)
+        assert proc.cpu_seconds() >= 0.3
+        assert tree_cpu_seconds(proc.pid) >= 0.3 and process_cpu_seconds(proc.pid) >= 0.3
+    finally:
+        proc.stop(timeout_s=5)
+    assert not proc.alive()
+    busy, total = system_cpu_times()
+    assert 0 < busy <= total

@@ -1,0 +1,172 @@
+"""deploy/k8s: schema-valid offline, and consistent with kvgate's own config and discovery."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+
+from backends.discovery import parse_discovery_url
+from router.config import Settings, load_settings
+from router.flags import given_settings
+from router.serve import build_parser
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+KUBERNETES_VERSIONS = ("1.29", "1.37")  # oldest and newest schemas we promise
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc]
+
+
+def resources() -> dict[tuple[str, str], dict[str, Any]]:
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in documents(path):
+            if doc["kind"] != "Kustomization":
+                found[(doc["kind"], doc["metadata"]["name"])] = doc
+    return found
+
+
+def manifest_files() -> list[Path]:
+    return [p for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"]
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == name)
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Values of ``--flag=value`` and ``--flag value`` in an argument list."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"{flag}=")]
+    values += [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
+def test_manifest_validates_strictly_offline(path: Path, version: str) -> None:
+    for doc in documents(path):
+        assert kv_utils.validate(doc, version, strict=True)
+
+
+def test_validator_rejects_a_misspelt_field() -> None:
+    """The schema check has teeth: an unknown field fails strict validation."""
+    deployment = resources()[("Deployment", "kvgate")]
+    broken = json.loads(json.dumps(deployment))
+    container(broken, "kvgate")["readinessProbe"]["httpGett"] = {"path": "/ready", "port": 8000}
+    with pytest.raises(kv_utils.ValidationError):
+        kv_utils.validate(broken, "1.37", strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    (kustomization,) = documents(K8S / "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifest_files())
+
+
+def test_kvgate_deployment_shape() -> None:
+    deployment = resources()[("Deployment", "kvgate")]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    kvgate = container(deployment, "kvgate")
+    assert kvgate["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert kvgate["startupProbe"]["httpGet"]["path"] == "/health"
+    assert kvgate["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert {"cpu", "memory"} <= kvgate["resources"]["requests"].keys()
+    assert {"cpu", "memory"} <= kvgate["resources"]["limits"].keys()
+    token = next(e for e in kvgate["env"] if e["name"] == "KVGATE_ADMIN_TOKEN")
+    secret_ref = token["valueFrom"]["secretKeyRef"]
+    secret = resources()[("Secret", secret_ref["name"])]
+    assert secret_ref["key"] in secret["stringData"]
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def kvgate_settings(tmp_path: Path) -> Settings:
+    """What the kvgate container runs with: its args through kvgate's own parser, the
+    ConfigMap's file where --config points, the Secret's token in the environment."""
+    deployment = resources()[("Deployment", "kvgate")]
+    kvgate = container(deployment, "kvgate")
+    args = list(kvgate["args"])
+    (config_path,) = flag_values(args, "--config")
+    mount = next(m for m in kvgate["volumeMounts"] if m["name"] == "config")
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in volumes if v["name"] == "config")
+    config_map = resources()[("ConfigMap", volume["configMap"]["name"])]
+    file_name = Path(config_path).relative_to(mount["mountPath"]).as_posix()
+    local = tmp_path / file_name
+    local.write_text(config_map["data"][file_name])
+    args = [f"--config={local}" if a.startswith("--config") else a for a in args]
+    namespace = build_parser().parse_args(args)  # unknown flags exit here
+    return load_settings(namespace.config, given_settings(namespace, Settings))
+
+
+def test_kvgate_args_and_config_map_are_valid_kvgate_settings(tmp_path: Path) -> None:
+    settings = kvgate_settings(tmp_path)
+    assert settings.host == "0.0.0.0"
+    assert settings.policy == "kv"
+    assert len(settings.discover) == 1
+    engines = container(resources()[("Deployment", "vllm")], "vllm")
+    (block_size,) = flag_values(engines["args"], "--block-size")
+    assert settings.index.block_size == int(block_size)  # kvgate keys blocks like the engine
+
+
+def test_termination_grace_covers_prestop_and_drain(tmp_path: Path) -> None:
+    settings = kvgate_settings(tmp_path)
+    deployment = resources()[("Deployment", "kvgate")]
+    pause = container(deployment, "kvgate")["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > int(pause[1]) + settings.shutdown_timeout_s
+
+
+def test_discovery_url_matches_headless_service_and_engine_ports() -> None:
+    deployment = resources()[("Deployment", "kvgate")]
+    (url,) = flag_values(container(deployment, "kvgate")["args"], "--discover")
+    config = parse_discovery_url(url)
+
+    service = resources()[("Service", "vllm-engines")]
+    namespace = service["metadata"]["namespace"]
+    assert config.host == f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    assert service["spec"]["clusterIP"] == "None"  # headless: one record per pod
+    service_ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert service_ports == {
+        "http": config.port,
+        "kv-events": config.events_port,
+        "kv-replay": config.replay_port,
+    }
+
+    engines = resources()[("Deployment", "vllm")]
+    assert (
+        service["spec"]["selector"].items()
+        <= engines["spec"]["template"]["metadata"]["labels"].items()
+    )
+    vllm = container(engines, "vllm")
+    container_ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    assert container_ports == service_ports
+    args = vllm["args"]
+    assert flag_values(args, "--port") == [str(config.port)]
+    (events_json,) = flag_values(args, "--kv-events-config")
+    events = json.loads(events_json)
+    assert events["enable_kv_cache_events"] is True
+    assert events["publisher"] == "zmq"
+    assert events["endpoint"] == f"tcp://*:{config.events_port}"
+    assert events["replay_endpoint"] == f"tcp://*:{config.replay_port}"
+    assert "--enable-prefix-caching" in args
+    assert "--enable-prompt-tokens-details" in args
+
+
+def test_kvgate_service_targets_kvgate_pods() -> None:
+    service = resources()[("Service", "kvgate")]
+    deployment = resources()[("Deployment", "kvgate")]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"].get("clusterIP") != "None"
+    ports = container(deployment, "kvgate")["ports"]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in ports}

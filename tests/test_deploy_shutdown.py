@@ -1,0 +1,223 @@
+"""Graceful shutdown of a real ``kvgate serve`` process (what Kubernetes and docker stop do).
+
+SIGTERM must stop new connections, let an in-flight stream finish, then exit 0; a stream
+that outlives the grace period (``--shutdown-timeout-s``) is cut and the process exits.
+The engine is a small streaming ASGI app in this process whose chunks the test releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from fakes.server import serve
+from starlette.types import Receive, Scope, Send
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "gated-model"
+
+
+class GatedEngine:
+    """A streaming engine whose requests hold after their first chunk until ``release``.
+
+    A request whose body has ``"hold": false`` streams straight through.
+    """
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.streaming = asyncio.Event()
+        self.served = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        match scope["path"]:
+            case "/health":
+                await self._json(send, {"ok": True})
+            case "/v1/models":
+                await self._json(send, {"object": "list", "data": [{"id": MODEL}]})
+            case "/v1/completions":
+                self.served += 1
+                await self._stream(send, hold=msgspec.json.decode(raw).get("hold", True))
+            case _:
+                await self._json(send, {"error": {"message": "no route"}}, 404)
+
+    async def _stream(self, send: Send, *, hold: bool) -> None:
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._event(send, 0)
+        if hold:
+            self.streaming.set()
+            await self.release.wait()
+        for i in range(1, 4):
+            await self._event(send, i)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    @staticmethod
+    async def _event(send: Send, i: int) -> None:
+        chunk = {"id": "c", "object": "text_completion", "model": MODEL,
+                 "choices": [{"index": 0, "text": f"w{i} ", "finish_reason": None}]}  # fmt: skip
+        data = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    @staticmethod
+    async def _json(send: Send, body: Any, status: int = 200) -> None:
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def refuses_connections(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def poll(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def kvgate_process(
+    engine_url: str, log_path: Path, *extra: str
+) -> AsyncIterator[tuple[int, asyncio.subprocess.Process]]:
+    """``kvgate serve`` as a subprocess in front of ``engine_url``; killed if still alive."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    command = [
+        "-m", "router.cli", "serve",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--worker", f"{engine_url},models={MODEL}",
+        "--policy", "round_robin", "--no-kv-index",
+        "--health-interval-s", "3600", "--health-metrics-interval-s", "0",
+        *extra,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, *command, cwd=ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                await poll_ready(client, f"http://127.0.0.1:{port}/ready", process)
+            yield port, process
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await asyncio.wait_for(process.wait(), 10)
+
+
+async def poll_ready(
+    client: httpx.AsyncClient, url: str, process: asyncio.subprocess.Process
+) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.returncode is None, "kvgate serve exited during start"
+        try:
+            if (await client.get(url)).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("kvgate serve never became ready")
+
+
+def exited_cleanly(process: asyncio.subprocess.Process) -> bool:
+    """Exit 0, or uvicorn's re-raised SIGTERM after its graceful shutdown completed."""
+    return process.returncode in (0, -signal.SIGTERM)
+
+
+async def read_stream(response: httpx.Response, first: asyncio.Event) -> list[str]:
+    lines: list[str] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            lines.append(line.removeprefix("data: "))
+            first.set()
+    return lines
+
+
+async def test_sigterm_lets_an_in_flight_stream_finish(tmp_path: Path) -> None:
+    engine = GatedEngine()
+    log = tmp_path / "kvgate.log"
+    async with (
+        serve(engine) as upstream,
+        kvgate_process(upstream.url, log, "--shutdown-timeout-s", "30") as (port, process),
+        httpx.AsyncClient(timeout=30.0) as client,
+    ):
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+        first = asyncio.Event()
+        async with client.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body
+        ) as response:
+            assert response.status_code == 200
+            reader = asyncio.create_task(read_stream(response, first))
+            await asyncio.wait_for(first.wait(), 10)
+
+            process.send_signal(signal.SIGTERM)
+            await poll(lambda: refuses_connections(port), 10, "the listener to close")
+            assert process.returncode is None, log.read_text()  # still draining the stream
+
+            engine.release.set()
+            lines = await asyncio.wait_for(reader, 10)
+        assert lines[-1] == "[DONE]"
+        assert len(lines) == 5  # 4 chunks + [DONE]: nothing was cut
+        await asyncio.wait_for(process.wait(), 15)
+        assert exited_cleanly(process), log.read_text()
+
+
+async def test_sigterm_cuts_streams_that_outlive_the_grace_period(tmp_path: Path) -> None:
+    engine = GatedEngine()  # never released
+    log = tmp_path / "kvgate.log"
+    async with (
+        serve(engine) as upstream,
+        kvgate_process(upstream.url, log, "--shutdown-timeout-s", "1") as (port, process),
+        httpx.AsyncClient(timeout=30.0) as client,
+    ):
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+        first = asyncio.Event()
+        async with client.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body
+        ) as response:
+            reader = asyncio.create_task(read_stream(response, first))
+            await asyncio.wait_for(first.wait(), 10)
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 20)  # gives up on the stream and exits
+            try:
+                lines = await asyncio.wait_for(reader, 10)
+            except httpx.HTTPError:
+                lines = []  # the connection was cut mid-stream: also acceptable
+        assert "[DONE]" not in lines
+        assert exited_cleanly(process), log.read_text()
+        assert "graceful shutdown exceeded" in log.read_text()
+        engine.release.set()

@@ -1,0 +1,212 @@
+"""Discovery from vLLM's GET /kv_event_sources and the engine /tokenize fallback, against a real
+HTTP server (uvicorn on 127.0.0.1) standing in for vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import zmq.asyncio
+from kv_publisher import KvPublisher
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from index.api import PromptInput
+from index.blocks import block_keys, cache_seed
+from index.config import IndexConfig
+from index.events import BlockStored
+from index.service import KvIndexService
+from index.sources import parse_sources, parse_worker_spec, resolve_endpoint
+from index.subscriber import Endpoints
+from index.types import PrefixMatch, WorkerId
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeVllm:
+    def __init__(self, sources: dict[str, Any] | None, port: int = 0) -> None:
+        self.sources = sources
+        self.tokenize_bodies: list[dict[str, Any]] = []
+        app = Starlette(
+            routes=[
+                Route("/kv_event_sources", self.kv_event_sources),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+            ]
+        )
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def kv_event_sources(self, request: Request) -> JSONResponse:
+        if self.sources is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse(self.sources)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        self.tokenize_bodies.append(body)
+        text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+        tokens = [len(word) for word in text.split()]
+        return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    async def __aenter__(self) -> str:
+        self.task = asyncio.create_task(self.server.serve())
+        async with asyncio.timeout(10):
+            while not self.server.started:  # noqa: ASYNC110 - uvicorn exposes only a flag
+                await asyncio.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        assert self.task is not None
+        await self.task
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient() as client:
+        yield client
+
+
+def test_parse_sources_and_wildcards() -> None:
+    body = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "topic": "kv-events",
+        },
+        "1": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://0.0.0.0:5559",
+            "replay_endpoint": None,
+        },
+        "2": {"enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:1"},
+    }
+    assert parse_sources(body, "http://10.0.0.7:8000") == [
+        Endpoints("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558", 0),
+        Endpoints("tcp://10.0.0.7:5559", None, 1),
+    ]
+    assert resolve_endpoint("tcp://10.1.1.1:5", "http://h:1") == "tcp://10.1.1.1:5"
+    assert resolve_endpoint("tcp://*:5", "http://[::1]:1") == "tcp://[::1]:5"
+    assert parse_worker_spec(
+        "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+    ) == (
+        "http://127.0.0.1:9001",
+        {"events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"},
+    )
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_worker_spec("http://h:1,events")
+
+
+async def test_discovered_events_are_ingested(http: httpx.AsyncClient) -> None:
+    context = zmq.asyncio.Context()
+    publisher = KvPublisher(context)
+    events_port = publisher.events_endpoint.rsplit(":", 1)[1]
+    replay_port = publisher.replay_endpoint.rsplit(":", 1)[1]
+    sources = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": "kv-events",
+        }
+    }
+    service = KvIndexService(IndexConfig(block_size=2), CollectorRegistry(), http)
+    await service.start()
+    try:
+        async with FakeVllm(sources) as url:
+            worker = WorkerId(url)
+            await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+            assert service.has_events(worker)
+            async with asyncio.timeout(5):
+                await publisher.subscribed.wait()
+            seq = await publisher.publish(BlockStored([1, 2], None, [5, 6, 7, 8], 2, None, "GPU"))
+            await service.wait_applied(worker, seq)
+            keys = block_keys([5, 6, 7, 8], 2, cache_seed(None, None))
+            assert service.match(keys) == {worker: PrefixMatch(gpu=2)}  # type: ignore[arg-type]
+            # Events present: routing decisions do not feed the approximate index.
+            service.record_routed(worker, keys)  # type: ignore[arg-type]
+            assert service.approx.entry_count() == 0
+    finally:
+        await service.stop()
+        await publisher.close()
+        context.term()
+
+
+async def test_no_events_means_approximate_mode_and_engine_tokenize(
+    http: httpx.AsyncClient,
+) -> None:
+    registry = CollectorRegistry()
+    service = KvIndexService(IndexConfig(block_size=2), registry, http)
+    await service.start()
+    try:
+        async with FakeVllm(None) as url:
+            worker = WorkerId(url)
+            await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+            assert not service.has_events(worker)
+            prompt = PromptInput("chat", messages=[{"role": "user", "content": "a bb ccc dddd"}])
+            keys = await service.keys_for("m", prompt)
+            assert keys.mode == "engine"
+            assert list(keys.block_keys) == block_keys([1, 2, 3, 4], 2, cache_seed(None, None))
+            assert keys.prompt_tokens == 4
+            service.record_routed(worker, keys.block_keys)
+            assert service.match(keys.block_keys) == {worker: PrefixMatch(gpu=2)}
+            assert service.stats()["workers"][worker]["mode"] == "approx"
+            explained = await service.explain("m", prompt)
+            assert explained["mode"] == "engine"
+            assert explained["matches"] == {worker: {"gpu": 2, "cpu": 0, "disk": 0}}
+        # Engine gone: approximate keys from the rendered text.
+        keys = await service.keys_for("m", prompt)
+        assert keys.mode == "approx"
+    finally:
+        await service.stop()
+    assert registry.get_sample_value("kvgate_tokenize_total", {"model": "m", "mode": "engine"}) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_discovery_is_retried_until_the_worker_answers(http: httpx.AsyncClient) -> None:
+    context = zmq.asyncio.Context()
+    publisher = KvPublisher(context)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    worker = WorkerId(url)
+    sources = {
+        "0": {
+            "publisher": "zmq",
+            "endpoint": publisher.events_endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+        }
+    }
+    config = IndexConfig(block_size=2, reconnect_backoff_s=0.05, reconnect_backoff_max_s=0.2)
+    service = KvIndexService(config, CollectorRegistry(), http)
+    await service.start()
+    try:
+        await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+        assert not service.has_events(worker)  # not up yet: approximate mode meanwhile
+        async with FakeVllm(sources, port=port):
+            async with asyncio.timeout(10):
+                await publisher.subscribed.wait()
+            assert service.has_events(worker)
+    finally:
+        await service.stop()
+        await publisher.close()
+        context.term()

@@ -1,0 +1,102 @@
+"""``kvgate sim``: flags map onto the configuration; the process serves and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backends.sim.cli import build_parser, config_from_args, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_flags_map_onto_the_config() -> None:
+    args = build_parser().parse_args(
+        ["--replicas", "3", "--port", "9101", "--events-port", "6000", "--topic=",
+         "--event-encoding", "array", "--capacity-blocks", "500", "--cpu-offload-blocks", "100",
+         "--speedup", "20", "--block-size", "32", "--fail-rate", "0.5", "--event-delay-ms", "5",
+         "--hash-format", "bytes", "--model", "m"]
+    )  # fmt: skip
+    config = config_from_args(args)
+    config.validate()
+    assert (config.replicas, config.port, config.events_port) == (3, 9101, 6000)
+    assert [config.http_port(i) for i in range(3)] == [9101, 9102, 9103]
+    assert [config.pub_port(i) for i in range(3)] == [6000, 6002, 6004]
+    assert [config.replay_port(i) for i in range(3)] == [6001, 6003, 6005]
+    assert config.events.topic == "" and config.events.encoding == "array"
+    assert config.events.hash_format == "bytes"
+    assert config.engine.capacity_blocks == 500 and config.engine.cpu_offload_blocks == 100
+    assert config.engine.block_size == 32 and config.engine.model == "m"
+    assert config.timing.speedup == 20
+    assert config.faults.fail_rate == 0.5 and config.faults.event_delay_s == 0.005
+    assert config.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--replicas", "0"], ["--speedup", "0"], ["--fail-rate", "2"], ["--port", "70000"]]
+)
+def test_invalid_settings_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "kvgate sim:" in capsys.readouterr().err
+
+
+def _free_ports(count: int) -> int:
+    """A base port with ``count`` consecutive free loopback ports."""
+    for base in range(42000, 60000, 97):
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def test_kvgate_sim_serves_then_stops_on_sigterm(tmp_path: Path) -> None:
+    http = _free_ports(6)
+    events = http + 2
+    log = tmp_path / "sim.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "sim", "--replicas", "2", "--port", str(http),
+             "--events-port", str(events), "--topic="],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=2) as client:
+            for port in (http, http + 1):
+                while True:
+                    try:
+                        if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                            break
+                    except httpx.ConnectError:
+                        pass
+                    assert proc.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, "kvgate sim did not come up"
+                    time.sleep(0.05)
+            sources = client.get(f"http://127.0.0.1:{http + 1}/kv_event_sources").json()
+        assert sources["0"]["endpoint"] == f"tcp://127.0.0.1:{events + 2}"
+        assert sources["0"]["replay_endpoint"] == f"tcp://127.0.0.1:{events + 3}"
+        assert sources["0"]["topic"] == ""
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    printed = log.read_text()
+    assert code == 0, printed
+    assert "port scheme" in printed
+    assert f"replica 1: http://127.0.0.1:{http + 1}" in printed

@@ -1,0 +1,159 @@
+"""The engine's scheduler and step-time model, driven directly (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from backends.sim.config import EngineConfig, TimingConfig
+from backends.sim.engine import Engine, SimRequest
+from backends.sim.events import KVEvent
+from backends.sim.faults import FaultState
+from backends.sim.timing import StepWork, prefill_pairs, step_seconds
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Recorder:
+    admitted: list[tuple[int, int, int]] = field(default_factory=list)
+    preempted: int = 0
+    batches: list[list[KVEvent]] = field(default_factory=list)
+
+    def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
+        self.admitted.append((prompt_tokens, gpu_hit_tokens, cpu_hit_tokens))
+
+    def on_first_token(self, ttft_s: float) -> None:
+        assert ttft_s >= 0
+
+    def on_finished(self, req: SimRequest, reason: str, e2e_s: float) -> None:
+        assert reason == "length"
+
+    def on_preempted(self) -> None:
+        self.preempted += 1
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@contextlib.asynccontextmanager
+async def _engine(config: EngineConfig, recorder: Recorder) -> AsyncIterator[Engine]:
+    engine = Engine(
+        config,
+        timing=TimingConfig(speedup=1000.0),
+        faults=FaultState(random.Random(0), time.monotonic),
+        rng=random.Random(0),
+        hash_seed=1,
+        first_output_id=1000,
+        on_batch=recorder.batches.append,
+        observer=recorder,
+    )
+    task = asyncio.create_task(engine.run())
+    try:
+        yield engine
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _finish(req: SimRequest) -> list[int]:
+    while await req.stream.next():
+        pass
+    assert req.stream.error is None
+    return req.output_ids
+
+
+async def test_long_prompts_are_prefilled_in_chunks(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=64, max_num_batched_tokens=8)
+    async with _engine(config, recorder) as engine:
+        req = engine.submit(list(range(10, 40)), 3, None, time.monotonic())
+        first = await req.stream.next()
+        assert len(first) == 1
+        assert engine.steps == 4  # 30 prompt tokens, 8 per step
+        assert len(await _finish(req)) == 3
+
+
+async def test_prefix_hits_stop_before_the_last_token(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=64)
+    async with _engine(config, recorder) as engine:
+        prompt = list(range(100, 116))  # exactly 4 blocks
+        await _finish(engine.submit(list(prompt), 1, None, time.monotonic()))
+        second = engine.submit(list(prompt), 1, None, time.monotonic())
+        await _finish(second)
+        assert second.cached_tokens == 12  # the 4th block holds the last token: recomputed
+        salted = engine.submit(list(prompt), 1, "tenant-b", time.monotonic())
+        await _finish(salted)
+        assert salted.cached_tokens == 0  # a cache salt never shares blocks
+    assert recorder.admitted == [(16, 0, 0), (16, 12, 0), (16, 0, 0)]
+
+
+async def test_cpu_tier_hits_are_loaded_back(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=8, cpu_offload_blocks=32)
+    async with _engine(config, recorder) as engine:
+        prompt = list(range(200, 224))  # 6 blocks
+        await _finish(engine.submit(list(prompt), 1, None, time.monotonic()))
+        await _finish(engine.submit(list(range(300, 328)), 1, None, time.monotonic()))  # evicts
+        again = engine.submit(list(prompt), 1, None, time.monotonic())
+        await _finish(again)
+        assert again.cached_tokens == 20
+    prompt_tokens, gpu_hits, cpu_hits = recorder.admitted[-1]
+    assert (prompt_tokens, gpu_hits + cpu_hits) == (24, 20) and cpu_hits > 0
+
+
+async def test_out_of_blocks_preempts_and_everything_finishes(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=16, max_num_batched_tokens=64)
+    async with _engine(config, recorder) as engine:
+        reqs = [engine.submit([7 + i] * 10, 20, None, time.monotonic()) for i in range(4)]
+        outputs = await asyncio.gather(*(_finish(r) for r in reqs))
+        assert [len(o) for o in outputs] == [20] * 4
+        assert engine.cache.free_blocks == 16
+    assert recorder.preempted > 0
+
+
+async def test_abort_frees_blocks_and_keeps_cached_ones(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=2000)
+    async with _engine(config, recorder) as engine:
+        req = engine.submit(list(range(10, 30)), 5000, None, time.monotonic())
+        await req.stream.next()
+        engine.abort(req)
+        assert not engine.running and engine.cache.free_blocks == 2000
+        assert len(engine.cache.snapshot().gpu) >= 5  # the prompt's blocks stay cached
+
+
+def test_submit_rejects_what_cannot_fit(recorder: Recorder) -> None:
+    config = EngineConfig(block_size=4, capacity_blocks=4)
+    engine = Engine(
+        config, timing=TimingConfig(), faults=FaultState(random.Random(0), time.monotonic),
+        rng=random.Random(0), hash_seed=1, first_output_id=1000,
+        on_batch=recorder.batches.append, observer=recorder,
+    )  # fmt: skip
+    assert config.effective_max_model_len == 16
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.submit([1] * 10, 7, None, 0.0)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], 1, None, 0.0)
+
+
+def test_step_time_model() -> None:
+    timing = TimingConfig(step_floor_ms=6.0, token_us=30.0, prefill_attn_ns=1.0,
+                          decode_kv_ns=49.0, cpu_load_us_per_token=5.2)  # fmt: skip
+    # a lone decode step is bound by the weights read
+    assert step_seconds(StepWork(tokens=1, decode_context=1000), timing) == pytest.approx(
+        0.006 + 1000 * 49e-9
+    )
+    # a 1000-token prefill is compute bound, plus its attention pairs
+    prefill = StepWork(tokens=1000, prefill_pairs=prefill_pairs(0, 1000))
+    assert step_seconds(prefill, timing) == pytest.approx(0.030 + 499_500 * 1e-9)
+    loaded = StepWork(tokens=1, cpu_loaded_tokens=160)
+    assert step_seconds(loaded, timing) == pytest.approx(0.006 + 160 * 5.2e-6)
+    fast = TimingConfig(speedup=10.0)
+    assert step_seconds(StepWork(tokens=1), fast, slowdown=2.0) == pytest.approx(0.006 * 2 / 10)
+    assert prefill_pairs(5, 3) == 5 + 6 + 7

@@ -1,0 +1,281 @@
+"""Each simulated fault behaves as docs/simulator.md says (real HTTP and ZMQ, no sleeps)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import httpx
+import pytest
+import zmq.asyncio
+from test_sim_support import EventLog, expected, replay, sim_config, sim_fleet, wait_for
+
+from backends.sim.config import StartupFaults
+from backends.sim.fleet import SimFleet
+from index.events import AllBlocksCleared, decode_event_batch
+
+pytestmark = pytest.mark.anyio
+LABELS = {"model_name": "kvgate-sim", "engine": "0"}
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with sim_fleet(sim_config(replicas=2, block_size=4)) as f:
+        yield f
+
+
+async def _fault(client: httpx.AsyncClient, **body: object) -> dict[str, object]:
+    reply = await client.post("/sim/fault", json=body)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, object] = reply.json()
+    return result
+
+
+async def _complete(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int = 2
+) -> httpx.Response:
+    return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+
+
+async def _refused(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=2) as c:
+        try:
+            await c.get(f"{url}/health")
+        except httpx.ConnectError:
+            return True
+    return False
+
+
+async def _healthy(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=2) as c:
+        try:
+            return (await c.get(f"{url}/health")).status_code == 200
+        except httpx.ConnectError:
+            return False
+
+
+async def _live(log: EventLog, client: httpx.AsyncClient, fleet: SimFleet) -> None:
+    """Send small requests until the subscriber receives batches live (ZMQ slow joiner)."""
+    for i in range(200):
+        assert (await _complete(client, [50 + i] * 5)).status_code == 200
+        await wait_for(fleet.replica(0).idle)
+        if log.received:
+            return
+    raise AssertionError("subscription never became live")
+
+
+async def test_fail_answers_errors_for_count_requests(fleet: SimFleet) -> None:
+    async with httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        await _fault(c, kind="fail", count=2, status=503)
+        statuses = [(await _complete(c, [7] * 6)).status_code for _ in range(3)]
+        assert statuses == [503, 503, 200]
+        await _fault(c, kind="fail")  # rate 1, until cleared
+        reply = await _complete(c, [7] * 6)
+        assert reply.status_code == 500
+        assert reply.json()["error"]["code"] == 500
+        await _fault(c, kind="clear", fault="fail")
+        assert (await _complete(c, [7] * 6)).status_code == 200
+    assert fleet.replica(0).faults.hits["fail"] == 3
+
+
+async def test_startup_fail_rate_from_config() -> None:
+    config = replace(sim_config(), faults=StartupFaults(fail_rate=1.0))
+    async with sim_fleet(config) as fleet, httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        assert (await _complete(c, [1, 2, 3])).status_code == 500
+
+
+async def test_dropped_batches_leave_a_gap_that_replay_fills(fleet: SimFleet) -> None:
+    replica = fleet.replica(0)
+    url, events, replay_endpoint = fleet.replicas[0]
+    async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+        await _live(log, c, fleet)
+        await _fault(c, kind="drop_events", count=1)
+        dropped = replica.publisher.next_seq
+        assert (await _complete(c, list(range(200, 230)), max_tokens=3)).status_code == 200
+        await wait_for(replica.idle)
+        await wait_for(lambda: log.received[-1] == replica.publisher.next_seq - 1)
+        assert dropped not in log.received  # a seq gap for subscribers
+        await log.complete(replica.publisher.next_seq)  # ... that replay covers
+        assert log.rebuild() == expected(replica.snapshot())
+
+
+async def test_lost_batches_are_missing_from_replay_too(fleet: SimFleet) -> None:
+    replica = fleet.replica(0)
+    url, events, replay_endpoint = fleet.replicas[0]
+    async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+        await _live(log, c, fleet)
+        await _fault(c, kind="drop_events", count=1, replayable=False)
+        lost = replica.publisher.next_seq
+        assert (await _complete(c, list(range(300, 330)), max_tokens=3)).status_code == 200
+        await wait_for(replica.idle)
+        ctx = zmq.asyncio.Context()
+        try:
+            served = [seq for _, seq, _ in await replay(ctx, replay_endpoint, lost)]
+        finally:
+            ctx.term()
+        assert served and served[0] == lost + 1
+    lost_count = replica.registry.get_sample_value(
+        "kvgate_sim_event_batches_total", {"outcome": "lost"}
+    )
+    assert lost_count == 1
+
+
+async def test_delayed_batches_are_held_then_published_in_order(fleet: SimFleet) -> None:
+    replica = fleet.replica(0)
+    url, events, replay_endpoint = fleet.replicas[0]
+    async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+        await _live(log, c, fleet)
+        before = replica.publisher.next_seq
+        await _fault(c, kind="delay_events", delay_s=3600)
+        assert (await _complete(c, list(range(400, 420)), max_tokens=3)).status_code == 200
+        await wait_for(replica.idle)
+        held = replica.publisher.pending_delayed
+        assert held == replica.publisher.next_seq - before > 0
+        assert max(log.received) < before
+        await _fault(c, kind="clear", fault="delay_events")  # releases what was held
+        assert replica.publisher.pending_delayed == 0
+        await wait_for(lambda: max(log.received) == replica.publisher.next_seq - 1)
+        assert log.received == sorted(log.received)
+        await log.complete(replica.publisher.next_seq)
+        assert log.rebuild() == expected(replica.snapshot())
+
+
+async def test_slow_multiplies_modelled_step_time(fleet: SimFleet) -> None:
+    engine = fleet.replica(0).engine
+    async with httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        start = engine.busy_s
+        assert (await _complete(c, [11] * 7, max_tokens=3)).status_code == 200
+        normal = engine.busy_s - start
+        state = await _fault(c, kind="slow", factor=3)
+        assert state["faults"] == [
+            {"kind": "slow", "rate": 1.0, "count": None, "until": None, "value": 3.0,
+             "replayable": True}
+        ]  # fmt: skip
+        start = engine.busy_s
+        assert (await _complete(c, [12] * 7, max_tokens=3)).status_code == 200
+        slowed = engine.busy_s - start
+    assert slowed == pytest.approx(3 * normal)
+
+
+async def test_restart_fails_requests_resets_cache_and_seq() -> None:
+    async with sim_fleet(sim_config(block_size=4, speedup=1.0)) as fleet:
+        replica = fleet.replica(0)
+        url, events, replay_endpoint = fleet.replicas[0]
+        prompt = list(range(500, 540))
+        async with (
+            EventLog(events, replay_endpoint) as log,
+            httpx.AsyncClient(base_url=url, timeout=30) as c,
+        ):
+            assert (await _complete(c, prompt)).status_code == 200
+            old_hashes = set(replica.snapshot().gpu)
+            body = {"prompt": [9] * 8, "max_tokens": 5000, "stream": True}
+            lines = []
+            async with c.stream("POST", "/v1/completions", json=body) as stream:
+                async for line in stream.aiter_lines():
+                    lines.append(line)
+                    if len(lines) == 1:
+                        await _fault(c, kind="restart")
+            errors = [json.loads(x[6:]) for x in lines if x.startswith('data: {"error"')]
+            assert errors and errors[0]["error"]["code"] == 500
+            assert [x for x in lines if x][-1] == "data: [DONE]"
+            assert replica.generation == 1
+            assert replica.publisher.next_seq == 0
+            assert replica.snapshot().gpu == {}
+            log.forget()
+            again = await _complete(c, prompt)
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            await wait_for(replica.idle)
+            await log.complete(replica.publisher.next_seq)  # seq counts from 0 again
+            assert log.rebuild() == expected(replica.snapshot())
+            assert not old_hashes & set(replica.snapshot().gpu)  # a new hash seed
+
+
+async def test_restart_with_downtime_refuses_connections_for_a_while(fleet: SimFleet) -> None:
+    url = fleet.replicas[0].url
+    async with httpx.AsyncClient(base_url=url) as c:
+        await _fault(c, kind="restart", downtime_s=0.3)
+    await wait_for(lambda: _refused(url), what="connections refused")
+    await wait_for(lambda: _healthy(url), what="the replica back")
+    assert fleet.replica(0).generation == 1
+
+
+async def test_refuse_until_resume_keeps_the_cache(fleet: SimFleet) -> None:
+    replica = fleet.replica(0)
+    url = fleet.replicas[0].url
+    async with httpx.AsyncClient(base_url=url) as c:
+        assert (await _complete(c, list(range(600, 620)))).status_code == 200
+        cached = replica.snapshot()
+        await _fault(c, kind="refuse")
+    await wait_for(lambda: _refused(url), what="connections refused")
+    assert not replica.http_up
+    await replica.resume()
+    assert await _healthy(url)
+    assert replica.snapshot() == cached
+    async with httpx.AsyncClient(base_url=url) as c:
+        reply = await _complete(c, list(range(600, 620)))
+    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+
+
+async def test_admin_of_one_replica_can_target_another(fleet: SimFleet) -> None:
+    down = fleet.replicas[0].url
+    async with httpx.AsyncClient(base_url=fleet.replicas[1].url) as c:
+        result = await _fault(c, kind="refuse", replica=0, duration_s=0.3)
+        assert result["replica"] == 0
+        await wait_for(lambda: _refused(down), what="replica 0 refusing")
+        assert await _healthy(fleet.replicas[1].url)
+        await wait_for(lambda: _healthy(down), what="replica 0 back after its duration")
+        reply = await c.post("/sim/fault", json={"kind": "slow", "factor": 2, "replica": 9})
+        assert reply.status_code == 400
+
+
+async def test_reset_prefix_cache_sends_all_blocks_cleared(fleet: SimFleet) -> None:
+    replica = fleet.replica(0)
+    url, events, replay_endpoint = fleet.replicas[0]
+    async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+        assert (await _complete(c, list(range(700, 740)))).status_code == 200
+        assert replica.snapshot().gpu
+        assert (await c.post("/reset_prefix_cache")).status_code == 200
+        assert replica.snapshot().gpu == {}
+        await wait_for(lambda: replica.publisher.next_seq > 0 and replica.idle())
+        await log.complete(replica.publisher.next_seq)
+        last = decode_event_batch(log.batches[replica.publisher.next_seq - 1])
+        assert isinstance(last.events[-1], AllBlocksCleared)
+        assert log.rebuild() == expected(replica.snapshot())
+        assert (await _fault(c, kind="reset_cache"))["reset"] is True
+
+
+async def test_reset_is_refused_while_blocks_are_in_use() -> None:
+    async with sim_fleet(sim_config(speedup=1.0)) as fleet:
+        replica = fleet.replica(0)
+        async with httpx.AsyncClient(base_url=fleet.replicas[0].url, timeout=30) as c:
+            body = {"prompt": [3] * 10, "max_tokens": 5000, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as stream:
+                async for _ in stream.aiter_lines():
+                    reply = await c.post("/reset_prefix_cache")
+                    assert reply.status_code == 409
+                    break
+        await wait_for(replica.idle)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"kind": "explode"},
+        {"kind": "fail", "rate": 2},
+        {"kind": "fail", "status": 200},
+        {"kind": "slow", "factor": 0},
+        {"kind": "drop_events", "count": -1},
+        {"kind": "drop_events", "replayable": "yes"},
+        {"kind": "restart", "downtime_s": "soon"},
+        {"kind": "clear", "fault": "everything"},
+        {"kind": "slow", "replica": "one"},
+    ],
+)
+async def test_malformed_fault_requests_are_rejected(
+    fleet: SimFleet, body: dict[str, object]
+) -> None:
+    async with httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        reply = await c.post("/sim/fault", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == 400
