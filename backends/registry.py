@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
-from index.types import WorkerId
+from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.config import HealthConfig, WorkerConfig, normalise_url
 from router.errors import WorkerExists, WorkerNotFound
 from scoring.api import Candidate, WorkerLoad
@@ -46,6 +46,10 @@ class Worker:
     consecutive_successes: int = 0
     last_error: str | None = None
     removed: bool = False
+    # The last snapshots handed out, reused while nothing they hold has changed (immutable).
+    _load: WorkerLoad | None = field(default=None, init=False, repr=False)
+    _load_scraped: ScrapedLoad | None = field(default=None, init=False, repr=False)
+    _candidate: Candidate | None = field(default=None, init=False, repr=False)
 
     @property
     def id(self) -> WorkerId:
@@ -56,14 +60,36 @@ class Worker:
         return self.config.url
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(
+        """The worker's load now (an immutable snapshot)."""
+        last = self._load
+        if (
+            last is not None
+            and self._load_scraped is self.scraped
+            and last.in_flight == self.in_flight
+            and last.pending_prefill_tokens == self.pending_prefill_tokens
+            and last.active_decode_blocks == self.active_decode_blocks
+        ):
+            return last
+        scraped = self.scraped
+        self._load_scraped = scraped
+        self._load = WorkerLoad(
             in_flight=self.in_flight,
             pending_prefill_tokens=self.pending_prefill_tokens,
             active_decode_blocks=self.active_decode_blocks,
-            scraped_running=self.scraped.running,
-            scraped_waiting=self.scraped.waiting,
-            scraped_kv_usage=self.scraped.kv_usage,
+            scraped_running=scraped.running,
+            scraped_waiting=scraped.waiting,
+            scraped_kv_usage=scraped.kv_usage,
         )
+        return self._load
+
+    def candidate(self, match: PrefixMatch = NO_MATCH) -> Candidate:
+        """The worker as a routing candidate with its current load and ``match``."""
+        load = self.load()
+        last = self._candidate
+        if last is not None and last.load is load and last.match is match and last.url is self.url:
+            return last
+        self._candidate = Candidate(worker=self.id, url=self.url, load=load, match=match)
+        return self._candidate
 
     def set_models(self, cards: Mapping[str, dict[str, Any]]) -> None:
         self.model_cards = dict(cards)
@@ -180,10 +206,17 @@ class WorkerRegistry:
         """Does any worker (healthy or not) serve ``model``?"""
         return any(model in w.models for w in self._workers.values())
 
-    def candidates(self, model: str) -> list[Candidate]:
-        """Healthy workers serving ``model`` (``match`` is left empty for the router)."""
+    def candidates(
+        self, model: str, matches: Mapping[WorkerId, PrefixMatch] | None = None
+    ) -> list[Candidate]:
+        """Healthy workers serving ``model``, each with its entry of ``matches`` (the index's
+        prefix matches; none given: ``NO_MATCH``)."""
+        if not matches:
+            return [
+                w.candidate() for w in self._workers.values() if w.healthy and model in w.models
+            ]
         return [
-            Candidate(worker=w.id, url=w.url, load=w.load())
+            w.candidate(matches.get(w.id, NO_MATCH))
             for w in self._workers.values()
             if w.healthy and model in w.models
         ]

@@ -296,7 +296,11 @@ def cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         )
         for r, o in zip(runs, outputs, strict=True)
     ]
-    report.plot_sweep(points, out / "sweep.png", cfg.title)
+    oracle_rate = next(
+        (o.summary.hit_rate / o.summary.hit_vs_oracle for o in outputs if o.summary.hit_vs_oracle),
+        None,
+    )
+    report.plot_sweep(points, out / "sweep.png", cfg.title, oracle_rate)
     (out / "sweep.json").write_text(
         json.dumps(
             [

@@ -345,7 +345,12 @@ def plot_replica_load(runs: Mapping[str, Sequence[MetricsSample]], path: Path, t
     plt.close(fig)
 
 
-def plot_sweep(points: Sequence[tuple[float, float, float, float]], path: Path, title: str) -> None:
+def plot_sweep(
+    points: Sequence[tuple[float, float, float, float]],
+    path: Path,
+    title: str,
+    oracle_hit_rate: float | None = None,
+) -> None:
     """Sweep curves: (overlap_credit, temperature, hit_rate, ttft_p99) -> two panels."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.0, 3.4), dpi=90)
@@ -360,6 +365,9 @@ def plot_sweep(points: Sequence[tuple[float, float, float, float]], path: Path, 
         ax.set_xlabel("overlap_credit")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    if oracle_hit_rate is not None:
+        ax1.axhline(oracle_hit_rate, color="#c44e52", linestyle="--", label="oracle")
+        ax1.legend(fontsize=7)
     ax1.set_ylabel("token hit rate")
     ax2.set_ylabel("TTFT p99 (s)")
     fig.suptitle(title, fontsize=10)

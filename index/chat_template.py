@@ -88,6 +88,9 @@ def prepare_messages(
     """Messages as vLLM hands them to the template."""
     prepared: list[dict[str, Any]] = []
     for message in messages:
+        if type(message) is dict and not _needs_preparing(message):
+            prepared.append(message)  # the sandbox keeps templates from changing it
+            continue
         item = dict(message)
         content = item.get("content")
         if isinstance(content, list):
@@ -101,6 +104,12 @@ def prepare_messages(
             item["tool_calls"] = [_parsed_tool_call(call) for call in tool_calls]
         prepared.append(item)
     return prepared
+
+
+def _needs_preparing(message: Mapping[str, Any]) -> bool:
+    return isinstance(message.get("content"), list) or (
+        message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list)
+    )
 
 
 def _parsed_tool_call(call: Any) -> Any:
@@ -133,6 +142,9 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as error:
             raise TemplateError(f"chat template does not parse: {error}") from error
+        # jinja keeps a template's globals as a ChainMap over the environment's, merged in
+        # Python code on every render; this environment is private and complete: a dict.
+        self._template.globals = dict(self._template.globals)
         self.source = source
         self.content_format = detect_content_format(source)
         self._special = {k: v for k, v in special_tokens.items() if v is not None}
@@ -154,7 +166,7 @@ class ChatTemplate:
             add_generation_prompt=add_generation_prompt,
         )
         try:
-            return self._template.render(**variables)
+            return self._template.render(variables)
         except TemplateError:
             raise
         except jinja2.TemplateError as error:

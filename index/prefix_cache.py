@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ at most this many more characters are tokenized on a hit)."""
 
 Cut = tuple[int, int, int]
 """(char offset of the added token, char offset after it, index of its token)."""
+
+
+def _cut_start(cut: Cut) -> int:
+    return cut[0]
 
 
 @dataclass(slots=True)
@@ -127,8 +132,8 @@ class PrefixTokenCache:
         token_offset = len(ids)
         ids.extend(array("I", tail_ids) if not isinstance(tail_ids, array) else tail_ids)
         cuts: list[Cut] = []
-        if plan.entry is not None:
-            cuts = [cut for cut in plan.entry.cuts if cut[0] < plan.start]
+        if plan.entry is not None:  # its cuts before ``plan.start`` (they are in text order)
+            cuts = plan.entry.cuts[: bisect_left(plan.entry.cuts, plan.start, key=_cut_start)]
         cuts.extend((plan.start + s, plan.start + e, token_offset + k) for s, e, k in tail_cuts)
         entry = Entry(text, ids, cuts)
         if self.enabled:

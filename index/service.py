@@ -28,6 +28,9 @@ from index.tokenize import ModelTokenizer, TokenizeError, plain_render, prompt_s
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
+_TEXT_OR_NONE = (str, type(None))
+_MAX_CACHED_LABELS = 4096  # labelled metric children kept at hand (models x modes)
+_MAX_CACHED_SEEDS = 4096  # (LoRA name, cache salt) -> chain seed
 
 
 @dataclass(slots=True)
@@ -68,6 +71,8 @@ class KvIndexService:
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}
         self._context: zmq.asyncio.Context | None = None
         self._tokenize_counters: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._tokenize_cache_counters: dict[tuple[str, bool], Counter] = {}
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -250,6 +255,8 @@ class KvIndexService:
         keys = await self._keys_for(model, prompt)
         counters = self._tokenize_counters.get((model, keys.mode))
         if counters is None:
+            if len(self._tokenize_counters) >= _MAX_CACHED_LABELS:
+                self._tokenize_counters.clear()
             counters = (
                 self.metrics.tokenize.labels(model, keys.mode),
                 self.metrics.tokenize_seconds.labels(keys.mode),
@@ -259,16 +266,38 @@ class KvIndexService:
         counters[1].observe(time.perf_counter() - started)
         return keys
 
+    def _seed(self, prompt: PromptInput) -> int:
+        """``prompt_seed(prompt)``, remembered per (LoRA name, cache salt)."""
+        domain = (prompt.lora_name, prompt.cache_salt)
+        seed = self._seeds.get(domain)
+        if seed is None:
+            if len(self._seeds) >= _MAX_CACHED_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[domain] = prompt_seed(prompt)
+        return seed
+
+    def _count_cache(self, model: str, hit: bool) -> None:
+        counter = self._tokenize_cache_counters.get((model, hit))
+        if counter is None:
+            if len(self._tokenize_cache_counters) >= _MAX_CACHED_LABELS:
+                self._tokenize_cache_counters.clear()
+            counter = self.metrics.tokenize_cache.labels(model, "hit" if hit else "miss")
+            self._tokenize_cache_counters[(model, hit)] = counter
+        counter.inc()
+
     async def _keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
         block_size = self.block_size_for(model)
-        seed = prompt_seed(prompt)
-        if prompt.kind == "completion" and not isinstance(prompt.prompt, str | None):
-            ids = list(prompt.prompt)
+        seed = self._seed(prompt)
+        completion = prompt.kind == "completion"
+        if completion and not isinstance(prompt.prompt, _TEXT_OR_NONE):
+            given = prompt.prompt
+            ids = given if isinstance(given, list) else list(given)
             return self._keys(block_keys(ids, block_size, seed), block_size, len(ids), "token_ids")
-        tokenizer = await self._tokenizer(model)
-        if tokenizer is not None and (prompt.kind == "completion" or tokenizer.template):
+        tokenizer = self._tokenizers.get(model)
+        if tokenizer is None and model not in self._tokenizers:
+            tokenizer = await self._tokenizer(model)
+        if tokenizer is not None and (completion or tokenizer.template):
             try:
-                completion = prompt.kind == "completion"
                 text = (prompt.prompt or "") if completion else tokenizer.render(prompt)
                 result = await tokenizer.tokenize(
                     str(text), add_special_tokens=completion, block_size=block_size, seed=seed
@@ -276,9 +305,7 @@ class KvIndexService:
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)
             else:
-                self.metrics.tokenize_cache.labels(
-                    model, "hit" if result.cache_hit else "miss"
-                ).inc()
+                self._count_cache(model, result.cache_hit)
                 return self._keys(result.keys, block_size, result.token_count, "tokenizer")
         if self.config.engine_tokenize:
             engine_ids = await self._engine_tokens(model, prompt)

@@ -2,7 +2,8 @@
 
 Frames are ``[topic, seq (u64 BE), payload]``. Sequence handling:
 
-* first batch seen with seq > 0 → replay from 0 to learn the engine's existing cache;
+* on connect (and on the first batch seen with seq > 0) → replay from 0 to learn the engine's
+  existing cache, so a fresh kvgate knows an idle engine's cache before its next batch;
 * seq gap → replay the missing range through the engine's replay socket (DEALER → ROUTER:
   send ``[b"", start]``, receive ``[b"", topic, seq, payload]``... until seq = 2**64-1);
   a range the replay cannot cover → the worker's entries are cleared (no phantom hits);
@@ -64,6 +65,7 @@ class Subscriber:
         self.next_seq: int | None = None
         self.history_complete = False
         self._duplicates_upto = -1
+        self._duplicates_from = 0
         self._progress = asyncio.Condition()
         self.connected = False
         self._label = (feed.worker, endpoints.events)
@@ -123,6 +125,17 @@ class Subscriber:
             self.next_seq = None
             self.history_complete = False
             self._duplicates_upto = -1
+        elif self.connected and self.next_seq is None and self.endpoints.replay:
+            await self._join()
+
+    async def _join(self) -> None:
+        """Learn the engine's history from its replay ring before any live batch arrives.
+
+        Live batches queued meanwhile are matched against it by seq: the replayed ones are
+        dropped as duplicates, a gap is replayed as usual."""
+        log.info("%s: event publisher %s connected: replaying its history", *self._label)
+        await self._replay(0, 0, joining=True)
+        await self._notify()
 
     async def _drain(self, sock: zmq.asyncio.Socket) -> None:
         for _ in range(_DRAIN_MAX):
@@ -150,8 +163,11 @@ class Subscriber:
             else:
                 self.history_complete = True
         elif seq < expected:
-            if seq <= self._duplicates_upto:
-                return  # already applied through a replay
+            if self._duplicates_from <= seq <= self._duplicates_upto:
+                # already applied through a replay; live frames come in order, so a later
+                # frame at or below this one means the engine restarted
+                self._duplicates_from = seq + 1
+                return
             log.info(
                 "%s: seq went back from %d to %d: engine restarted",
                 self.feed.worker,
@@ -199,6 +215,8 @@ class Subscriber:
             )
             self.feed.reset("gap")
             self.history_complete = False
+        if self._duplicates_upto < 0:
+            self._duplicates_from = start
         for seq, payload in batches or ():
             if seq >= start:
                 self._apply(seq, payload)

@@ -33,6 +33,8 @@ from index.types import BlockKey
 log = logging.getLogger(__name__)
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+_TAIL_MEMO_CHARS = 256  # tails this short are remembered (tokens and cut points)
+_TAIL_MEMO_ENTRIES = 1024
 
 
 class TokenizeError(ValueError):
@@ -106,6 +108,7 @@ class ModelTokenizer:
         self.cache = PrefixTokenCache(safe, cache_tokens)
         self._inline_chars = inline_chars
         self._affix = self._special_affix()
+        self._tails: dict[str, tuple[array[int], list[Cut]]] = {}
 
     @staticmethod
     def _read_config(directory: Path) -> dict[str, Any]:
@@ -147,10 +150,25 @@ class ModelTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def _encode_tail(self, text: str) -> tuple[array[int], list[Cut]]:
+        """Tokens of a text's uncached tail and its cut points (relative to the tail).
+
+        Short tails repeat (the generation prompt after a cached conversation): they are
+        remembered, as the tail is tokenized on its own (see index/prefix_cache.py).
+        """
+        short = len(text) <= _TAIL_MEMO_CHARS
+        if short:
+            found = self._tails.get(text)
+            if found is not None:
+                return found
         encoding: Encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids = encoding.ids
         cuts = cuts_in(ids, self.cache.safe_ids, encoding.token_to_chars)  # type: ignore[arg-type]
-        return array("I", ids), cuts
+        encoded = array("I", ids), cuts
+        if short:
+            if len(self._tails) >= _TAIL_MEMO_ENTRIES:
+                self._tails.clear()
+            self._tails[text] = encoded  # shared: callers only read them
+        return encoded
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool, block_size: int, seed: int
@@ -171,17 +189,7 @@ class ModelTokenizer:
             before, after = self._affix
             ids = array("I", before) + ids + array("I", after)
             return TokenizedPrompt(len(ids), block_keys(ids, block_size, seed), False)
-        keys = await self._keys(entry, plan, block_size, seed)
-        return TokenizedPrompt(len(ids), keys, plan.entry is not None)
-
-    async def _keys(self, entry: Entry, plan: Plan, block_size: int, seed: int) -> list[BlockKey]:
-        reused: list[BlockKey] = []
-        previous = plan.entry
-        if previous is not None and previous.keys_for == (seed, block_size):
-            reused = previous.keys[: len(plan.prefix) // block_size]
-        start = len(reused) * block_size
-        parent = reused[-1] if reused else None
-        fresh = entry.ids[start:]
+        reused, fresh, parent = self._reusable_keys(entry, plan, block_size, seed)
         if len(fresh) > self._inline_chars:  # ~ a few ms of hashing: off the event loop
             new = await asyncio.to_thread(block_keys, fresh, block_size, seed, parent)
         else:
@@ -189,7 +197,20 @@ class ModelTokenizer:
         keys = reused + new
         entry.keys = keys
         entry.keys_for = (seed, block_size)
-        return keys
+        return TokenizedPrompt(len(ids), keys, plan.entry is not None)
+
+    @staticmethod
+    def _reusable_keys(
+        entry: Entry, plan: Plan, block_size: int, seed: int
+    ) -> tuple[list[BlockKey], array[int], BlockKey | None]:
+        """The cached prefix's keys, the ids still to key, and the key before them."""
+        reused: list[BlockKey] = []
+        previous = plan.entry
+        if previous is not None and previous.keys_for == (seed, block_size):
+            reused = previous.keys[: len(plan.prefix) // block_size]
+        start = len(reused) * block_size
+        parent = reused[-1] if reused else None
+        return reused, entry.ids[start:], parent
 
 
 def prompt_seed(prompt: PromptInput) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import random
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -36,8 +36,8 @@ from router.requests import (
     ChatBody,
     CompletionBody,
     decode_json_object,
+    raw_with_usage_requested,
     validate,
-    with_usage_requested,
 )
 from router.routing import Router
 
@@ -82,11 +82,25 @@ def error_response(error: KvgateError, request_id: str | None = None) -> Respons
     return Response(error.body_bytes(), error.status, headers, media_type=content_type)
 
 
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
-        return given
-    return uuid.uuid4().hex
+class RequestIds:
+    """New request ids in ``uuid.uuid4().hex`` form, drawn from a random generator seeded
+    once (the OS's entropy per id costs a system call; ids need uniqueness, not secrecy)."""
+
+    _VERSION_MASK = ~((0xF000 << 64) | (0xC000 << 48))
+    _VERSION_BITS = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._bits = (rng if rng is not None else random.Random()).getrandbits
+
+    def new(self) -> str:
+        return f"{self._bits(128) & self._VERSION_MASK | self._VERSION_BITS:032x}"
+
+    def of(self, request: Request) -> str:
+        """The client's ``x-request-id`` when usable, else a new id."""
+        given = request.headers.get("x-request-id")
+        if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+            return given
+        return self.new()
 
 
 def _bearer(request: Request) -> str | None:
@@ -118,6 +132,7 @@ class Gateway:
     client: httpx.AsyncClient
     index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
+    request_ids: RequestIds = field(default_factory=RequestIds)
 
     # -- auth ---------------------------------------------------------------------------
     def check_client(self, request: Request) -> None:
@@ -153,7 +168,7 @@ class Gateway:
     ) -> Response:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
         received_at = time.perf_counter()
-        request_id = _request_id(request)
+        request_id = self.request_ids.of(request)
         model = "none"
         try:
             self.check_client(request)
@@ -174,7 +189,7 @@ class Gateway:
             if asked:
                 usage_mode = UsageMode.TAP
             elif self.settings.capture_usage:
-                usage_mode, body = UsageMode.HIDE, with_usage_requested(data)
+                usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
             else:
                 usage_mode = UsageMode.NONE
         return self.proxy.respond(
@@ -195,7 +210,7 @@ class Gateway:
     async def pass_through(self, request: Request) -> Response:
         """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model."""
         received_at = time.perf_counter()
-        request_id = _request_id(request)
+        request_id = self.request_ids.of(request)
         model = "none"
         try:
             self.check_client(request)

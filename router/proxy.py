@@ -200,8 +200,10 @@ class ProxyResponse(Response):
                 )
             except httpx.HTTPError as exc:
                 error = from_httpx(exc, worker=worker.url)
+                # Refused/reset: the engine is gone, mark it down at once. A connect timeout
+                # may only mean a starved box: it counts towards the failure threshold.
                 proxy.registry.record_failure(
-                    worker, error.message, immediate=isinstance(error, UpstreamConnectError)
+                    worker, error.message, immediate=isinstance(exc, httpx.ConnectError)
                 )
                 raise error from exc
             proxy.router.record_sent(x.routed, worker.id)

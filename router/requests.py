@@ -7,7 +7,7 @@ to change something (the streamed usage request).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import pydantic
@@ -75,7 +75,7 @@ class CompletionBody(_Routable):
         if isinstance(prompt, str):
             first = prompt
         elif not prompt or isinstance(prompt[0], int):
-            first = [p for p in prompt if isinstance(p, int)]
+            first = cast(list[int], prompt)  # validated: one int means all are ints
         else:
             head = prompt[0]
             first = head if isinstance(head, str) else list(head)
@@ -140,3 +140,16 @@ def with_usage_requested(data: dict[str, Any]) -> bytes:
     options = dict(options) if isinstance(options, dict) else {}
     options["include_usage"] = True
     return _encode({**data, "stream_options": options})
+
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+
+
+def raw_with_usage_requested(raw: bytes, data: dict[str, Any]) -> bytes:
+    """``raw`` (which decodes to ``data``) with ``stream_options.include_usage = true``: the
+    member is put in front of the client's own bytes when the body has no ``stream_options``
+    (the same JSON object, without re-encoding a long prompt), else re-encoded."""
+    if not data or "stream_options" in data:
+        return with_usage_requested(data)
+    start = raw.index(b"{") + 1  # ``data`` is an object: its first byte past whitespace
+    return raw[:start] + _USAGE_OPTION + raw[start:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.registry import WorkerRegistry
@@ -18,7 +18,7 @@ from index.api import BlockIndex, PromptInput, PromptKeys
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
-from scoring.cost import overlap_tokens, request_size
+from scoring.cost import RequestSize, overlap_tokens, request_size
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
@@ -33,6 +33,16 @@ class Routed:
     candidates: Mapping[WorkerId, Candidate]  # with their matches
     decision: Decision
     policy: str
+    _size: RequestSize | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def size(self) -> RequestSize:
+        """``scoring.cost.request_size(self.request)``, computed once."""
+        size = self._size
+        if size is None:
+            size = request_size(self.request)
+            object.__setattr__(self, "_size", size)  # a cache of a pure function of a field
+        return size
 
     def match(self, worker: WorkerId) -> PrefixMatch:
         candidate = self.candidates.get(worker)
@@ -41,7 +51,7 @@ class Routed:
     def predicted_cached_tokens(self, worker: WorkerId) -> int:
         """Tokens the worker should report cached: its matched whole blocks, never the last
         prompt token (an engine always computes that one)."""
-        return overlap_tokens(self.match(worker).blocks, request_size(self.request))
+        return overlap_tokens(self.match(worker).blocks, self.size)
 
     def predicted_uncached_tokens(self, worker: WorkerId) -> int:
         """Prompt tokens the worker still has to prefill (its pending prefill work)."""
@@ -51,7 +61,7 @@ class Routed:
     def best_available_cached_tokens(self) -> int:
         """The best overlap any eligible worker had (what a pure cache policy would get)."""
         best = max((c.match.blocks for c in self.candidates.values()), default=0)
-        return overlap_tokens(best, request_size(self.request))
+        return overlap_tokens(best, self.size)
 
     @property
     def load_blocks(self) -> int:
@@ -85,15 +95,17 @@ class Router:
     ) -> Routed:
         """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``)."""
         self.require_servable(model)
+        index = self.block_index
         keys = None
-        if self.block_index is not None and prompt is not None:
-            keys = await self.block_index.keys_for(model, prompt)
-        candidates = self.registry.candidates(model)  # after the await: the freshest load
+        matches = None
+        if index is not None and prompt is not None:
+            keys = await index.keys_for(model, prompt)
+            if keys.block_keys:
+                matches = index.match(keys.block_keys)
+        # After the await: the freshest load.
+        candidates = self.registry.candidates(model, matches)
         if not candidates:
             raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
-        if keys is not None and keys.block_keys and self.block_index is not None:
-            matches = self.block_index.match(keys.block_keys)
-            candidates = [replace(c, match=matches.get(c.worker, NO_MATCH)) for c in candidates]
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),

@@ -212,8 +212,10 @@ class UpstreamResponse:
             yield chunk
 
     async def aread(self) -> bytes:
-        parts = [chunk async for chunk in self.aiter_raw()]
-        return b"".join(parts)
+        parts = []
+        while (chunk := await self._next()) is not None:
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def aclose(self) -> None:
         """Release the connection: back to the pool when the exchange completed, else closed

@@ -131,29 +131,45 @@ def overlap_tokens(matched_blocks: int, size: RequestSize) -> int:
     return min(matched_blocks * size.block_size, size.max_overlap_tokens)
 
 
-def _blend(predicted: float, scraped: float | None, config: KvPolicyConfig) -> BlendedLoad:
+def _blended(predicted: float, scraped: float | None, config: KvPolicyConfig) -> float:
     """max of the weighted prediction and weighted scrape: never their sum (no double count)."""
     weighted = config.predicted_load_weight * predicted
     if scraped is not None:
         weighted = max(weighted, config.scraped_load_weight * scraped)
-    return BlendedLoad(predicted=predicted, scraped=scraped, blended=weighted)
+    return weighted
 
 
-def queued_prefill_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
-    """Prefill work queued ahead of a new request on this worker, in blocks (``block_size`` > 0)."""
+def _blend(predicted: float, scraped: float | None, config: KvPolicyConfig) -> BlendedLoad:
+    return BlendedLoad(predicted, scraped, _blended(predicted, scraped, config))
+
+
+def _queued_parts(
+    load: WorkerLoad, block_size: int, config: KvPolicyConfig
+) -> tuple[float, float | None]:
     predicted = load.pending_prefill_tokens / block_size
     scraped = None
     if load.scraped_waiting is not None:
         scraped = load.scraped_waiting * config.waiting_request_prefill_tokens / block_size
+    return predicted, scraped
+
+
+def _decode_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
+    scraped = None
+    if load.scraped_kv_usage is not None and config.kv_capacity_blocks is not None:
+        scraped = load.scraped_kv_usage * config.kv_capacity_blocks
+    return float(load.active_decode_blocks), scraped
+
+
+def queued_prefill_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
+    """Prefill work queued ahead of a new request on this worker, in blocks (``block_size`` > 0)."""
+    predicted, scraped = _queued_parts(load, block_size, config)
     return _blend(predicted, scraped, config)
 
 
 def decode_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
     """KV blocks held by the worker's running requests."""
-    scraped = None
-    if load.scraped_kv_usage is not None and config.kv_capacity_blocks is not None:
-        scraped = load.scraped_kv_usage * config.kv_capacity_blocks
-    return _blend(float(load.active_decode_blocks), scraped, config)
+    predicted, scraped = _decode_parts(load, config)
+    return _blend(predicted, scraped, config)
 
 
 def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
@@ -167,6 +183,14 @@ def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     return None
 
 
+def _cost(prefill: float, load_blocks: float, config: KvPolicyConfig) -> float:
+    return config.overlap_credit * prefill + load_blocks
+
+
+def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
+    return config.queued_prefill_weight * queued + config.decode_weight * decode
+
+
 def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> WorkerCost:
     """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
     match = clip_match(candidate.match, size.full_blocks)
@@ -175,9 +199,7 @@ def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig)
     overlap = overlap_tokens(match.blocks, size)
     queued = queued_prefill_load(candidate.load, size.block_size, config)
     decode = decode_load(candidate.load, config)
-    load_blocks = (
-        config.queued_prefill_weight * queued.blended + config.decode_weight * decode.blended
-    )
+    load_blocks = _load_blocks(queued.blended, decode.blended, config)
     return WorkerCost(
         worker=candidate.worker,
         match=match,
@@ -189,7 +211,7 @@ def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig)
         queued_prefill=queued,
         decode=decode,
         load_blocks=load_blocks,
-        cost=config.overlap_credit * prefill + load_blocks,
+        cost=_cost(prefill, load_blocks, config),
         in_flight=candidate.load.in_flight,
         busy=busy_reason(candidate.load, config),
     )
@@ -201,3 +223,30 @@ def worker_costs(
     """Every candidate's cost for ``request``, in candidate order."""
     size = request_size(request)
     return [worker_cost(size, candidate, config) for candidate in candidates]
+
+
+class CostQuote:
+    """One worker's cost and what ranking needs, without the terms: the routing hot path.
+
+    ``cost`` is computed by the same steps as ``worker_cost(...).cost`` (so it is equal to
+    the last bit); ``full()`` builds that ``WorkerCost`` on demand (``/debug/route``, logs).
+    """
+
+    __slots__ = ("_config", "_size", "busy", "candidate", "cost", "in_flight", "worker")
+
+    def __init__(self, size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> None:
+        load = candidate.load
+        match = clip_match(candidate.match, size.full_blocks)
+        prefill = size.blocks - credited_blocks(match, config)
+        queued = _blended(*_queued_parts(load, size.block_size, config), config)
+        decode = _blended(*_decode_parts(load, config), config)
+        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config)
+        self.worker = candidate.worker
+        self.in_flight = load.in_flight
+        self.busy = busy_reason(load, config)
+        self.candidate = candidate
+        self._size = size
+        self._config = config
+
+    def full(self) -> WorkerCost:
+        return worker_cost(self._size, self.candidate, self._config)

@@ -3,22 +3,51 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
-from scoring.choice import Ranked, rank_lowest_cost, rank_sampled
+from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
 from scoring.config import KvPolicyConfig
-from scoring.cost import worker_costs
+from scoring.cost import CostQuote, request_size
 from scoring.tiebreak import session_hash_key
 
 
-def _score(ranked: Ranked) -> WorkerScore:
-    terms = ranked.cost.terms()
-    if ranked.probability is not None:
-        terms["probability"] = ranked.probability
-    return WorkerScore(
-        worker=ranked.cost.worker, cost=ranked.cost.cost, terms=terms, reason=ranked.reason
-    )
+class CostTerms(Mapping[str, float]):
+    """A worker's named cost terms (``WorkerCost.terms()``, plus ``probability`` when
+    sampled), built on first access: routing itself never reads them, only ``/debug/route``
+    and the decision log line do."""
+
+    __slots__ = ("_probability", "_quote", "_terms")
+
+    def __init__(self, quote: CostQuote, probability: float | None) -> None:
+        self._quote = quote
+        self._probability = probability
+        self._terms: dict[str, float] | None = None
+
+    def _built(self) -> dict[str, float]:
+        terms = self._terms
+        if terms is None:
+            terms = self._quote.full().terms()
+            if self._probability is not None:
+                terms["probability"] = self._probability
+            self._terms = terms
+        return terms
+
+    def __getitem__(self, name: str) -> float:
+        return self._built()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return repr(self._built())
+
+
+def _score(quote: CostQuote, reason: str, probability: float | None = None) -> WorkerScore:
+    return WorkerScore(quote.worker, quote.cost, CostTerms(quote, probability), reason)
 
 
 class KvPolicy:
@@ -40,9 +69,19 @@ class KvPolicy:
 
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
-        costs = worker_costs(request, candidates, config)
-        ranked = rank_lowest_cost(costs, session_hash_key(request), config.tie_tolerance)
+        size = request_size(request)
+        quotes = [CostQuote(size, candidate, config) for candidate in candidates]
+        session = session_hash_key(request)
         if config.temperature > 0:
-            scale = float(max(costs[0].request_blocks, 1))  # candidates are never empty
-            ranked = rank_sampled(ranked, config.temperature, scale, self._rng)
-        return Decision(ranked=[r.cost.worker for r in ranked], scores=[_score(r) for r in ranked])
+            scale = float(max(size.blocks, 1))
+            by_cost = rank_lowest_cost(quotes, session, config.tie_tolerance)
+            ranked = rank_sampled(by_cost, config.temperature, scale, self._rng)
+            return Decision(
+                ranked=[r.cost.worker for r in ranked],
+                scores=[_score(r.cost, r.reason, r.probability) for r in ranked],
+            )
+        ordered = order_lowest_cost(quotes, session, config.tie_tolerance)
+        return Decision(
+            ranked=[quote.worker for quote, _ in ordered],
+            scores=[_score(quote, reason) for quote, reason in ordered],
+        )

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import closed_port, wait_for
+from fakes.server import closed_port, unresponsive_port, wait_for
 
 from router import errors
 
@@ -140,6 +140,22 @@ async def test_every_worker_refusing_is_502() -> None:
         r = await gw.client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 502
         assert error_of(r)["code"] == "upstream_connect_error"
+
+
+async def test_a_connect_timeout_is_not_taken_for_a_dead_worker() -> None:
+    """A refused connection marks a worker down at once; a connect timeout (a starved box)
+    only counts towards the failure threshold, so one slow accept does not empty the fleet."""
+    with unresponsive_port() as port:
+        slow = f"http://127.0.0.1:{port}"
+        upstream = {"connect_timeout_s": 0.2}
+        async with kvgate([{"url": slow, "models": ["fake-model"]}], upstream=upstream) as gw:
+            worker = gw.gateway.registry.get(slow)
+            worker.healthy = True
+            r = await gw.client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert error_of(r)["code"] == "upstream_connect_error"
+            assert worker.healthy
+            assert worker.consecutive_failures >= 1
 
 
 async def test_unknown_route_is_openai_style_404() -> None:

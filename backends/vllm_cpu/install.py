@@ -65,17 +65,25 @@ def is_installed(layout: EngineLayout, constraints: Path = CONSTRAINTS_FILE) -> 
     return bool(stamp == _wanted_stamp(constraints))
 
 
+STEP_TIMEOUT_S = 1800.0
+"""No install step may hang longer than this (pip's own network timeouts are per request)."""
+
+
 def _run(step: str, cmd: Sequence[str | Path], log_path: Path) -> None:
     with log_path.open("a") as log_file:
         log_file.write(f"\n$ {' '.join(str(c) for c in cmd)}\n")
         log_file.flush()
-        done = subprocess.run(
-            [str(c) for c in cmd],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
+        try:
+            done = subprocess.run(
+                [str(c) for c in cmd],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=STEP_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise InstallError(f"{step} took over {STEP_TIMEOUT_S:.0f} s; see {log_path}") from exc
     if done.returncode != 0:
         raise InstallError(f"{step} failed (exit {done.returncode}); see {log_path}")
 

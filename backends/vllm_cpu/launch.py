@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -75,7 +75,7 @@ class EngineOptions:
     max_model_len: int = 4096
     topic: str = "kv-events"
     extra_args: tuple[str, ...] = ()
-    extra_env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    extra_env: tuple[tuple[str, str], ...] = ()
 
 
 def socket_dir(key: Path) -> Path:
@@ -211,23 +211,35 @@ def engine_env(options: EngineOptions, spec: ReplicaSpec) -> dict[str, str]:
     return env
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that still run (zombies waiting to be reaped do not)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state not in {"Z", "X"}:
+            members.append(int(stat.parent.name))
+    return members
 
 
-def kill_group(pgid: int, timeout: float = 20.0) -> None:
-    """SIGTERM a process group, then SIGKILL whatever is left after ``timeout``."""
+def kill_group(
+    pgid: int, timeout: float = 20.0, leader: subprocess.Popen[bytes] | None = None
+) -> None:
+    """SIGTERM a process group, then SIGKILL whatever still runs after ``timeout``.
+
+    ``leader`` (our own child, the group leader) is reaped as soon as it exits."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        if not _live_members(pgid):
+            return
+        time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
 
@@ -295,13 +307,22 @@ class Replica:
         except httpx.TransportError:
             return False
 
+    def terminate(self) -> None:
+        """Ask the process group to exit (SIGTERM) without waiting."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 20.0) -> None:
+        """Stop the process group: SIGTERM, SIGKILL after ``timeout``; reaps the leader."""
         if self._proc is None:
             return
-        kill_group(self._proc.pid, timeout)
+        kill_group(self._proc.pid, timeout, leader=self._proc)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5.0)
         self._proc = None
+        if self.spec.events_bind.startswith("ipc://"):  # vLLM leaves its socket file behind
+            Path(self.spec.events_bind.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def wait_ready(replicas: Sequence[Replica], timeout: float, poll: float = 0.5) -> None:
@@ -349,6 +370,8 @@ class Fleet:
         wait_ready([replica], ready_timeout)
 
     def stop(self) -> None:
+        for replica in self.replicas:
+            replica.terminate()  # all at once, then wait for each
         for replica in self.replicas:
             replica.stop()
 

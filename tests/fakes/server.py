@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Literal
 
 import uvicorn
@@ -38,6 +38,16 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+@contextmanager
+def unresponsive_port() -> Iterator[int]:
+    """A loopback port whose accept queue is full: new connections time out (a starved host)."""
+    with bound_socket() as listener:
+        listener.listen(0)
+        port: int = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # fills the queue of one
+            yield port
 
 
 class RunningServer:

@@ -72,6 +72,7 @@ class KvgateServer:
             )
         try:
             self._wait_ready()
+            self._wait_joined()
         except BaseException:
             self.stop()
             raise
@@ -102,10 +103,37 @@ class KvgateServer:
                     )
                 time.sleep(0.2)
 
+    def _wait_joined(self) -> None:
+        """Make every engine publish once, then wait until kvgate has replayed its history.
+
+        kvgate learns an engine's existing cache when the first live batch arrives after it
+        subscribes (it then replays from seq 0): until then a fresh kvgate predicts no hits
+        on an engine that already holds blocks. A fresh, uncached prompt of two blocks per
+        engine triggers it, so the tests start from a complete index."""
+        urls = [spec.split(",", 1)[0] for spec in self.workers]
+        with httpx.Client(timeout=60.0) as client:
+            for url in urls:
+                prompt = f"prime {self.port} {url} " * 16  # unique: new blocks, a new event
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                client.post(f"{url}/v1/completions", json=body).raise_for_status()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not self._joined(client):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"kvgate did not replay the engines' history; log {self.log_path}:\n"
+                        + self.log_tail()
+                    )
+                time.sleep(0.2)
+
+    def _joined(self, client: httpx.Client) -> bool:
+        index = client.get(f"{self.url}/debug/index").json()
+        subscribers = [s for w in index["workers"].values() for s in w["subscribers"]]
+        return all(s["history_complete"] and s["applied_seq"] is not None for s in subscribers)
+
     def stop(self) -> None:
         if self._proc is None:
             return
-        kill_group(self._proc.pid, timeout=10.0)
+        kill_group(self._proc.pid, timeout=10.0, leader=self._proc)
         self._proc.wait(timeout=5.0)
         self._proc = None
 

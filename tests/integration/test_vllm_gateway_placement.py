@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvgate_server import KvgateServer, matched_blocks, route_explain
+from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
 from vllm_helpers import MODEL, ChatSession
 
 from backends.vllm_cpu.launch import Fleet
@@ -40,8 +40,9 @@ def test_sessions_stay_home_and_new_ones_follow_load(
             "ignore_eos": True,
             "stream": True,
         }
+        explained = route_explain(client, body)
         with client.stream("POST", "/v1/chat/completions", json=body) as running:
-            assert running.headers["x-kvgate-worker"] == home
+            assert running.headers["x-kvgate-worker"] == home, (explained, index_stats(client))
             lines = running.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))  # generating
             # ...so a new session (no cached prefix anywhere) goes to the idle replica.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from kvgate_server import KvgateServer, matched_blocks, route_explain
+from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
 from vllm_helpers import BLOCK, MODEL, ChatSession, usage_of, wait_for
 
 from backends.vllm_cpu.launch import EngineStartError, Fleet
@@ -61,7 +61,8 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
         index = vllm_fleet.urls.index(home)
         (other,) = set(vllm_fleet.urls) - {home}
         probe = {"model": MODEL, "messages": [*session.messages, {"role": "user", "content": "?"}]}
-        assert matched_blocks(route_explain(client, probe), home) > 0
+        explained = route_explain(client, probe)
+        assert matched_blocks(explained, home) > 0, (explained, index_stats(client))
         assert _entries(client, home) > 0
 
         failures: list[BaseException] = []
