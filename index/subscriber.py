@@ -89,6 +89,7 @@ class Subscriber:
     async def run(self) -> None:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 and IPv6-only pods; IPv4 still works
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.RECONNECT_IVL, int(self._config.reconnect_backoff_s * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._config.reconnect_backoff_max_s * 1000))
@@ -226,6 +227,7 @@ class Subscriber:
         assert self.endpoints.replay is not None
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         timeout_ms = int(self._config.replay_timeout_s * 1000)
         batches: list[tuple[int, bytes]] = []
         try:

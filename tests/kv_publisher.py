@@ -27,25 +27,29 @@ class KvPublisher:
         array_tagged: bool = False,
         ring: int = 10_000,
         bind: tuple[int, int] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.topic = topic
         self.array_tagged = array_tagged
+        address = f"[{host}]" if ":" in host else host
         self.pub = context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.IPV6, int(":" in host))
         if bind is None:
-            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            port = self.pub.bind_to_random_port(f"tcp://{address}")
         else:
             port = bind[0]
-            self.pub.bind(f"tcp://127.0.0.1:{port}")
-        self.events_endpoint = f"tcp://127.0.0.1:{port}"
+            self.pub.bind(f"tcp://{address}:{port}")
+        self.events_endpoint = f"tcp://{address}:{port}"
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.IPV6, int(":" in host))
         if bind is None:
-            port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            port = self.router.bind_to_random_port(f"tcp://{address}")
         else:
             port = bind[1]
-            self.router.bind(f"tcp://127.0.0.1:{port}")
-        self.replay_endpoint = f"tcp://127.0.0.1:{port}"
+            self.router.bind(f"tcp://{address}:{port}")
+        self.replay_endpoint = f"tcp://{address}:{port}"
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=ring)
         self.subscribed = asyncio.Event()

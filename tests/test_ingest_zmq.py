@@ -360,3 +360,27 @@ async def test_entries_metric_by_worker_and_tier(
     assert metric(registry, "kvgate_index_entries", **labels, tier="GPU") == 3
     assert metric(registry, "kvgate_index_entries", **labels, tier="CPU") == 2
     assert metric(registry, "kvgate_index_events_total", worker=WORKER, type="BlockStored") == 2
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_ipv6_endpoints(service: KvIndexService, zmq_context: zmq.asyncio.Context) -> None:
+    """An engine publishing on an IPv6 address (an IPv6-only pod) is subscribed and replayed."""
+    pub = KvPublisher(zmq_context, host="::1")
+    try:
+        assert pub.events_endpoint.startswith("tcp://[::1]:")
+        await pub.publish(stored(0, 3))  # before kvgate connects: learnt through the replay
+        await connect(service, pub)
+        seq = await pub.publish(stored(3, 5))
+        await service.wait_applied(WORKER, seq)
+        assert matched(service) == PrefixMatch(gpu=5)
+    finally:
+        await pub.close()

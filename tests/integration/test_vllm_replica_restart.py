@@ -61,8 +61,12 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
         index = vllm_fleet.urls.index(home)
         (other,) = set(vllm_fleet.urls) - {home}
         probe = {"model": MODEL, "messages": [*session.messages, {"role": "user", "content": "?"}]}
-        explained = route_explain(client, probe)
-        assert matched_blocks(explained, home) > 0, (explained, index_stats(client))
+        # events reach kvgate asynchronously, shortly after the answer
+        wait_for(
+            lambda: matched_blocks(route_explain(client, probe), home) > 0,
+            10.0,
+            f"kvgate to index the session's blocks on {home}: {index_stats(client)}",
+        )
         assert _entries(client, home) > 0
 
         failures: list[BaseException] = []
