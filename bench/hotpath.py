@@ -13,6 +13,11 @@ background chains), with the ``kv`` policy. Cases:
   each request adds a fresh user turn);
 * ``completion``: ``/v1/completions`` with a fresh 500-token text prompt;
 * ``token_ids``: ``/v1/completions`` with a fresh 2k-token list of token ids;
+* ``text40k_new`` / ``text40k_repeat`` / ``text40k_grow``: ``/v1/completions`` with a long
+  plain-text prompt (agent histories and trace replays re-send theirs every turn): a fresh
+  40k-word text each time; the same 40k-word text each time; a 40k-word text growing by 500
+  fresh words per request (each request's prompt extends the previous one; every pass starts
+  again from the same 40k-word base, so prompts stay within 40k-45k words);
 * ``short_rr``: the short chat with ``round_robin`` and no index (the proxy path's decide).
 
 Every request is different (no exact-text reuse), as in real traffic. Per case, two passes
@@ -122,6 +127,14 @@ def make_cases(rng: random.Random, scale: float) -> list[Case]:
         history.append({"role": "user", "content": words.text(400)})
         history.append({"role": "assistant", "content": words.text(600)})
     tools = _tools(words, 6)
+    long_text = words.text(40_000)
+    growing = [long_text]
+
+    def grown(i: int) -> dict[str, Any]:
+        if i == 0:
+            growing[0] = long_text
+        growing[0] += " " + words.text(500)
+        return {"model": MODEL, "prompt": growing[0], "max_tokens": 16}
 
     def n(calls: int) -> int:
         return max(5, round(calls * scale))
@@ -164,6 +177,19 @@ def make_cases(rng: random.Random, scale: float) -> list[Case]:
             },
             n(300),
         ),
+        Case(
+            "text40k_new",
+            "completion",
+            lambda i: {"model": MODEL, "prompt": words.text(40_000), "max_tokens": 16},
+            n(6),
+        ),
+        Case(
+            "text40k_repeat",
+            "completion",
+            lambda i: {"model": MODEL, "prompt": long_text, "max_tokens": 16},
+            n(10),
+        ),
+        Case("text40k_grow", "completion", grown, n(10)),
         Case(
             "short_rr",
             "chat",

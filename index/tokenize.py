@@ -9,15 +9,20 @@ Modes, best first (the one used is returned in ``PromptKeys.mode`` and counted):
 
 Chat prompts are tokenized without the post-processor's special tokens (the template writes
 them), completion prompts with them, as vLLM does. Long cold tokenizations run in a thread.
+
+Texts are tokenized incrementally (``index/prefix_cache.py``): cut at safe added tokens, and
+also at spaces when the tokenizer's pipeline provably never merges across one
+(``space_cuts_provable``, then confirmed on probe texts at load).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,7 @@ from tokenizers import Encoding, Tokenizer
 from index.api import PromptInput
 from index.blocks import block_keys, cache_seed
 from index.chat_template import ChatTemplate, TemplateError, load_template_source
-from index.prefix_cache import Cut, Entry, Plan, PrefixTokenCache, cuts_in
+from index.prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
 from index.types import BlockKey
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,40 @@ log = logging.getLogger(__name__)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _TAIL_MEMO_CHARS = 256  # tails this short are remembered (tokens and cut points)
 _TAIL_MEMO_ENTRIES = 1024
+
+# Space cuts (see ``space_cuts_provable``).
+_CHAR_LOCAL_NORMALIZERS = frozenset({"NFD", "NFKD", "NFC", "NFKC", "Lowercase", "StripAccents"})
+_WHITESPACE_FIRST = frozenset({"WhitespaceSplit", "Whitespace", "BertPreTokenizer"})
+_WITHIN_PIECE = _WHITESPACE_FIRST | {
+    "Punctuation",
+    "Digits",
+    "ByteLevel",
+    "UnicodeScripts",
+    "Split",
+    "CharDelimiterSplit",
+}
+_PER_WORD_MODELS = frozenset({"BPE", "WordPiece", "WordLevel", "Unigram"})
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPACE_LEADING_PATTERNS = frozenset({_LLAMA3_PATTERN, _QWEN2_PATTERN})
+"""Split regexes (besides ByteLevel's built-in GPT-2 one) in which a space never follows a
+non-whitespace character inside one match, with no lookbehind and no anchors."""
+_SPACE_PROBES = (
+    "Hello world, it's 42! The  quick\tbrown fox.\n\nNew paragraph:  x ",
+    " leading space and trailing space ",
+    "ünïcödé café naïve ÉCOLE ΣΑΣ Σίσυφος straße ǅemal ﬁne ½ ² x\u00a8 y\u00b4 z",
+    "mixed\u00a0nbsp\u3000ideographic\u2003em space \u0301combining e\u0301 a\u0308 x",
+    "数字 12345 678,9 3.14 1e10 -7 tokens: a1b2 ++ -- ... !? ' s 're 'll x's y'S",
+    "code:\n    def f(x):\n        return x  # comment\r\n\t\tend {'a': [1, 2]}",
+    "emoji 😀 👍🏽 family 👨‍👩‍👧 flags 🇫🇷 zero\u200bwidth joiner a\u200db x",
+    "a" * 120 + " " + "b" * 3 + "   " + "c",
+)
 
 
 class TokenizeError(ValueError):
@@ -88,6 +127,142 @@ def _probe_split(tokenizer: Tokenizer, safe: dict[str, int]) -> bool:
     return True
 
 
+def space_cuts_provable(config: Mapping[str, Any]) -> bool:
+    """Whether a ``tokenizer.json`` pipeline never merges across a space that follows a
+    non-whitespace character, so that cutting the text there is exact (docs/block-keys.md):
+
+    * no truncation or padding, a deterministic per-word model (BPE without dropout,
+      WordPiece, WordLevel, Unigram);
+    * whitespace-first: char-local normalizers (NFD/NFKD/NFC/NFKC, Lowercase, StripAccents;
+      a space is a normalization boundary and stays a space) and a pre-tokenizer that first
+      splits at whitespace (WhitespaceSplit, Whitespace, BertPreTokenizer), then only splits
+      its pieces further, the same way wherever they are (no Metaspace: its "first" scheme
+      depends on the piece's position);
+    * or space-leading regex (GPT-2, Llama 3, Qwen 2 byte-level BPE): no normalizer or NFC,
+      and ByteLevel's own regex or one of the known Split regexes then ByteLevel, where a
+      space after a non-whitespace character always starts a new piece.
+    """
+    if config.get("truncation") is not None or config.get("padding") is not None:
+        return False
+    model = config.get("model")
+    if not isinstance(model, Mapping) or model.get("type") not in _PER_WORD_MODELS:
+        return False
+    if model.get("type") == "BPE" and model.get("dropout") is not None:
+        return False
+    normalizers = _flatten(config.get("normalizer"), "normalizers")
+    pre_tokenizers = _flatten(config.get("pre_tokenizer"), "pretokenizers")
+    if normalizers is None or not pre_tokenizers:
+        return False
+    if _whitespace_first(normalizers, pre_tokenizers):
+        return True
+    return model.get("type") == "BPE" and _space_leading_regex(normalizers, pre_tokenizers)
+
+
+def _flatten(step: Any, key: str) -> list[Mapping[str, Any]] | None:
+    """The steps of a (possibly nested) Sequence; None if malformed."""
+    if step is None:
+        return []
+    if not isinstance(step, Mapping):
+        return None
+    if step.get("type") != "Sequence":
+        return [step]
+    flat: list[Mapping[str, Any]] = []
+    for inner in step.get(key) or []:
+        steps = _flatten(inner, key)
+        if steps is None:
+            return None
+        flat.extend(steps)
+    return flat
+
+
+def _whitespace_first(
+    normalizers: Sequence[Mapping[str, Any]], pre_tokenizers: Sequence[Mapping[str, Any]]
+) -> bool:
+    return (
+        all(n.get("type") in _CHAR_LOCAL_NORMALIZERS for n in normalizers)
+        and pre_tokenizers[0].get("type") in _WHITESPACE_FIRST
+        and all(p.get("type") in _WITHIN_PIECE for p in pre_tokenizers[1:])
+    )
+
+
+def _space_leading_regex(
+    normalizers: Sequence[Mapping[str, Any]], pre_tokenizers: Sequence[Mapping[str, Any]]
+) -> bool:
+    if any(n.get("type") != "NFC" for n in normalizers):
+        return False
+    last = pre_tokenizers[-1]
+    if last.get("type") != "ByteLevel":
+        return False
+    if len(pre_tokenizers) == 1:
+        return bool(last.get("use_regex", True))
+    if len(pre_tokenizers) != 2 or last.get("use_regex", True):
+        return False
+    split = pre_tokenizers[0]
+    pattern = split.get("pattern")
+    return (
+        split.get("type") == "Split"
+        and isinstance(pattern, Mapping)
+        and pattern.get("Regex") in _SPACE_LEADING_PATTERNS
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert", False)
+    )
+
+
+def _added_tokens_allow_space_cuts(tokenizer: Tokenizer) -> bool:
+    """No added token can match across a space or absorb one (no whitespace inside, no
+    lstrip/rstrip)."""
+    return not any(
+        token.lstrip or token.rstrip or any(ch.isspace() for ch in token.content)
+        for token in tokenizer.get_added_tokens_decoder().values()
+    )
+
+
+def _space_cut_positions(text: str) -> list[int]:
+    return [c for c in range(1, len(text)) if text[c] == " " and not text[c - 1].isspace()]
+
+
+def _probe_space_cuts(tokenizer: Tokenizer, safe: dict[str, int]) -> bool:
+    """Check on sample texts that cutting at every space cut point is exact."""
+    samples = list(_SPACE_PROBES)
+    for token in list(safe)[:4]:
+        samples.append(f"{token}user x {token} y{token} z {_SPACE_PROBES[0]}{token}")
+    for text in samples:
+        whole = tokenizer.encode(text, add_special_tokens=False).ids
+        for cut in _space_cut_positions(text):
+            head = tokenizer.encode(text[:cut], add_special_tokens=False).ids
+            tail = tokenizer.encode(text[cut:], add_special_tokens=False).ids
+            if head + tail != whole:
+                return False
+    return True
+
+
+def _space_cuts(tokenizer: Tokenizer, safe: dict[str, int]) -> bool:
+    config = json.loads(tokenizer.to_str())
+    return (
+        isinstance(config, dict)
+        and space_cuts_provable(config)
+        and _added_tokens_allow_space_cuts(tokenizer)
+        and _probe_space_cuts(tokenizer, safe)
+    )
+
+
+def _first_token_from(encoding: Encoding, count: int, char: int) -> int:
+    """Index of the first token starting at or after ``char`` (``count`` if none).
+
+    At an exact cut ``c`` the tokens of ``text[:c]`` map into it and those of ``text[c:]``
+    after it, so this is ``len(tokens(text[:c]))``.
+    """
+    low, high = 0, count
+    while low < high:
+        middle = (low + high) // 2
+        span = encoding.token_to_chars(middle)
+        if span is None or span[0] < char:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 class ModelTokenizer:
     """One model's tokenizer, chat template and rendered-prefix tokenization cache."""
 
@@ -105,10 +280,11 @@ class ModelTokenizer:
         if safe and not _probe_split(self.tokenizer, safe):
             log.warning("%s: tokenizer splits unexpectedly; prefix cache disabled", directory)
             safe = {}
-        self.cache = PrefixTokenCache(safe, cache_tokens)
+        space_cuts = _space_cuts(self.tokenizer, safe)
+        self.cache = PrefixTokenCache(safe, cache_tokens, space_cuts=space_cuts)
         self._inline_chars = inline_chars
         self._affix = self._special_affix()
-        self._tails: dict[str, tuple[array[int], list[Cut]]] = {}
+        self._tails: dict[tuple[str, tuple[Mark, ...]], tuple[array[int], list[Cut]]] = {}
 
     @staticmethod
     def _read_config(directory: Path) -> dict[str, Any]:
@@ -149,26 +325,66 @@ class ModelTokenizer:
         """Reference tokenization (no cache)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def _encode_tail(self, text: str) -> tuple[array[int], list[Cut]]:
-        """Tokens of a text's uncached tail and its cut points (relative to the tail).
+    def _encode_tail(self, text: str, marks: tuple[Mark, ...]) -> tuple[array[int], list[Cut]]:
+        """Tokens of a text's uncached tail and its cut points ``marks`` (relative to the tail).
 
-        Short tails repeat (the generation prompt after a cached conversation): they are
-        remembered, as the tail is tokenized on its own (see index/prefix_cache.py).
+        The tail is tokenized in pieces cut at its space marks (exact, see
+        index/prefix_cache.py), which also gives their token indices; an added-token mark is
+        kept if the encoding has that safe token there. Short tails repeat (the generation
+        prompt after a cached conversation): they are remembered.
         """
         short = len(text) <= _TAIL_MEMO_CHARS
         if short:
-            found = self._tails.get(text)
+            found = self._tails.get((text, marks))
             if found is not None:
                 return found
-        encoding: Encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        cuts = cuts_in(ids, self.cache.safe_ids, encoding.token_to_chars)  # type: ignore[arg-type]
-        encoded = array("I", ids), cuts
+        bounds = [start for start, _, space in marks if space and start > 0]
+        if bounds and len(text) > self._inline_chars:  # pieces, encoded in parallel
+            edges = [0, *bounds, len(text)]
+            pieces = [text[a:b] for a, b in itertools.pairwise(edges)]
+            encodings = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+        else:  # one piece: space cut indices from the offsets (batches cost more when short)
+            edges = [0, len(text)]
+            encodings = [self.tokenizer.encode(text, add_special_tokens=False)]
+        ids: array[int] = array("I")
+        cuts: list[Cut] = []
+        pending = iter(marks)
+        mark = next(pending, None)
+        for (piece_start, piece_end), encoding in zip(
+            itertools.pairwise(edges), encodings, strict=True
+        ):
+            offset = len(ids)
+            piece_ids = encoding.ids
+            ids.extend(piece_ids)
+            while mark is not None and mark[0] < piece_end:
+                start, end, space = mark
+                if space and start == piece_start:  # a piece starts there
+                    cuts.append((start, end, offset))
+                elif space:
+                    first = _first_token_from(encoding, len(piece_ids), start - piece_start)
+                    cuts.append((start, end, offset + first))
+                else:
+                    safe_at = self._safe_token_at(
+                        encoding, piece_ids, start - piece_start, end - start
+                    )
+                    if safe_at is not None:
+                        cuts.append((start, end, offset + safe_at))
+                mark = next(pending, None)
+        encoded = ids, cuts
         if short:
             if len(self._tails) >= _TAIL_MEMO_ENTRIES:
                 self._tails.clear()
-            self._tails[text] = encoded  # shared: callers only read them
+            self._tails[(text, marks)] = encoded  # shared: callers only read them
         return encoded
+
+    def _safe_token_at(
+        self, encoding: Encoding, ids: list[int], start: int, length: int
+    ) -> int | None:
+        """Index of the safe added token spanning ``start`` … ``start + length``, if any."""
+        index = encoding.char_to_token(start)
+        if index is None or ids[index] not in self.cache.safe_ids:
+            return None
+        return index if encoding.token_to_chars(index) == (start, start + length) else None
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool, block_size: int, seed: int
@@ -176,41 +392,55 @@ class ModelTokenizer:
         """Tokens of ``text`` (reusing a cached prefix) and their block keys."""
         plan = self.cache.plan(text)
         tail = text[plan.start :]
+        marks = plan.tail_marks()
         if len(tail) > self._inline_chars:
-            tail_ids, tail_cuts = await asyncio.to_thread(self._encode_tail, tail)
+            tail_ids, tail_cuts = await asyncio.to_thread(self._encode_tail, tail, marks)
         else:
-            tail_ids, tail_cuts = self._encode_tail(tail)
+            tail_ids, tail_cuts = self._encode_tail(tail, marks)
         entry = self.cache.commit(text, plan, tail_ids, tail_cuts)
-        ids = entry.ids
+        before: list[int] = []
+        after: list[int] = []
         if add_special_tokens:
             if self._affix is None:
                 full = self.encode_full(text, True)
                 return TokenizedPrompt(len(full), block_keys(full, block_size, seed), False)
             before, after = self._affix
-            ids = array("I", before) + ids + array("I", after)
-            return TokenizedPrompt(len(ids), block_keys(ids, block_size, seed), False)
-        reused, fresh, parent = self._reusable_keys(entry, plan, block_size, seed)
+        keys_for = (seed, block_size, tuple(before))
+        reused, fresh, parent = self._reusable_keys(entry, plan, keys_for, before, after)
         if len(fresh) > self._inline_chars:  # ~ a few ms of hashing: off the event loop
             new = await asyncio.to_thread(block_keys, fresh, block_size, seed, parent)
         else:
             new = block_keys(fresh, block_size, seed, parent)
         keys = reused + new
         entry.keys = keys
-        entry.keys_for = (seed, block_size)
-        return TokenizedPrompt(len(ids), keys, plan.entry is not None)
+        entry.keys_for = keys_for
+        token_count = len(before) + len(entry.ids) + len(after)
+        return TokenizedPrompt(token_count, keys, plan.entry is not None)
 
     @staticmethod
     def _reusable_keys(
-        entry: Entry, plan: Plan, block_size: int, seed: int
+        entry: Entry,
+        plan: Plan,
+        keys_for: tuple[int, int, tuple[int, ...]],
+        before: list[int],
+        after: list[int],
     ) -> tuple[list[BlockKey], array[int], BlockKey | None]:
-        """The cached prefix's keys, the ids still to key, and the key before them."""
+        """The cached prefix's keys, the ids still to key, and the key before them.
+
+        Keys cover ``before + ids + after`` (the post-processor's tokens around a completion
+        prompt); blocks within ``before`` and the reused prefix are the same in both texts.
+        """
+        _, block_size, _ = keys_for
         reused: list[BlockKey] = []
         previous = plan.entry
-        if previous is not None and previous.keys_for == (seed, block_size):
-            reused = previous.keys[: len(plan.prefix) // block_size]
+        if previous is not None and previous.keys_for == keys_for:
+            reused = previous.keys[: (len(before) + len(plan.prefix)) // block_size]
         start = len(reused) * block_size
         parent = reused[-1] if reused else None
-        return reused, entry.ids[start:], parent
+        if not before and not after:
+            return reused, entry.ids[start:], parent
+        ids = array("I", before) + entry.ids + array("I", after)
+        return reused, ids[start:], parent
 
 
 def prompt_seed(prompt: PromptInput) -> int:

@@ -220,7 +220,8 @@ async def test_refuse_until_resume_keeps_the_cache(fleet: SimFleet) -> None:
 async def test_admin_of_one_replica_can_target_another(fleet: SimFleet) -> None:
     down = fleet.replicas[0].url
     async with httpx.AsyncClient(base_url=fleet.replicas[1].url) as c:
-        result = await _fault(c, kind="refuse", replica=0, duration_s=0.3)
+        # long enough that a poll delayed on a busy machine still sees the refusal
+        result = await _fault(c, kind="refuse", replica=0, duration_s=2.0)
         assert result["replica"] == 0
         await wait_for(lambda: _refused(down), what="replica 0 refusing")
         assert await _healthy(fleet.replicas[1].url)
