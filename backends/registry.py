@@ -16,6 +16,7 @@ each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ from router.errors import WorkerExists, WorkerNotFound
 from scoring.api import Candidate, WorkerLoad
 
 HealthListener = Callable[["Worker"], None]
+
+_FOOTPRINT_REBASE_EXPONENT = 256.0
+"""Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -41,6 +45,7 @@ class Worker:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     active_decode_blocks: int = 0
+    footprint: float = 0.0  # see WorkerRegistry.record_footprint
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -68,6 +73,7 @@ class Worker:
             and last.in_flight == self.in_flight
             and last.pending_prefill_tokens == self.pending_prefill_tokens
             and last.active_decode_blocks == self.active_decode_blocks
+            and last.footprint == self.footprint
         ):
             return last
         scraped = self.scraped
@@ -79,6 +85,7 @@ class Worker:
             scraped_running=scraped.running,
             scraped_waiting=scraped.waiting,
             scraped_kv_usage=scraped.kv_usage,
+            footprint=self.footprint,
         )
         return self._load
 
@@ -156,8 +163,17 @@ class LoadTicket:
 class WorkerRegistry:
     """Workers by id (their normalised URL), in the order they were added."""
 
-    def __init__(self, health: HealthConfig | None = None) -> None:
+    def __init__(
+        self,
+        health: HealthConfig | None = None,
+        *,
+        footprint_half_life_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._health = health or HealthConfig()
+        self._footprint_half_life_s = footprint_half_life_s
+        self._clock = clock
+        self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
         self._health_listeners: list[HealthListener] = []
 
@@ -237,7 +253,25 @@ class WorkerRegistry:
     def begin(self, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> LoadTicket:
         """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens) are pending
         prefill until its first token; ``blocks`` are active decode blocks until it ends."""
-        return LoadTicket(self.get(worker_id), prefill_tokens, blocks)
+        worker = self.get(worker_id)
+        self.record_footprint(worker, blocks)
+        return LoadTicket(worker, prefill_tokens, blocks)
+
+    def record_footprint(self, worker: Worker, blocks: int) -> None:
+        """Add a routed prompt's ``blocks`` to the worker's decayed footprint.
+
+        Instead of decaying every worker's value all the time, each addition is scaled up by
+        ``2 ** (age of the epoch / half-life)``: every worker's value is then the decayed sum
+        times one common factor, so ratios between workers are exact without any clock at
+        read time. The epoch moves (all values scaled down) before the factor gets large."""
+        exponent = (self._clock() - self._footprint_epoch) / self._footprint_half_life_s
+        if exponent > _FOOTPRINT_REBASE_EXPONENT:
+            scale = 2.0**-exponent
+            for each in self._workers.values():
+                each.footprint *= scale
+            self._footprint_epoch += exponent * self._footprint_half_life_s
+            exponent = 0.0
+        worker.footprint += blocks * 2.0**exponent
 
     # -- health -----------------------------------------------------------------------
     def on_health_change(self, listener: HealthListener) -> None:

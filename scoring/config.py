@@ -69,6 +69,24 @@ class KvPolicyConfig(BaseModel):
             "still spreads new sessions and relieves KV memory pressure."
         ),
     )
+    footprint_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Cache-footprint balance (0: off). A worker's footprint is the prompt blocks "
+            "routed to it recently (decayed with footprint_half_life_s) over the candidates' "
+            "mean; each block a request must prefill there is priced overlap_credit * "
+            "(1 + footprint_weight * (ratio - 1)). New sessions then go where fewer recent "
+            "prompts share the cache, before eviction shows; cached blocks are not priced, so "
+            "sessions keep their home."
+        ),
+    )
+    footprint_half_life_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        description="Half-life of the routed prompt blocks counted in a worker's footprint.",
+    )
     predicted_load_weight: float = Field(
         default=1.0,
         ge=0.0,

@@ -36,6 +36,8 @@ class WorkerCost:
     queued_prefill: BlendedLoad
     decode: BlendedLoad
     load_blocks: float
+    footprint_ratio: float  # the worker's recent footprint / the candidates' mean
+    footprint_cost: float
     cost: float
     in_flight: int
     busy: str | None  # why the worker is busy, or None
@@ -57,6 +59,8 @@ class WorkerCost:
             "predicted_decode_blocks": self.decode.predicted,
             "decode_blocks": self.decode.blended,
             "load_blocks": self.load_blocks,
+            "footprint_ratio": self.footprint_ratio,
+            "footprint_cost": self.footprint_cost,
             "cost": self.cost,
             "in_flight": float(self.in_flight),
             "busy": 1.0 if self.busy else 0.0,
@@ -191,7 +195,39 @@ def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
     return config.queued_prefill_weight * queued + config.decode_weight * decode
 
 
-def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> WorkerCost:
+FOOTPRINT_EXCESS_MIN = -0.5
+FOOTPRINT_EXCESS_MAX = 1.0
+"""``ratio - 1`` is clipped to these bounds: with few requests routed (one session on an idle
+fleet) ratios swing between 0 and the worker count, and must not outweigh a session's cache."""
+
+
+def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> float:
+    """``overlap_credit * footprint_weight * prefill_blocks * clip(ratio - 1)``.
+
+    The blocks a request writes into a cache in more demand than the fleet's mean evict more
+    of other sessions' hot blocks (fewer below the mean): each prefill block is priced
+    ``overlap_credit * (1 + footprint_weight * clip(ratio - 1))``, between 0.5 and 2 times the
+    plain price. Cached blocks write nothing, so a session's home barely pays it.
+    """
+    excess = min(max(ratio - 1.0, FOOTPRINT_EXCESS_MIN), FOOTPRINT_EXCESS_MAX)
+    return config.overlap_credit * config.footprint_weight * prefill * excess
+
+
+def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
+    """Each candidate's recent footprint over the candidates' mean (all 1.0 when none)."""
+    total = sum(c.load.footprint for c in candidates)
+    if total <= 0.0:
+        return [1.0] * len(candidates)
+    mean = total / len(candidates)
+    return [c.load.footprint / mean for c in candidates]
+
+
+def worker_cost(
+    size: RequestSize,
+    candidate: Candidate,
+    config: KvPolicyConfig,
+    footprint_ratio: float = 1.0,
+) -> WorkerCost:
     """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
     match = clip_match(candidate.match, size.full_blocks)
     credited = credited_blocks(match, config)
@@ -211,7 +247,9 @@ def worker_cost(size: RequestSize, candidate: Candidate, config: KvPolicyConfig)
         queued_prefill=queued,
         decode=decode,
         load_blocks=load_blocks,
-        cost=_cost(prefill, load_blocks, config),
+        footprint_ratio=footprint_ratio,
+        footprint_cost=(footprint := footprint_cost(prefill, footprint_ratio, config)),
+        cost=_cost(prefill, load_blocks, config) + footprint,
         in_flight=candidate.load.in_flight,
         busy=busy_reason(candidate.load, config),
     )
@@ -222,7 +260,8 @@ def worker_costs(
 ) -> list[WorkerCost]:
     """Every candidate's cost for ``request``, in candidate order."""
     size = request_size(request)
-    return [worker_cost(size, candidate, config) for candidate in candidates]
+    ratios = footprint_ratios(candidates)
+    return [worker_cost(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)]
 
 
 class CostQuote:
@@ -232,21 +271,39 @@ class CostQuote:
     the last bit); ``full()`` builds that ``WorkerCost`` on demand (``/debug/route``, logs).
     """
 
-    __slots__ = ("_config", "_size", "busy", "candidate", "cost", "in_flight", "worker")
+    __slots__ = (
+        "_config",
+        "_footprint_ratio",
+        "_size",
+        "busy",
+        "candidate",
+        "cost",
+        "in_flight",
+        "worker",
+    )
 
-    def __init__(self, size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> None:
+    def __init__(
+        self,
+        size: RequestSize,
+        candidate: Candidate,
+        config: KvPolicyConfig,
+        footprint_ratio: float = 1.0,
+    ) -> None:
         load = candidate.load
         match = clip_match(candidate.match, size.full_blocks)
         prefill = size.blocks - credited_blocks(match, config)
         queued = _blended(*_queued_parts(load, size.block_size, config), config)
         decode = _blended(*_decode_parts(load, config), config)
-        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config)
+        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
+            prefill, footprint_ratio, config
+        )
         self.worker = candidate.worker
         self.in_flight = load.in_flight
         self.busy = busy_reason(load, config)
         self.candidate = candidate
         self._size = size
         self._config = config
+        self._footprint_ratio = footprint_ratio
 
     def full(self) -> WorkerCost:
-        return worker_cost(self._size, self.candidate, self._config)
+        return worker_cost(self._size, self.candidate, self._config, self._footprint_ratio)

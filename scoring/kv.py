@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
 from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
 from scoring.config import KvPolicyConfig
-from scoring.cost import CostQuote, request_size
+from scoring.cost import CostQuote, footprint_ratios, request_size
 from scoring.tiebreak import session_hash_key
 
 
@@ -70,7 +70,13 @@ class KvPolicy:
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
         size = request_size(request)
-        quotes = [CostQuote(size, candidate, config) for candidate in candidates]
+        if config.footprint_weight > 0.0:
+            ratios = footprint_ratios(candidates)
+            quotes = [
+                CostQuote(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)
+            ]
+        else:
+            quotes = [CostQuote(size, candidate, config) for candidate in candidates]
         session = session_hash_key(request)
         if config.temperature > 0:
             scale = float(max(size.blocks, 1))
