@@ -84,7 +84,7 @@ def test_kvgate_sim_serves_then_stops_on_sigterm(tmp_path: Path) -> None:
                     try:
                         if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                             break
-                    except httpx.ConnectError:
+                    except httpx.TransportError:  # not listening yet, or still starting
                         pass
                     assert proc.poll() is None, log.read_text()
                     assert time.monotonic() < deadline, "kvgate sim did not come up"

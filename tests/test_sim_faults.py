@@ -44,6 +44,8 @@ async def _refused(url: str) -> bool:
             await c.get(f"{url}/health")
         except httpx.ConnectError:
             return True
+        except httpx.TransportError:
+            return False  # accepted, then dropped: the listener is closing, not refusing yet
     return False
 
 
@@ -51,7 +53,7 @@ async def _healthy(url: str) -> bool:
     async with httpx.AsyncClient(timeout=2) as c:
         try:
             return (await c.get(f"{url}/health")).status_code == 200
-        except httpx.ConnectError:
+        except httpx.TransportError:  # refused, or dropped while the listener changes
             return False
 
 
