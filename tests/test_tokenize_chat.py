@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,20 +198,36 @@ async def test_growing_session_equals_full_tokenization(
     directory: Path = request.getfixturevalue(fixture)
     tokenizer = ModelTokenizer(directory, 1_000_000, inline_chars=500)
     assert tokenizer.cache.enabled
-    rng = random.Random(7)
+    hits = await chat_session_hits(
+        tokenizer, random.Random(7), random_text, turns=12, words=(30, 40, 20)
+    )
+    assert hits >= 10
+
+
+async def chat_session_hits(
+    tokenizer: ModelTokenizer,
+    rng: random.Random,
+    text_of: Callable[[random.Random, int], str],
+    *,
+    turns: int,
+    words: tuple[int, int, int],
+) -> int:
+    """Grow a chat turn by turn (``words``: system, max user, max assistant), check every
+    turn's tokens and keys against a full tokenization; return the prefix-cache hits."""
+    system, user, assistant = words
     seed = cache_seed(None, None)
-    messages: list[dict[str, str]] = [{"role": "system", "content": random_text(rng, 30)}]
+    messages: list[dict[str, str]] = [{"role": "system", "content": text_of(rng, system)}]
     hits = 0
-    for _turn in range(12):
-        messages.append({"role": "user", "content": random_text(rng, rng.randrange(1, 40))})
+    for _turn in range(turns):
+        messages.append({"role": "user", "content": text_of(rng, rng.randrange(1, user))})
         text = tokenizer.render(PromptInput("chat", messages=list(messages)))
         result = await tokenizer.tokenize(text, add_special_tokens=False, block_size=4, seed=seed)
         full = tokenizer.encode_full(text, False)
         assert result.token_count == len(full)
         assert result.keys == block_keys(full, 4, seed)
         hits += result.cache_hit
-        messages.append({"role": "assistant", "content": random_text(rng, rng.randrange(0, 20))})
-    assert hits >= 10
+        messages.append({"role": "assistant", "content": text_of(rng, rng.randrange(assistant))})
+    return hits
 
 
 @pytest.mark.anyio

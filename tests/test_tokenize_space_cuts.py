@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_sim_support import shared_tokenizer
+from test_tokenize_chat import chat_session_hits
 from tokenizers import (
     AddedToken,
     Regex,
@@ -28,8 +29,7 @@ from tokenizers import (
 
 import index.prefix_cache
 from backends.sim.vocab import generated_word
-from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
+from index.blocks import block_keys
 from index.tokenize import ModelTokenizer, space_cuts_provable
 
 CHATML = (
@@ -339,17 +339,7 @@ def test_repeated_and_grown_prompts_tokenize_only_their_tail(sim_dir: Path) -> N
 @pytest.mark.anyio
 async def test_sim_chat_session_equals_full_tokenization(sim_dir: Path) -> None:
     tokenizer = ModelTokenizer(sim_dir, 1_000_000, 500)
-    rng = random.Random(2)
-    seed = cache_seed(None, None)
-    messages = [{"role": "system", "content": random_text(rng, 300)}]
-    hits = 0
-    for _turn in range(10):
-        messages.append({"role": "user", "content": random_text(rng, rng.randrange(1, 200))})
-        text = tokenizer.render(PromptInput("chat", messages=list(messages)))
-        result = await tokenizer.tokenize(text, add_special_tokens=False, block_size=4, seed=seed)
-        full = tokenizer.encode_full(text, False)
-        assert result.token_count == len(full)
-        assert result.keys == block_keys(full, 4, seed)
-        hits += result.cache_hit
-        messages.append({"role": "assistant", "content": random_text(rng, rng.randrange(200))})
+    hits = await chat_session_hits(
+        tokenizer, random.Random(2), random_text, turns=10, words=(300, 200, 200)
+    )
     assert hits >= 9

@@ -69,8 +69,17 @@ STEP_TIMEOUT_S = 1800.0
 """No install step may hang longer than this (pip's own network timeouts are per request)."""
 
 
-def _run(step: str, cmd: Sequence[str | Path], log_path: Path) -> None:
-    with log_path.open("a") as log_file:
+def run_logged(
+    step: str,
+    cmd: Sequence[str | Path],
+    log_path: Path,
+    *,
+    timeout_s: float = STEP_TIMEOUT_S,
+    append: bool = True,
+) -> None:
+    """Run one set-up step with its output in ``log_path``; ``InstallError`` when it fails or
+    runs longer than ``timeout_s``."""
+    with log_path.open("a" if append else "w") as log_file:
         log_file.write(f"\n$ {' '.join(str(c) for c in cmd)}\n")
         log_file.flush()
         try:
@@ -79,11 +88,11 @@ def _run(step: str, cmd: Sequence[str | Path], log_path: Path) -> None:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                timeout=STEP_TIMEOUT_S,
+                timeout=timeout_s,
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
-            raise InstallError(f"{step} took over {STEP_TIMEOUT_S:.0f} s; see {log_path}") from exc
+            raise InstallError(f"{step} took over {timeout_s:.0f} s; see {log_path}") from exc
     if done.returncode != 0:
         raise InstallError(f"{step} failed (exit {done.returncode}); see {log_path}")
 
@@ -120,18 +129,20 @@ def ensure_installed(
         log(f"removing the existing venv {layout.venv}")
         shutil.rmtree(layout.venv)
     log(f"creating venv {layout.venv}")
-    _run("venv", [base_python(), "-m", "venv", layout.venv], log_path)
+    run_logged("venv", [base_python(), "-m", "venv", layout.venv], log_path)
     lock = lock or not constraints.is_file()
     pinned = [] if lock else ["-c", str(constraints)]
     log(f"installing {' '.join(REQUIREMENTS)} (log: {log_path})")
-    _run("pip upgrade", [*_pip(layout), "install", "--quiet", *pinned, "pip"], log_path)
-    _run("pip install", [*_pip(layout), "install", *pinned, *REQUIREMENTS], log_path)
+    run_logged("pip upgrade", [*_pip(layout), "install", "--quiet", *pinned, "pip"], log_path)
+    run_logged("pip install", [*_pip(layout), "install", *pinned, *REQUIREMENTS], log_path)
     if lock:
         count = write_constraints(layout, constraints)
         log(f"pinned {count} packages in {constraints}")
     log(f"removing {', '.join(BROKEN_EXTRAS)}")
-    _run("pip uninstall", [*_pip(layout), "uninstall", "--yes", *BROKEN_EXTRAS], log_path)
-    _run("import check", [layout.python, "-c", "import vllm; print(vllm.__version__)"], log_path)
+    run_logged("pip uninstall", [*_pip(layout), "uninstall", "--yes", *BROKEN_EXTRAS], log_path)
+    run_logged(
+        "import check", [layout.python, "-c", "import vllm; print(vllm.__version__)"], log_path
+    )
     layout.install_stamp.write_text(json.dumps(_wanted_stamp(constraints)))
     return InstallReport(layout.python, reused=False, seconds=time.monotonic() - started)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.vllm_cpu.install import InstallError
+from backends.vllm_cpu.install import run_logged
 
 BUILDER_SCRIPT = Path(__file__).with_name("tiny_model_script.py")
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -51,19 +50,6 @@ def ensure_model(
     out.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(python), str(BUILDER_SCRIPT), "--out", str(out), "--seed", str(seed)]
-    with log_path.open("w") as log_file:
-        try:
-            done = subprocess.run(
-                cmd,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=BUILD_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise InstallError(f"model build timed out; see {log_path}") from exc
-    if done.returncode != 0:
-        raise InstallError(f"model build failed (exit {done.returncode}); see {log_path}")
+    run_logged("model build", cmd, log_path, timeout_s=BUILD_TIMEOUT_S, append=False)
     (out / STAMP_NAME).write_text(json.dumps(_wanted_stamp(seed)))
     return ModelReport(out, reused=False, seconds=time.monotonic() - started)
