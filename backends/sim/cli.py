@@ -161,23 +161,27 @@ def describe(fleet: SimFleet) -> str:
 
 
 async def _serve(config: SimConfig) -> int:
-    fleet = SimFleet(config)
-    try:
-        await fleet.start()
-    except (OSError, zmq.ZMQError) as exc:
-        print(f"kvgate sim: cannot listen: {exc}", file=sys.stderr)
-        return 1
+    # Signal handlers go in before any listener opens: a SIGTERM that arrives while the
+    # fleet starts (its first replicas already answering) still means a clean stop.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    fleet = SimFleet(config)
     try:
-        print(describe(fleet), flush=True)
-        await stop.wait()
+        try:
+            await fleet.start()
+        except (OSError, zmq.ZMQError) as exc:
+            print(f"kvgate sim: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        try:
+            print(describe(fleet), flush=True)
+            await stop.wait()
+        finally:
+            await fleet.stop()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await fleet.stop()
     return 0
 
 
