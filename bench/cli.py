@@ -1,7 +1,7 @@
 """``kvgate bench``: trace replay across routers and policies.
 
 Sub-commands:
-  oracle   the trace slice's prefix reuse with one infinite cache
+  oracle   the trace slice's prefix reuse with one infinite cache, and the TTFT floor
   replay   replay a trace against any OpenAI-compatible URL
   compare  every router on a cold simulated fleet, same trace slice, one table
   sweep    kvgate ``kv``: overlap_credit x temperature, hit rate and p99 TTFT curves
@@ -24,6 +24,7 @@ from bench.compare import (
     CompareConfig,
     RouterRun,
     compare,
+    references,
     router_label,
 )
 from bench.fleet import FleetSpec
@@ -185,6 +186,7 @@ def cmd_oracle(args: argparse.Namespace) -> int:
     cfg = _replay_config(args, "http://unused", block)
     chosen = select_slice(reqs, cfg)
     o = oracle(chosen, block_tokens=block)
+    refs = references(chosen, _fleet_spec(args), block)
     print(
         json.dumps(
             {
@@ -193,6 +195,7 @@ def cmd_oracle(args: argparse.Namespace) -> int:
                 "token_hit_rate": round(o.token_hit_rate, 4),
                 "block_hit_rate": round(o.block_hit_rate, 4),
             }
+            | refs.as_json()
         )
     )
     return 0
@@ -214,7 +217,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         replicas=args.replicas,
     )
     report.write_summary(out / "summary.json", summary)
-    table = report.markdown_table([summary], o.token_hit_rate)
+    table = report.markdown_table([summary], report.References(o.token_hit_rate))
     (out / "table.md").write_text(table)
     report.plot_ttft_cdf({args.label: result.records}, out / "ttft_cdf.png", args.label)
     print(table)
@@ -233,8 +236,8 @@ def _parse_routers(text: str) -> list[str]:
     return names
 
 
-def _compare_config(args: argparse.Namespace, block: int, out: Path, title: str) -> CompareConfig:
-    fleet = FleetSpec(
+def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
+    return FleetSpec(
         replicas=args.replicas,
         speedup=args.speedup,
         capacity_blocks=args.capacity_blocks,
@@ -242,8 +245,11 @@ def _compare_config(args: argparse.Namespace, block: int, out: Path, title: str)
         topic=args.topic,
         extra_args=tuple(args.sim_arg),
     )
+
+
+def _compare_config(args: argparse.Namespace, block: int, out: Path, title: str) -> CompareConfig:
     return CompareConfig(
-        fleet=fleet,
+        fleet=_fleet_spec(args),
         replay=_replay_config(args, "http://unset", block),
         out_dir=out,
         title=title,
@@ -327,9 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("oracle", help="prefix reuse of a trace slice with one infinite cache")
+    p = sub.add_parser(
+        "oracle",
+        help="prefix reuse of a trace slice with one infinite cache, and the TTFT floor "
+        "(each request alone on an idle simulated replica with that cache)",
+    )
     _trace_args(p)
     _replay_args(p)
+    _fleet_args(p)
 
     p = sub.add_parser("replay", help="replay a trace against an OpenAI-compatible URL")
     _trace_args(p)

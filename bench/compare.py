@@ -22,11 +22,12 @@ from bench.fleet import (
     ManagedProcess,
     SimFleet,
     process_cpu_seconds,
+    sim_config,
     start_fleet,
     start_kvgate,
     system_cpu_times,
 )
-from bench.oracle import oracle
+from bench.oracle import oracle, pooled_lru, ttft_floor
 from bench.peers import PEERS, start_peer
 from bench.replay import (
     SAMPLED_METRICS,
@@ -208,31 +209,49 @@ def compare(
 ) -> list[RunOutput]:
     """Run every router on the same slice; write table.md, summary.json and PNGs."""
     chosen = select_slice(requests, cfg.replay)
-    orc = oracle(chosen, block_tokens=cfg.trace_block_tokens)
+    refs = references(chosen, cfg.fleet, cfg.trace_block_tokens)
     cfg.log(
-        f"slice: {len(chosen)} requests, {orc.prompt_tokens} prompt tokens, "
-        f"oracle hit rate {orc.token_hit_rate:.3f} (blocks {orc.block_hit_rate:.3f})"
+        f"slice: {len(chosen)} requests, oracle hit rate {refs.oracle_hit_rate:.3f}, "
+        f"pooled LRU {refs.pooled_hit_rate:.3f}, "
+        f"TTFT floor p99 {report.percentile(refs.ttft_floor, 99):.3f}s"
     )
     outputs: list[RunOutput] = []
     failed: list[str] = []
     for run in runs:
         try:
-            outputs.append(run_one(run, chosen, cfg, orc.token_hit_rate))
+            outputs.append(run_one(run, chosen, cfg, refs.oracle_hit_rate))
         except (RuntimeError, TimeoutError, OSError, subprocess.CalledProcessError) as exc:
             cfg.log(f"[{run.label}] could not run: {exc}")
             failed.append(f"{run.label}: {exc}")
-    write_comparison(outputs, orc.token_hit_rate, cfg, failed)
+    write_comparison(outputs, refs, cfg, failed)
     return outputs
+
+
+def references(
+    chosen: Sequence[TraceRequest], fleet: FleetSpec, block_tokens: int
+) -> report.References:
+    """The oracle, the TTFT floor and the pooled LRU of ``fleet`` for the slice ``chosen``
+    (``block_tokens`` tokens per trace hash id)."""
+    sim = sim_config(fleet)
+    engine = sim.engine
+    orc = oracle(chosen, block_tokens=block_tokens)
+    capacity = (
+        sim.replicas * (engine.capacity_blocks + engine.cpu_offload_blocks) * engine.block_size
+    )
+    pooled = pooled_lru(chosen, capacity, block_tokens=block_tokens)
+    return report.References(
+        orc.token_hit_rate, ttft_floor(orc, sim), pooled.token_hit_rate, capacity
+    )
 
 
 def write_comparison(
     outputs: Sequence[RunOutput],
-    oracle_rate: float,
+    refs: report.References,
     cfg: CompareConfig,
     failed: Sequence[str] = (),
 ) -> str:
     summaries = [o.summary for o in outputs]
-    table = report.markdown_table(summaries, oracle_rate)
+    table = report.markdown_table(summaries, refs)
     warning = report.saturation_warning(summaries)
     text = f"## {cfg.title}\n\n{table}"
     if warning:
@@ -243,13 +262,15 @@ def write_comparison(
     (cfg.out_dir / "table.md").write_text(text)
     (cfg.out_dir / "summaries.json").write_text(
         json.dumps(
-            {"oracle": oracle_rate, "runs": [asdict(s) for s in summaries]}, indent=2, default=str
+            refs.as_json() | {"runs": [asdict(s) for s in summaries]},
+            indent=2,
+            default=str,
         )
         + "\n"
     )
     records = {o.summary.label: o.result.records for o in outputs}
     report.plot_ttft_cdf(records, cfg.out_dir / "ttft_cdf.png", cfg.title)
-    report.plot_hit_rates(summaries, oracle_rate, cfg.out_dir / "hit_rate.png", cfg.title)
+    report.plot_hit_rates(summaries, refs.oracle_hit_rate, cfg.out_dir / "hit_rate.png", cfg.title)
     report.plot_replica_load(
         {o.summary.label: o.result.samples for o in outputs},
         cfg.out_dir / "replica_load.png",

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from backends.sim import cli as sim_cli
+from backends.sim.config import SimConfig
 from backends.sim.tokenizer import tokenizer_dir
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -226,9 +228,9 @@ class SimFleet:
         self.process.stop()
 
 
-def sim_argv(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
-    argv = kvgate_argv(
-        "sim",
+def sim_args(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
+    """``kvgate sim`` arguments for ``spec`` (after the sub-command)."""
+    args = [
         "--replicas",
         str(spec.replicas),
         "--host",
@@ -242,12 +244,21 @@ def sim_argv(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
         "--block-size",
         str(spec.block_size),
         f"--topic={spec.topic}",
-    )
+    ]
     if spec.capacity_blocks is not None:
-        argv += ["--capacity-blocks", str(spec.capacity_blocks)]
+        args += ["--capacity-blocks", str(spec.capacity_blocks)]
     if spec.event_encoding is not None:
-        argv += ["--event-encoding", spec.event_encoding]
-    return argv + list(spec.extra_args)
+        args += ["--event-encoding", spec.event_encoding]
+    return args + list(spec.extra_args)
+
+
+def sim_argv(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
+    return kvgate_argv("sim", *sim_args(spec, http_port, events_port))
+
+
+def sim_config(spec: FleetSpec) -> SimConfig:
+    """The configuration the fleet of ``spec`` runs with, parsed by ``kvgate sim`` itself."""
+    return sim_cli.config_from_args(sim_cli.build_parser().parse_args(sim_args(spec, 0, 0)))
 
 
 def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimFleet:

@@ -7,9 +7,12 @@ first block that was never seen (or was seen only partially, shorter than now).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from backends.sim.config import SimConfig, TimingConfig
+from backends.sim.timing import StepWork, prefill_pairs, step_seconds
 from bench.traces import TRACE_BLOCK_TOKENS, TraceRequest
 
 
@@ -20,6 +23,8 @@ class OracleResult:
     hit_tokens: int
     blocks: int
     hit_blocks: int
+    per_request: tuple[tuple[int, int], ...] = ()
+    """(prompt tokens, hit tokens) of each request, in arrival order."""
 
     @property
     def token_hit_rate(self) -> float:
@@ -52,6 +57,7 @@ def oracle(
     """
     seen: dict[int, int] = {}  # chained prefix key -> most tokens of that block seen
     prompt = hit = blocks = hit_blocks = 0
+    per_request: list[tuple[int, int]] = []
     for r in sorted(requests, key=lambda q: (q.arrival_s, q.index)):
         lengths = _block_lengths(r, block_tokens)
         key = 0
@@ -75,4 +81,81 @@ def oracle(
             req_hit -= req_hit % engine_block_size
         prompt += total
         hit += req_hit
-    return OracleResult(len(requests), prompt, hit, blocks, hit_blocks)
+        per_request.append((total, req_hit))
+    return OracleResult(len(requests), prompt, hit, blocks, hit_blocks, tuple(per_request))
+
+
+def pooled_lru(
+    requests: Sequence[TraceRequest],
+    capacity_tokens: int,
+    *,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> OracleResult:
+    """Prefix reuse with one LRU cache of ``capacity_tokens`` (a fleet's total capacity).
+
+    A reference, not a bound: a fleet of N caches of C tokens holds at most N x C, and one
+    pooled LRU of that size is what perfect routing with LRU eviction could keep at best
+    without duplicating shared prefixes. Blocks are whole trace blocks, evicted least
+    recently used first; a request's blocks are touched in order, so its tail is the most
+    recent.
+    """
+    cache: OrderedDict[int, int] = OrderedDict()  # chained prefix key -> tokens held
+    held = 0
+    prompt = hit = blocks = hit_blocks = 0
+    per_request: list[tuple[int, int]] = []
+    for r in sorted(requests, key=lambda q: (q.arrival_s, q.index)):
+        lengths = _block_lengths(r, block_tokens)
+        key = 0
+        matching = True
+        req_hit = 0
+        for hid, length in zip(r.hash_ids, lengths, strict=True):
+            key = hash((key, hid))
+            before = cache.get(key, 0)
+            if matching and before > 0:
+                req_hit += min(length, before)
+                hit_blocks += 1
+                matching = before >= length
+            else:
+                matching = False
+            if length > before:
+                held += length - before
+                cache[key] = length
+            cache.move_to_end(key)
+        while held > capacity_tokens and cache:
+            held -= cache.popitem(last=False)[1]
+        blocks += len(lengths)
+        total = sum(lengths)
+        prompt += total
+        hit += req_hit
+        per_request.append((total, req_hit))
+    return OracleResult(len(requests), prompt, hit, blocks, hit_blocks, tuple(per_request))
+
+
+def idle_prefill_seconds(
+    prompt_tokens: int, cached_tokens: int, timing: TimingConfig, max_batched_tokens: int
+) -> float:
+    """Time to first token of a request alone on an idle simulated replica.
+
+    Its uncached tokens (at least one, as in vLLM) are prefilled in chunks of
+    ``max_batched_tokens``, each step timed by the simulator's own model; the first token
+    comes with the step that completes the prompt.
+    """
+    done = min(cached_tokens, max(0, prompt_tokens - 1))
+    seconds = 0.0
+    while done < prompt_tokens:
+        n = min(max_batched_tokens, prompt_tokens - done)
+        seconds += step_seconds(StepWork(tokens=n, prefill_pairs=prefill_pairs(done, n)), timing)
+        done += n
+    return seconds
+
+
+def ttft_floor(result: OracleResult, sim: SimConfig) -> list[float]:
+    """Per request, the lowest TTFT any router could give it on the simulated fleet ``sim``:
+    the oracle's cache (one infinite cache, whole blocks) and an idle replica (no queueing,
+    no batching with other requests)."""
+    block = sim.engine.block_size
+    batched = sim.engine.max_num_batched_tokens
+    return [
+        idle_prefill_seconds(prompt, hit - hit % block, sim.timing, batched)
+        for prompt, hit in result.per_request
+    ]

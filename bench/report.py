@@ -230,8 +230,34 @@ def _fmt(x: float, digits: int = 3) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def markdown_table(summaries: Sequence[RunSummary], oracle_hit_rate: float) -> str:
-    """One row per router plus the oracle row."""
+@dataclass(frozen=True, slots=True)
+class References:
+    """The rows every router is read against, computed from the trace slice alone.
+
+    ``oracle_hit_rate``: one infinite cache. ``ttft_floor``: per request, its TTFT alone on
+    an idle simulated replica holding the oracle's cache. ``pooled_hit_rate``: one LRU cache
+    of the fleet's total capacity (``pooled_capacity_tokens``), what eviction leaves
+    reachable (a reference, not a bound).
+    """
+
+    oracle_hit_rate: float
+    ttft_floor: Sequence[float] = ()
+    pooled_hit_rate: float | None = None
+    pooled_capacity_tokens: int | None = None
+
+    def as_json(self) -> dict[str, float | int | None]:
+        return {
+            "oracle": self.oracle_hit_rate,
+            "ttft_floor_p50_s": percentile(self.ttft_floor, 50),
+            "ttft_floor_p99_s": percentile(self.ttft_floor, 99),
+            "pooled_lru_hit_rate": self.pooled_hit_rate,
+            "pooled_lru_capacity_tokens": self.pooled_capacity_tokens,
+        }
+
+
+def markdown_table(summaries: Sequence[RunSummary], refs: References) -> str:
+    """One row per router, then the reference rows: the oracle (with the TTFT floor's p50
+    and p99 when known) and the pooled LRU cache (when the fleet's capacity is known)."""
     head = (
         "| router | ok/sent | hit rate | ÷ oracle | TTFT p50 (s) | TTFT p99 (s) | e2e p50 (s) "
         "| req/s | imbalance | fleet busy | CPU (cores: router / fleet / replayer) |\n"
@@ -246,10 +272,23 @@ def markdown_table(summaries: Sequence[RunSummary], oracle_hit_rate: float) -> s
             f"| {_fmt(s.throughput_rps, 2)} | {_fmt(s.imbalance, 2)} | {_fmt(s.fleet_busy, 2)} "
             f"| {cpu} (box {_fmt(s.box_utilisation, 2)}) |"
         )
+    floor = refs.ttft_floor
+    p50 = _fmt(percentile(floor, 50)) if floor else "–"
+    p99 = _fmt(percentile(floor, 99)) if floor else "–"
+    idle = "; TTFT: alone on an idle replica" if floor else ""
+    oracle = refs.oracle_hit_rate
     rows.append(
-        f"| oracle (one infinite cache) | – | {_fmt(oracle_hit_rate)} | 1.00 "
-        "| – | – | – | – | – | – | – |"
+        f"| oracle (one infinite cache{idle}) | – | {_fmt(oracle)} | 1.00 | {p50} | {p99} "
+        "| – | – | – | – | – |"
     )
+    if refs.pooled_hit_rate is not None:
+        pooled = refs.pooled_hit_rate
+        ratio = _fmt(pooled / oracle, 2) if oracle else "–"
+        size = f"{refs.pooled_capacity_tokens:,} tokens" if refs.pooled_capacity_tokens else ""
+        rows.append(
+            f"| pooled LRU (one cache of the fleet's capacity{', ' + size if size else ''}) "
+            f"| – | {_fmt(pooled)} | {ratio} | – | – | – | – | – | – | – |"
+        )
     return head + "\n".join(rows) + "\n"
 
 

@@ -88,7 +88,7 @@ class _Lru:
     def touch_all(self, keys: Sequence[int], stamp: float) -> None:
         """``touch`` each of ``keys`` in order (the last is the most recent)."""
         records = self._records
-        if not any(map(records.__contains__, keys)):
+        if records.keys().isdisjoint(keys):
             records.update(dict.fromkeys(keys, 1))
             self._live += len(keys)
         else:
@@ -247,7 +247,7 @@ class BlockTable:
         fresh_classes = _CLASS_OF_TIERS[tier_bit]
         masks = self._mask
         counts = state.tier_counts
-        if not any(map(masks.__contains__, keys)):
+        if masks.keys().isdisjoint(keys):
             self._store_fresh(state, shift, keys, tier=tier, parent=parent, mask=fresh_mask)
             state.lru.touch_all(keys[::-1], stamp)
             return

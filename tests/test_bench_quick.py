@@ -45,6 +45,7 @@ def test_quick_compare_produces_complete_sane_output(tmp_path: Path) -> None:
     runs = data["runs"]
     assert [r["label"] for r in runs] == [f"kvgate {p}" for p in POLICIES]
     assert 0.0 < data["oracle"] <= 1.0
+    assert 0.0 < data["ttft_floor_p50_s"] <= data["ttft_floor_p99_s"]  # model figures
     sizes = {r["requests"] for r in runs}
     assert len(sizes) == 1 and sizes.pop() > 0  # same slice for every policy
     table = (tmp_path / "table.md").read_text()

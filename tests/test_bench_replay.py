@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from bench.replay import ReplayConfig, parse_prometheus, replay, select_slice
-from bench.report import markdown_table, summarize
+from bench.report import References, markdown_table, summarize
 from bench.traces import SyntheticAgentOptions, TraceRequest, synthetic_agent_sessions
 
 BLOCK = 16
@@ -135,7 +135,7 @@ async def test_replay_records_every_request_in_session_order() -> None:
     )
     assert summary.ok == 12 and 0.0 < summary.hit_rate <= 1.0
     assert summary.per_worker_requests == {"fake-0": 12}
-    assert "| fake | 12/12 |" in markdown_table([summary], 0.9)
+    assert "| fake | 12/12 |" in markdown_table([summary], References(0.9))
 
 
 @pytest.mark.anyio

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from backends.sim.config import EngineConfig, SimConfig, TimingConfig
+from backends.sim.timing import StepWork, prefill_pairs, step_seconds
 from backends.sim.vocab import vocabulary
-from bench.oracle import oracle
+from bench.fleet import FleetSpec, sim_config
+from bench.oracle import idle_prefill_seconds, oracle, pooled_lru, ttft_floor
 from bench.traces import (
     AgenticReplayOptions,
     SyntheticAgentOptions,
@@ -135,3 +138,51 @@ def test_oracle_partial_block_hits_only_what_was_seen() -> None:
     ]
     assert oracle(reqs).hit_tokens == 600
     assert oracle(reqs, engine_block_size=16).hit_tokens == 592
+
+
+def test_oracle_reports_each_request_in_arrival_order() -> None:
+    reqs = [
+        TraceRequest(0, 1.0, 1024, 1, (0, 2)),
+        TraceRequest(1, 0.0, 1024, 1, (0, 1)),
+    ]
+    assert oracle(reqs).per_request == ((1024, 0), (1024, 512))
+
+
+def test_idle_prefill_is_the_simulators_own_steps() -> None:
+    timing = TimingConfig(speedup=2.0)
+    # 20k uncached tokens after a 4k hit, chunks of 8192: 8192 + 8192 + 3616
+    expected = sum(
+        step_seconds(StepWork(tokens=n, prefill_pairs=prefill_pairs(start, n)), timing)
+        for start, n in ((4096, 8192), (12288, 8192), (20480, 3616))
+    )
+    assert idle_prefill_seconds(24096, 4096, timing, 8192) == pytest.approx(expected)
+    # a full hit still computes one token (one step at the step floor), as vLLM does
+    one = idle_prefill_seconds(1024, 1024, timing, 8192)
+    assert one == pytest.approx(timing.step_floor_ms / 1000 / timing.speedup, rel=0.01)
+    assert idle_prefill_seconds(1024, 0, timing, 8192) > one
+
+
+def test_ttft_floor_uses_whole_cached_blocks_and_the_fleet_config() -> None:
+    reqs = [TraceRequest(0, 0.0, 600, 1, (0, 1)), TraceRequest(1, 1.0, 1536, 1, (0, 1, 2))]
+    o = oracle(reqs)  # the second request hits 600 tokens: 592 in whole 16-token blocks
+    sim = SimConfig(engine=EngineConfig(block_size=16), timing=TimingConfig(speedup=4.0))
+    floor = ttft_floor(o, sim)
+    assert floor[1] == pytest.approx(idle_prefill_seconds(1536, 592, sim.timing, 8192))
+    parsed = sim_config(FleetSpec(speedup=4.0, block_size=32, extra_args=("--token-us", "10")))
+    assert (parsed.timing.speedup, parsed.engine.block_size) == (4.0, 32)
+    assert parsed.timing.token_us == 10.0
+
+
+def test_pooled_lru_keeps_what_fits_and_evicts_least_recent() -> None:
+    def req(i: int, ids: tuple[int, ...]) -> TraceRequest:
+        return TraceRequest(i, float(i), 512 * len(ids), 1, ids)
+
+    a, b, c = (0, 1), (5, 6), (8, 9)
+    reqs = [req(0, a), req(1, b), req(2, a)]
+    assert pooled_lru(reqs, 4096).hit_tokens == oracle(reqs).hit_tokens == 1024  # all fits
+    assert pooled_lru(reqs, 1536).hit_tokens == 0  # b pushed out a's first block
+    # a touched again before c arrives: c evicts b instead, and a hits once more
+    touched = [req(0, a), req(1, b), req(2, a), req(3, c), req(4, a)]
+    assert [hit for _, hit in pooled_lru(touched, 2048).per_request] == [0, 0, 1024, 0, 1024]
+    untouched = [req(0, a), req(1, b), req(2, c), req(3, a)]
+    assert pooled_lru(untouched, 2048).hit_tokens == 0
