@@ -208,6 +208,15 @@ class Settings(BaseSettings):
         default="info", description="log level"
     )
     sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
+    sim_port: int = Field(
+        default=9001, ge=1, le=65535, description="--sim: HTTP port of replica 0 (+i)"
+    )
+    sim_events_port: int = Field(
+        default=5557,
+        ge=1,
+        le=65535,
+        description="--sim: KV-event PUB port of replica 0 (+2i), replay on the next port",
+    )
     shutdown_timeout_s: int = Field(
         default=30,
         ge=1,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -91,12 +93,30 @@ def main(argv: list[str]) -> int:
             log.warning("no --worker given: add workers with POST /admin/workers")
         run(settings)
         return 0
+    # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: ours
+    # unwinds through the ``with`` (stopping the simulated fleet) instead of killing the process
+    # with its subprocess left running.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with SimFleet(settings.sim) as fleet:
+        with SimFleet(
+            settings.sim, base_port=settings.sim_port, events_port=settings.sim_events_port
+        ) as fleet:
             settings = load_settings(args.config, fleet.settings_overrides(overrides))
             log.info("routing to %d simulated replicas", settings.sim)
             run(settings)
     except SimFleetError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
+    except _Terminated:
+        log.info("terminated; simulated replicas stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived outside uvicorn's own handling (or after its graceful shutdown)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated

@@ -7,6 +7,7 @@ Port scheme: replica i (0-based) serves HTTP on ``base_port + i``, publishes KV 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ class SimFleet:
             "--replicas", str(self.replicas),
             "--port", str(self.base_port),
             "--events-port", str(self.events_port),
+            "--parent-pid", str(os.getpid()),  # killed outright, we leave no replicas behind
         ]  # fmt: skip
 
     def worker_specs(self) -> list[str]:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
 import pytest
 from fakes.gateway import kvgate
 
@@ -72,3 +80,65 @@ async def test_sim_fleet_is_routed_cache_aware_and_stopped() -> None:
         process = fleet._process
         assert process is not None and process.poll() is None
     assert process.poll() is not None  # the fleet stopped with the block
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _alive(pid: int) -> bool:
+    """Running (not exited, not a zombie waiting for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_until(condition: object, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@contextmanager
+def _serve_sim(log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``kvgate serve --sim 2`` on free ports, ready; yields it and its simulator's pid."""
+    port, base, events = free_run(1, 33500), free_run(2, 34500), free_run(4, 35500)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--sim", "2", "--port", str(port),
+             "--sim-port", str(base), "--sim-events-port", str(events)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+            except httpx.TransportError:  # not listening yet
+                return False
+
+        _wait_until(ready, "kvgate serve --sim did not become ready", 90)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1, children  # the kvgate sim subprocess
+        yield proc, int(children[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_sigterm_stops_the_simulated_replicas_too(tmp_path: Path) -> None:
+    with _serve_sim(tmp_path / "serve.log") as (proc, sim):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+        assert not _alive(sim)  # stopped and reaped before kvgate serve exited
+
+
+def test_simulated_replicas_exit_when_serve_is_killed_outright(tmp_path: Path) -> None:
+    with _serve_sim(tmp_path / "serve.log") as (proc, sim):
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _wait_until(lambda: not _alive(sim), "the simulator outlived kvgate serve")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--model", default=e.model, help="served model name")
     fleet.add_argument("--seed", type=int, default=0, help="seed of outputs, hashes, faults")
     fleet.add_argument("--log-level", default="warning", help="python logging level")
+    fleet.add_argument(
+        "--parent-pid", type=int, metavar="PID",
+        help="stop once PID is no longer this process's parent (it exited, even killed "
+        "outright); kvgate serve --sim passes its own",
+    )  # fmt: skip
 
     eng = p.add_argument_group("engine and cache")
     eng.add_argument("--block-size", type=int, default=e.block_size, help="tokens per block")
@@ -160,13 +167,22 @@ def describe(fleet: SimFleet) -> str:
     return "\n".join(lines)
 
 
-async def _serve(config: SimConfig) -> int:
+async def _watch_parent(parent: int, stop: asyncio.Event, interval_s: float = 0.5) -> None:
+    """Set ``stop`` once this process is re-parented (its starter exited, even by SIGKILL)."""
+    while not stop.is_set() and os.getppid() == parent:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    stop.set()
+
+
+async def _serve(config: SimConfig, *, parent_pid: int | None = None) -> int:
     # Signal handlers go in before any listener opens: a SIGTERM that arrives while the
     # fleet starts (its first replicas already answering) still means a clean stop.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watcher = None if parent_pid is None else asyncio.create_task(_watch_parent(parent_pid, stop))
     fleet = SimFleet(config)
     try:
         try:
@@ -182,6 +198,9 @@ async def _serve(config: SimConfig) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if watcher is not None:
+            stop.set()
+            await watcher
     return 0
 
 
@@ -197,4 +216,4 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_serve(config))
+        return runner.run(_serve(config, parent_pid=args.parent_pid))
