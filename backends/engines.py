@@ -21,6 +21,7 @@ class ScrapedLoad:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    kv_capacity_blocks: int | None = None  # GPU KV blocks per engine (smallest over ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class EngineAdapter:
     running_metrics: tuple[str, ...] = ()
     waiting_metrics: tuple[str, ...] = ()
     kv_usage_metrics: tuple[str, ...] = ()  # first present wins; values in 0..1
+    # an info metric and its label carrying the engine's KV capacity in blocks
+    kv_capacity_info: tuple[str, str] | None = None
     health_path: str = "/health"
     models_path: str = "/v1/models"
     metrics_path: str | None = "/metrics"
@@ -49,12 +52,18 @@ class EngineAdapter:
         Only the lines of the wanted metrics are handed to the Prometheus parser, so a
         large /metrics page (histograms) costs a few string scans, not a full parse.
         """
+        info = self.kv_capacity_info
         wanted = (*self.running_metrics, *self.waiting_metrics, *self.kv_usage_metrics)
+        if info is not None:
+            wanted = (*wanted, info[0])
         lines = [line for line in text.splitlines() if line.startswith(wanted)]
         values: dict[str, list[float]] = {}
+        capacities: list[int] = []
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
                 values.setdefault(sample.name, []).append(sample.value)
+                if info is not None and sample.name == info[0]:
+                    capacities += _positive_int(sample.labels.get(info[1]))
         running = _first_sum(values, self.running_metrics)
         waiting = _first_sum(values, self.waiting_metrics)
         usage = _first_mean(values, self.kv_usage_metrics)
@@ -62,7 +71,15 @@ class EngineAdapter:
             running=None if running is None else round(running),
             waiting=None if waiting is None else round(waiting),
             kv_usage=usage,
+            kv_capacity_blocks=min(capacities) if capacities else None,
         )
+
+
+def _positive_int(label: str | None) -> list[int]:
+    """A label's value as a positive int, or nothing (absent, ``None``, garbage)."""
+    if label is None or not label.isdigit() or int(label) <= 0:
+        return []
+    return [int(label)]
 
 
 def _first_sum(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
@@ -85,6 +102,7 @@ VLLM = EngineAdapter(
     waiting_metrics=("vllm:num_requests_waiting",),
     # vLLM V0 named it gpu_cache_usage_perc; both are fractions in 0..1.
     kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    kv_capacity_info=("vllm:cache_config_info", "num_gpu_blocks"),
     tokenize_path="/tokenize",
     tokenize_accepts_messages=True,
 )

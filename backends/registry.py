@@ -85,6 +85,7 @@ class Worker:
             scraped_running=scraped.running,
             scraped_waiting=scraped.waiting,
             scraped_kv_usage=scraped.kv_usage,
+            kv_capacity_blocks=scraped.kv_capacity_blocks,
             footprint=self.footprint,
         )
         return self._load
@@ -119,6 +120,7 @@ class Worker:
                 "running": self.scraped.running,
                 "waiting": self.scraped.waiting,
                 "kv_usage": self.scraped.kv_usage,
+                "kv_capacity_blocks": self.scraped.kv_capacity_blocks,
             },
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,

@@ -31,6 +31,7 @@ class WorkerLoad:
     scraped_running: int | None = None
     scraped_waiting: int | None = None
     scraped_kv_usage: float | None = None  # 0..1
+    kv_capacity_blocks: int | None = None  # the engine's GPU KV blocks (scraped), if known
     # prompt blocks routed here recently, exponentially decayed, on a scale shared by every
     # worker of the registry (only ratios between workers mean anything)
     footprint: float = 0.0

@@ -105,6 +105,21 @@ class KvPolicyConfig(BaseModel):
             "the sum, since the engine's figures already include kvgate's own requests."
         ),
     )
+    eviction_risk_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Discount on a worker's cached match for the risk that it is evicted before the "
+            "request runs: the prefill queued ahead there allocates new blocks, which evict "
+            "the least recently used cached ones once the free pool (capacity x (1 - KV "
+            "usage)) runs out. The match is credited at 1 - weight * clip((queued - free) / "
+            "capacity, 0, 1). "
+            "Needs the engine's KV usage and capacity (vLLM's cache_config_info, or "
+            "kv_capacity_blocks). Off (0) by default: measured to help only overloaded "
+            "fleets (docs/scoring.md, Eviction risk)."
+        ),
+    )
     waiting_request_prefill_tokens: int = Field(
         default=512,
         ge=0,

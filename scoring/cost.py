@@ -32,6 +32,7 @@ class WorkerCost:
     overlap_tokens: int
     uncached_tokens: int
     credited: float
+    cache_survival: float  # expected share of the match still cached when the request runs
     prefill_blocks: float
     queued_prefill: BlendedLoad
     decode: BlendedLoad
@@ -53,6 +54,7 @@ class WorkerCost:
             "uncached_tokens": float(self.uncached_tokens),
             "request_blocks": float(self.request_blocks),
             "credited": self.credited,
+            "cache_survival": self.cache_survival,
             "prefill_blocks": self.prefill_blocks,
             "predicted_queued_prefill_blocks": self.queued_prefill.predicted,
             "queued_prefill_blocks": self.queued_prefill.blended,
@@ -176,6 +178,27 @@ def decode_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
     return _blend(predicted, scraped, config)
 
 
+def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfig) -> float:
+    """The share of a cached match credited, for the risk of its eviction before use.
+
+    A request waits behind ``queued_blocks`` of new prefill allocations. While they fit in
+    the free pool (``capacity x (1 - KV usage)``: free and cached-but-unused blocks), the
+    engine evicts the least recently used of those first, and a match touched by its
+    session's last turn is rarely among them. A queue larger than the free pool must take
+    what running requests release as well: the excess, relative to the whole cache, is the
+    share of cached blocks expected to go (capped at 1). 1.0 when the engine does not report
+    its usage and capacity.
+    """
+    weight = config.eviction_risk_weight
+    usage = load.scraped_kv_usage
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if weight <= 0.0 or usage is None or capacity is None:
+        return 1.0
+    free = capacity * (1.0 - min(max(usage, 0.0), 1.0))
+    risk = min(1.0, max(0.0, queued_blocks - free) / capacity)
+    return 1.0 - weight * risk
+
+
 def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     """Why the busy guard skips this worker, or None when it is not busy."""
     waiting, limit = load.scraped_waiting, config.max_waiting_requests
@@ -230,10 +253,11 @@ def worker_cost(
 ) -> WorkerCost:
     """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
     match = clip_match(candidate.match, size.full_blocks)
-    credited = credited_blocks(match, config)
+    queued = queued_prefill_load(candidate.load, size.block_size, config)
+    survival = cache_survival(candidate.load, queued.blended, config)
+    credited = credited_blocks(match, config) * survival
     prefill = size.blocks - credited
     overlap = overlap_tokens(match.blocks, size)
-    queued = queued_prefill_load(candidate.load, size.block_size, config)
     decode = decode_load(candidate.load, config)
     load_blocks = _load_blocks(queued.blended, decode.blended, config)
     return WorkerCost(
@@ -243,6 +267,7 @@ def worker_cost(
         overlap_tokens=overlap,
         uncached_tokens=max(size.prompt_tokens - overlap, 0),
         credited=credited,
+        cache_survival=survival,
         prefill_blocks=prefill,
         queued_prefill=queued,
         decode=decode,
@@ -291,8 +316,9 @@ class CostQuote:
     ) -> None:
         load = candidate.load
         match = clip_match(candidate.match, size.full_blocks)
-        prefill = size.blocks - credited_blocks(match, config)
         queued = _blended(*_queued_parts(load, size.block_size, config), config)
+        survival = cache_survival(load, queued, config)
+        prefill = size.blocks - credited_blocks(match, config) * survival
         decode = _blended(*_decode_parts(load, config), config)
         self.cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
             prefill, footprint_ratio, config

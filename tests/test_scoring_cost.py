@@ -294,3 +294,65 @@ def test_config_defaults_documented() -> None:
     assert (config.gpu_weight, config.cpu_weight, config.disk_weight) == (1.0, 0.75, 0.25)
     for name, field in KvPolicyConfig.model_fields.items():
         assert field.description, f"{name} has no description"
+
+
+# --- eviction risk: a cached match behind a queue on a full cache ------------------------
+
+
+@pytest.mark.parametrize(
+    ("usage", "capacity", "pending_tokens", "survival"),
+    [
+        (0.5, 1000, 0, 1.0),  # nothing queued: nothing evicts the match
+        (0.5, 1000, 400 * BS, 1.0),  # the queue fits in the 500-block free pool
+        (0.5, 1000, 750 * BS, 0.75),  # 250 blocks past the free pool, of 1000
+        (0.9, 1000, 600 * BS, 0.5),  # a nearly full cache: 100 free, 600 queued
+        (1.0, 1000, 2000 * BS, 0.0),  # the queue is larger than the whole cache
+        (None, 1000, 2000 * BS, 1.0),  # usage not scraped: no discount
+        (0.5, None, 2000 * BS, 1.0),  # capacity unknown: no discount
+    ],
+)
+def test_queued_prefill_on_a_full_cache_discounts_the_match(
+    usage: float | None, capacity: int | None, pending_tokens: int, survival: float
+) -> None:
+    c = cand(
+        "a",
+        gpu=10,
+        scraped_kv_usage=usage,
+        kv_capacity_blocks=capacity,
+        pending_prefill_tokens=pending_tokens,
+    )
+    cost = worker_cost(request_size(req(10)), c, KvPolicyConfig(eviction_risk_weight=1.0))
+    assert cost.cache_survival == pytest.approx(survival)
+    assert cost.credited == pytest.approx(10 * survival)
+    assert cost.terms()["cache_survival"] == pytest.approx(survival)
+
+
+def test_eviction_risk_weight_scales_the_discount_and_zero_turns_it_off() -> None:
+    c = cand("a", gpu=10, scraped_kv_usage=0.5, kv_capacity_blocks=1000,
+             pending_prefill_tokens=1000 * BS)  # fmt: skip
+    size = request_size(req(10))
+    full = KvPolicyConfig(eviction_risk_weight=1.0)
+    assert worker_cost(size, c, full).cache_survival == pytest.approx(0.5)
+    half = KvPolicyConfig(eviction_risk_weight=0.5)
+    assert worker_cost(size, c, half).cache_survival == pytest.approx(0.75)
+    off = KvPolicyConfig(eviction_risk_weight=0.0)
+    assert worker_cost(size, c, off).cache_survival == 1.0
+    # the configured capacity stands in for an engine that does not publish it
+    unknown = cand("a", gpu=10, scraped_kv_usage=0.5, pending_prefill_tokens=1000 * BS)
+    configured = KvPolicyConfig(eviction_risk_weight=1.0, kv_capacity_blocks=1000)
+    assert worker_cost(size, unknown, configured).cache_survival == pytest.approx(0.5)
+
+
+def test_a_session_leaves_a_home_whose_queue_would_evict_its_history() -> None:
+    """The thrashing case of the agentic benchmark at high load: the session's history is
+    still cached at home, but the prefill queued there will evict it before the turn runs."""
+    home = cand("home", gpu=100, scraped_kv_usage=0.9, kv_capacity_blocks=200,
+                pending_prefill_tokens=250 * BS)  # fmt: skip
+    idle = cand("idle", scraped_kv_usage=0.3, kv_capacity_blocks=200)
+    # 250 queued blocks, 20 free, a 200-block cache: the history is as good as gone (cost
+    # 110 + 0.33 * 250 at home against 110 idle); trusted, it would win (10 + 0.33 * 250)
+    risky = KvPolicy(KvPolicyConfig(eviction_risk_weight=1.0), rng=random.Random(0))
+    chosen = risky.rank(req(110), [home, idle]).chosen
+    assert chosen == WorkerId("idle")
+    off = KvPolicy(KvPolicyConfig(eviction_risk_weight=0.0), rng=random.Random(0))
+    assert off.rank(req(110), [home, idle]).chosen == WorkerId("home")

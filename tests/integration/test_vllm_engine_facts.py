@@ -20,6 +20,7 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
+from backends.engines import VLLM
 from backends.vllm_cpu.launch import Fleet, ReplicaSpec
 from index.events import BlockStored, EventDecoder
 
@@ -156,3 +157,11 @@ def test_chat_usage_reports_cached_tokens_when_streamed(engine: httpx.Client) ->
     (prompt_tokens, cold), (_, warm) = results
     assert cold == 0
     assert warm == engine_cached_tokens(prompt_tokens, prompt_tokens // BLOCK)
+
+
+def test_metrics_give_the_load_and_kv_capacity_kvgate_scrapes(engine: httpx.Client) -> None:
+    scraped = VLLM.parse_load(engine.get("/metrics").text)
+    assert scraped.running is not None and scraped.waiting is not None
+    assert scraped.kv_usage is not None and 0.0 <= scraped.kv_usage <= 1.0
+    # vllm:cache_config_info{num_gpu_blocks="..."}: the capacity the eviction-risk term uses
+    assert scraped.kv_capacity_blocks is not None and scraped.kv_capacity_blocks > 0
