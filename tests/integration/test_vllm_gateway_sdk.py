@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
-from kvgate_server import KvgateServer
-from vllm_helpers import BLOCK, MODEL, ChatSession, engine_cached_tokens
+from kvgate_server import KvgateServer, route_explain
+from vllm_helpers import BLOCK, MODEL, ChatSession, engine_cached_tokens, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -21,10 +22,25 @@ def sdk(kvgate: KvgateServer) -> Iterator[openai.OpenAI]:
         client.close()
 
 
-def test_sdk_streams_chat_with_usage_and_cache_hits(sdk: openai.OpenAI) -> None:
+def _wait_indexed(kvgate: KvgateServer, messages: list[dict[str, str]]) -> None:
+    """Wait until some worker's KV events for this prompt have reached kvgate's index."""
+    body = {"model": MODEL, "messages": messages}
+    with httpx.Client(base_url=kvgate.url, timeout=30.0) as client:
+
+        def indexed() -> bool:
+            return any(w["overlap_tokens"] > 0 for w in route_explain(client, body)["workers"])
+
+        wait_for(indexed, 10.0, "the first turn indexed")
+
+
+def test_sdk_streams_chat_with_usage_and_cache_hits(
+    sdk: openai.OpenAI, kvgate: KvgateServer
+) -> None:
     messages = ChatSession.start("sdk-chat", seed=5001).ask(120)
     usages = []
-    for _ in range(2):
+    for turn in range(2):
+        if turn == 1:  # KV events arrive asynchronously: the repeat is routed on them
+            _wait_indexed(kvgate, messages)
         pieces: list[str] = []
         stream = sdk.chat.completions.create(
             model=MODEL,
