@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
-from vllm_helpers import MODEL, ChatSession
+from vllm_helpers import MODEL, ChatSession, wait_for
 
 from backends.vllm_cpu.launch import Fleet
 
@@ -15,11 +15,20 @@ pytestmark = pytest.mark.vllm
 
 
 def _turn(client: httpx.Client, session: ChatSession) -> str:
+    """One turn of ``session``; returns once the turn's KV events are in kvgate's index (they
+    arrive asynchronously; an agent's next turn comes after its think time)."""
     body = {"model": MODEL, "messages": session.ask(), "max_tokens": 8}
     reply = client.post("/v1/chat/completions", json=body, headers={"x-session-id": session.name})
     reply.raise_for_status()
+    worker = reply.headers["x-kvgate-worker"]
+    sent = {"model": MODEL, "messages": list(session.messages)}
+    wait_for(
+        lambda: matched_blocks(route_explain(client, sent), worker) > 0,
+        10.0,
+        f"the turn of {session.name} indexed on {worker}",
+    )
     session.answer(reply.json()["choices"][0]["message"]["content"] or "")
-    return reply.headers["x-kvgate-worker"]
+    return worker
 
 
 def test_sessions_stay_home_and_new_ones_follow_load(
