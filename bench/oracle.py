@@ -55,34 +55,7 @@ def oracle(
     least one prompt token to compute, as vLLM does (a slightly lower, engine-realistic bound).
     ``block_tokens`` is the number of tokens per hash id (512 unless prompts were scaled).
     """
-    seen: dict[int, int] = {}  # chained prefix key -> most tokens of that block seen
-    prompt = hit = blocks = hit_blocks = 0
-    per_request: list[tuple[int, int]] = []
-    for r in sorted(requests, key=lambda q: (q.arrival_s, q.index)):
-        lengths = _block_lengths(r, block_tokens)
-        key = 0
-        matching = True
-        req_hit = 0
-        for hid, length in zip(r.hash_ids, lengths, strict=True):
-            key = hash((key, hid))
-            before = seen.get(key, 0)
-            if matching and before > 0:
-                req_hit += min(length, before)
-                hit_blocks += 1
-                matching = before >= length
-            else:
-                matching = False
-            if length > before:
-                seen[key] = length
-        blocks += len(lengths)
-        total = sum(lengths)
-        if engine_block_size > 1:
-            req_hit = min(req_hit, max(0, total - 1))
-            req_hit -= req_hit % engine_block_size
-        prompt += total
-        hit += req_hit
-        per_request.append((total, req_hit))
-    return OracleResult(len(requests), prompt, hit, blocks, hit_blocks, tuple(per_request))
+    return _prefix_reuse(requests, block_tokens, None, engine_block_size)
 
 
 def pooled_lru(
@@ -98,6 +71,21 @@ def pooled_lru(
     without duplicating shared prefixes. Blocks are whole trace blocks, evicted least
     recently used first; a request's blocks are touched in order, so its tail is the most
     recent.
+    """
+    return _prefix_reuse(requests, block_tokens, capacity_tokens, 1)
+
+
+def _prefix_reuse(
+    requests: Sequence[TraceRequest],
+    block_tokens: int,
+    capacity_tokens: int | None,
+    engine_block_size: int,
+) -> OracleResult:
+    """One cache replayed in arrival order: infinite (``capacity_tokens`` None) or LRU.
+
+    Each block is keyed by its whole prefix (a chain of the ids before it); a block hits when
+    the same chain was seen before, and the hit stops at the first block that was never seen
+    (or was seen only partially, shorter than now).
     """
     cache: OrderedDict[int, int] = OrderedDict()  # chained prefix key -> tokens held
     held = 0
@@ -120,11 +108,15 @@ def pooled_lru(
             if length > before:
                 held += length - before
                 cache[key] = length
-            cache.move_to_end(key)
-        while held > capacity_tokens and cache:
+            if capacity_tokens is not None:
+                cache.move_to_end(key)
+        while capacity_tokens is not None and held > capacity_tokens and cache:
             held -= cache.popitem(last=False)[1]
         blocks += len(lengths)
         total = sum(lengths)
+        if engine_block_size > 1:
+            req_hit = min(req_hit, max(0, total - 1))
+            req_hit -= req_hit % engine_block_size
         prompt += total
         hit += req_hit
         per_request.append((total, req_hit))

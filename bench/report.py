@@ -273,8 +273,7 @@ def markdown_table(summaries: Sequence[RunSummary], refs: References) -> str:
             f"| {cpu} (box {_fmt(s.box_utilisation, 2)}) |"
         )
     floor = refs.ttft_floor
-    p50 = _fmt(percentile(floor, 50)) if floor else "–"
-    p99 = _fmt(percentile(floor, 99)) if floor else "–"
+    p50, p99 = _fmt(percentile(floor, 50)), _fmt(percentile(floor, 99))  # a dash when empty
     idle = "; TTFT: alone on an idle replica" if floor else ""
     oracle = refs.oracle_hit_rate
     rows.append(
