@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint typecheck lock bench-quick clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The native core (index/csrc/) is compiled by the editable install: rebuild when it changes.
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard index/csrc/*.c index/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,bench]'

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import json
 import platform
@@ -33,14 +34,18 @@ import httpx
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from index import _native
 from index.api import PromptInput, StoreBlocks
 from index.blocks import block_keys
 from index.config import IndexConfig
-from index.events import BlockStored, EventBatch, encode_event_batch
+from index.events import BlockRemoved, BlockStored, EventBatch, KvEvent, encode_event_batch
 from index.indexers import EventIndex
 from index.ingest import EventFeed
 from index.metrics import IndexMetrics
+from index.native_table import NativeBlockTable
 from index.service import KvIndexService
+from index.table import BlockTable
+from index.tables import TableKind, native_available, new_table
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BLOCK = 16
@@ -66,108 +71,150 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------ the index
-def build_index(
-    entries: int, workers: int, rng: random.Random
-) -> tuple[EventIndex, list[list[int]]]:
-    """Every worker holds ``entries / workers`` blocks: 50k-token chains sharing a 64-block
-    system prompt; each chain is held by two neighbouring workers."""
+def make_chains(entries: int, workers: int, rng: random.Random) -> list[list[BlockKey]]:
+    """50k-token chains sharing a 64-block system prompt, enough for every worker to hold
+    ``entries / workers`` blocks with each chain held by two neighbouring workers."""
     chain_len = 3125
     system = [rng.getrandbits(64) for _ in range(64)]
     per_worker = entries // workers // chain_len
-    chains = [
-        system + [rng.getrandbits(64) for _ in range(chain_len - 64)]
+    return [
+        [BlockKey(k) for k in system + [rng.getrandbits(64) for _ in range(chain_len - 64)]]
         for _ in range(per_worker * workers // 2 + 1)
     ]
-    index = EventIndex(max_entries=entries * 2)
+
+
+def build_index(
+    entries: int, workers: int, chains: list[list[BlockKey]], table: TableKind
+) -> EventIndex:
+    index = EventIndex(max_entries=entries * 2, table=new_table(table))
+    per_worker = entries // workers // len(chains[0])
     for w in range(workers):
         worker = WorkerKey(WorkerId(f"http://worker-{w}"), 0)
         for j in range(per_worker):
-            chain = chains[(w * per_worker // 2 + j) % len(chains)]
-            index.apply(worker, StoreBlocks([BlockKey(k) for k in chain]))
-    return index, chains
+            index.apply(worker, StoreBlocks(chains[(w * per_worker // 2 + j) % len(chains)]))
+    return index
 
 
-def bench_find_matches(entries: int, queries: int, rng: random.Random) -> None:
-    started = clock()
-    index, chains = build_index(entries, 8, rng)
-    report(
-        "index build (StoreBlocks, pre-computed keys)",
-        index.entry_count() / (clock() - started),
-        "entries/s",
-    )
-    report("index entries", index.entry_count(), "entries")
-    table = index._table
-    for tokens in (1_000, 8_000, 50_000):
-        blocks = tokens // BLOCK
-        samples, walk = [], []
-        prompts = [[BlockKey(k) for k in chains[i % len(chains)][:blocks]] for i in range(queries)]
-        for keys in prompts:
-            t0 = clock()
-            matches = index.find_matches(keys)
-            samples.append(clock() - t0)
-            assert len(matches) == 8
-        for keys in prompts[: max(10, queries // 10)]:  # the baseline is slow: fewer samples
-            t0 = clock()
-            for slot in table._slots_in(table._mask[keys[0]]):
-                table._walk(slot, keys)
-            walk.append(clock() - t0)
+def walk_baseline(index: EventIndex, keys: list[BlockKey]) -> None:
+    """The sequential walk of every holder (the Python table's own fallback), as a baseline."""
+    table = index.table
+    assert isinstance(table, BlockTable)
+    for slot in table._slots_in(table._mask[keys[0]]):
+        table._walk(slot, keys)
+
+
+def bench_find_matches(
+    entries: int, queries: int, rng: random.Random, tables: list[TableKind]
+) -> None:
+    chains = make_chains(entries, 8, rng)
+    for table in tables:
+        started = clock()
+        index = build_index(entries, 8, chains, table)
         report(
-            f"find_matches {tokens // 1000}k tokens median (exact, bisection)",
-            statistics.median(samples) * 1e6,
-            "us",
+            f"index build, {table} table (StoreBlocks of pre-computed keys)",
+            index.entry_count() / (clock() - started),
+            "entries/s",
         )
-        report(f"find_matches {tokens // 1000}k tokens p99", percentile(samples, 0.99) * 1e6, "us")
+        report(f"index entries, {table} table", index.entry_count(), "entries")
+        for tokens in (1_000, 8_000, 50_000):
+            blocks = tokens // BLOCK
+            samples, walk = [], []
+            prompts = [chains[i % len(chains)][:blocks] for i in range(queries)]
+            for keys in prompts:
+                t0 = clock()
+                matches = index.find_matches(keys)
+                samples.append(clock() - t0)
+                assert len(matches) == 8
+            name = f"find_matches {tokens // 1000}k tokens, {table} table"
+            report(f"{name}: median", statistics.median(samples) * 1e6, "us")
+            report(f"{name}: p99", percentile(samples, 0.99) * 1e6, "us")
+            if table == "python":
+                for keys in prompts[: max(10, queries // 10)]:  # slow baseline: fewer samples
+                    t0 = clock()
+                    walk_baseline(index, keys)
+                    walk.append(clock() - t0)
+                report(f"{name}: sequential walk, median", statistics.median(walk) * 1e6, "us")
+        del index
+        gc.collect()
+
+
+def table_bytes(index: EventIndex) -> int:
+    """Memory the native core holds (tracemalloc does not see its malloc/mmap)."""
+    table = index.table
+    return table.memory_bytes() if isinstance(table, NativeBlockTable) else 0
+
+
+def bench_memory(entries: int, rng: random.Random, tables: list[TableKind]) -> None:
+    chains = make_chains(entries, 8, rng)
+    for table in tables:
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        index = build_index(entries, 8, chains, table)
+        used = tracemalloc.get_traced_memory()[0] - before + table_bytes(index)
+        tracemalloc.stop()
         report(
-            f"find_matches {tokens // 1000}k tokens median, sequential walk",
-            statistics.median(walk) * 1e6,
-            "us",
+            f"memory per (block, worker) entry, index only, {table} table",
+            used / index.entry_count(),
+            "bytes",
         )
-
-
-def bench_memory(entries: int, rng: random.Random) -> None:
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    index, chains = build_index(entries, 8, rng)
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del chains
-    report(
-        "memory per (block, worker) entry, index only",
-        (after - before) / index.entry_count(),
-        "bytes",
-    )
-    report(
-        "memory per block (distinct keys), index only",
-        (after - before) / index.block_count(),
-        "bytes",
-    )
+        report(
+            f"memory per block (distinct keys), index only, {table} table",
+            used / index.block_count(),
+            "bytes",
+        )
+        del index
 
 
 # ------------------------------------------------------------------ ingestion
-def make_payloads(blocks: int, rng: random.Random) -> list[bytes]:
-    """Map-tagged vLLM payloads: 4 BlockStored events of 32 blocks (512 tokens) each."""
-    payloads, made, hash_ = [], 0, 1
+def make_payloads(blocks: int, rng: random.Random, capacity: int | None = None) -> list[bytes]:
+    """Map-tagged vLLM payloads: 4 BlockStored events of 32 blocks (512 tokens) each.
+
+    With ``capacity``, an engine whose cache holds that many blocks: once full, each payload
+    also evicts its 4 oldest chains, leaf first and one block per BlockRemoved event (as vLLM
+    sends them: 128 removal events per payload)."""
+    payloads, made = [], 0
+    cached: collections.deque[list[int]] = collections.deque()
     while made < blocks:
-        events = []
+        events: list[KvEvent] = []
         for _ in range(4):
             tokens = [rng.randrange(32_000) for _ in range(32 * BLOCK)]
-            hashes = list(range(hash_, hash_ + 32))
-            hash_ += 32
+            hashes = [rng.getrandbits(64) for _ in range(32)]
             events.append(BlockStored(hashes, None, tokens, BLOCK, None, "GPU"))
+            cached.append(hashes)
             made += 32
+        while capacity is not None and len(cached) * 32 > capacity:
+            events.extend(BlockRemoved([h], "GPU") for h in cached.popleft()[::-1])
         payloads.append(encode_event_batch(EventBatch(time.time(), events), array_tagged=False))
     return payloads
 
 
-def bench_memory_ingested(blocks: int, rng: random.Random) -> None:
+def bench_memory_ingested(blocks: int, rng: random.Random, tables: list[TableKind]) -> None:
     """Memory of event-fed entries (one holder per block): index + engine-hash translation."""
     payloads = make_payloads(blocks, rng)
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    config = IndexConfig(block_size=BLOCK, max_entries=blocks * 2)
-    index = EventIndex(config.max_entries)
+    for table in tables:
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        index, feed = new_feed(blocks * 2, table)
+        for payload in payloads:
+            feed.apply_payload(payload)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before + table_bytes(index)
+        tracemalloc.stop()
+        keys = feed.translator(0).key_map
+        used += keys.memory_bytes() if isinstance(keys, _native.KeyMap) else 0
+        report(
+            f"memory per entry, event-fed incl. hash->key map (1 holder), {table} table",
+            used / index.entry_count(),
+            "bytes",
+        )
+        del index, feed
+
+
+def new_feed(max_entries: int, table: TableKind) -> tuple[EventIndex, EventFeed]:
+    config = IndexConfig(block_size=BLOCK, max_entries=max_entries, table=table)
+    index = EventIndex(config.max_entries, new_table(table))
     feed = EventFeed(
         WorkerId("http://w"),
         0,
@@ -176,40 +223,42 @@ def bench_memory_ingested(blocks: int, rng: random.Random) -> None:
         block_size=BLOCK,
         metrics=IndexMetrics(CollectorRegistry()),
     )
-    for payload in payloads:
-        feed.apply_payload(payload)
-    del payloads
-    gc.collect()
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    report(
-        "memory per entry, event-fed incl. hash->key map (1 holder)",
-        (after - before) / index.entry_count(),
-        "bytes",
-    )
+    return index, feed
 
 
-def bench_ingest(blocks: int, rng: random.Random) -> None:
-    payloads = make_payloads(blocks, rng)
-    config = IndexConfig(block_size=BLOCK, max_entries=blocks * 2)
-    index = EventIndex(config.max_entries)
-    feed = EventFeed(
-        WorkerId("http://w"),
-        0,
-        index,
-        config,
-        block_size=BLOCK,
-        metrics=IndexMetrics(CollectorRegistry()),
-    )
-    t0 = clock()
-    for payload in payloads:
-        feed.apply_payload(payload)
-    elapsed = clock() - t0
-    report(
-        "ingest: stored blocks/s (decode+keys+translate+index)",
-        index.entry_count() / elapsed,
-        "blocks/s",
-    )
+def bench_ingest(blocks: int, rng: random.Random, tables: list[TableKind]) -> None:
+    """Stored blocks per second through the whole event path, two ways: into an empty index
+    (its growth included), and at working size (an engine at its cache capacity: every
+    payload evicts as many blocks as it stores; the figure counts stored blocks and the time
+    includes the removals)."""
+    growing = make_payloads(blocks, rng)
+    capacity = blocks // 2 // 128 * 128  # whole payloads of 4 chains of 32 blocks
+    stream = make_payloads(capacity + blocks, rng, capacity)  # 128 stored blocks per payload
+    warm_up, steady = stream[: capacity // 128], stream[capacity // 128 :]
+    for table in tables:
+        index, feed = new_feed(blocks * 2, table)
+        t0 = clock()
+        for payload in growing:
+            feed.apply_payload(payload)
+        elapsed = clock() - t0
+        report(
+            f"ingest into an empty index, {table} table: stored blocks/s",
+            index.entry_count() / elapsed,
+            "blocks/s",
+        )
+        index, feed = new_feed(blocks * 2, table)
+        for payload in warm_up:
+            feed.apply_payload(payload)
+        t0 = clock()
+        for payload in steady:
+            feed.apply_payload(payload)
+        elapsed = clock() - t0
+        assert index.entry_count() == capacity, "the engine's cache and the index disagree"
+        report(
+            f"ingest at working size ({capacity // 1000}k), {table} table: stored blocks/s",
+            len(steady) * 128 / elapsed,
+            "blocks/s",
+        )
     tokens = [rng.randrange(32_000) for _ in range(32 * BLOCK)]
     t0 = clock()
     for _ in range(200):
@@ -371,12 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     _clock[0] = CLOCKS[args.clock]
     rng = random.Random(1)
     entries = 200_000 if args.quick else 1_000_000
+    tables: list[TableKind] = ["native", "python"] if native_available() else ["python"]
     print(f"machine: {machine()}; clock: {args.clock}; load average: {load_average()}")
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("ingest", lambda: bench_ingest(50_000 if args.quick else 400_000, rng)),
-        ("find", lambda: bench_find_matches(entries, 50 if args.quick else 300, rng)),
-        ("memory", lambda: bench_memory(entries // 4 if args.quick else entries // 2, rng)),
-        ("memory-ingest", lambda: bench_memory_ingested(50_000 if args.quick else 200_000, rng)),
+        ("ingest", lambda: bench_ingest(50_000 if args.quick else 400_000, rng, tables)),
+        ("find", lambda: bench_find_matches(entries, 50 if args.quick else 300, rng, tables)),
+        ("memory", lambda: bench_memory(entries // 4 if args.quick else entries // 2, rng, tables)),
+        (
+            "memory-ingest",
+            lambda: bench_memory_ingested(50_000 if args.quick else 200_000, rng, tables),
+        ),
         ("tokenize", lambda: asyncio.run(bench_tokenize(50_000, rng))),
     ]
     for name, step in steps:

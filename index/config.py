@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -37,6 +38,11 @@ class IndexConfig(BaseModel):
         description="Cap on (block, cache domain) entries (about 150-350 bytes each); "
         "least recently stored leaves are pruned past it.",
     )
+    table: Literal["auto", "native", "python"] = Field(
+        "auto",
+        description="Block table: the native core (built at install), the pure-Python one, or "
+        "auto (native when built).",
+    )
     approx_ttl_s: float = Field(
         120.0, gt=0, description="Approximate mode: how long a routed prefix is assumed cached."
     )
@@ -70,6 +76,10 @@ class IndexConfig(BaseModel):
     decode_error_log_interval_s: float = Field(
         10.0, gt=0, description="At most one log line per burst of undecodable payloads."
     )
+
+    def table_kind(self) -> Literal["native", "python"] | None:
+        """The block table asked for (None: the default, native when built)."""
+        return None if self.table == "auto" else self.table
 
     def block_size_for(self, model: str) -> int:
         return self.model_block_sizes.get(model, self.block_size)

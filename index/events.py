@@ -5,10 +5,15 @@ tagged by its ``"type"`` key (current vLLM) or an array whose first element is t
 vLLM, SGLang). Fields are positional in the array form; newer trailing fields are optional and
 unknown trailing fields are ignored. Block hashes arrive as unsigned 64-bit ints, signed ints
 (SGLang) or 32 raw bytes (vLLM with int hashes disabled); all fold to an unsigned 64-bit int.
+
+Decoded events keep ``token_ids`` as the raw msgpack array (``msgspec.Raw``): the translator
+keys the blocks straight from those bytes in the native core, without a Python int per token.
+``BlockStored.tokens()`` gives the ids as a list either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -29,7 +34,21 @@ def fold_hash(value: int | bytes) -> EngineBlockHash:
     return EngineBlockHash(value & _U64)
 
 
-def _fold_all(hashes: list[Any]) -> list[Any]:
+_WIRE_HASHES = msgspec.msgpack.Decoder(list[int | bytes])
+_native_fold_hashes: Callable[[msgspec.Raw], Sequence[int]] | None
+try:
+    from index._native import fold_hashes as _native_fold_hashes
+except ImportError:  # never built (pip install builds it): msgspec, then fold one by one
+    _native_fold_hashes = None
+
+
+def _fold_all(hashes: Sequence[Any] | msgspec.Raw) -> Sequence[Any]:
+    """Block hashes as unsigned 64-bit ints; from the wire (``Raw``) as ``array('Q')``."""
+    if isinstance(hashes, msgspec.Raw):
+        if _native_fold_hashes is not None:
+            return _native_fold_hashes(hashes)  # ValueError (a validation error) if malformed
+        wire: list[Any] = _WIRE_HASHES.decode(hashes)
+        hashes = wire
     try:
         if min(hashes) >= 0 and max(hashes) <= _U64:
             return hashes
@@ -38,17 +57,32 @@ def _fold_all(hashes: list[Any]) -> list[Any]:
     return [fold_hash(h) for h in hashes]
 
 
-class BlockStored(msgspec.Struct, gc=False):
-    """Blocks now cached on the engine: a chain, ``parent_block_hash`` before the first."""
+_TOKEN_IDS = msgspec.msgpack.Decoder(list[int])
 
-    block_hashes: list[EngineBlockHash]
+
+class BlockStored(msgspec.Struct, gc=False):
+    """Blocks now cached on the engine: a chain, ``parent_block_hash`` before the first.
+
+    ``token_ids`` is a list when built in Python and the undecoded msgpack array when decoded
+    from the wire (see ``tokens()``); decoded ``block_hashes`` are an ``array('Q')``."""
+
+    block_hashes: Sequence[EngineBlockHash]
     parent_block_hash: EngineBlockHash | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
+
+    def tokens(self) -> list[int]:
+        """The token ids as a list (raises ``EventDecodeError`` if the raw array is not ints)."""
+        if not isinstance(self.token_ids, msgspec.Raw):
+            return self.token_ids
+        try:
+            return _TOKEN_IDS.decode(self.token_ids)
+        except msgspec.MsgspecError as error:
+            raise EventDecodeError(f"token_ids: {error}") from error
 
     def __post_init__(self) -> None:
         if self.block_hashes:
@@ -61,7 +95,7 @@ class BlockStored(msgspec.Struct, gc=False):
 class BlockRemoved(msgspec.Struct, gc=False):
     """Blocks evicted from ``medium``."""
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Sequence[EngineBlockHash]
     medium: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,17 +118,19 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-# Wire flavours. The hash fields accept ints and raw bytes; __post_init__ folds them.
+# Wire flavours. Block hashes stay raw msgpack (ints or bytes) until __post_init__ folds them
+# in one native call; the parent hash is one value.
 _WireHash = int | bytes
 
 
 class _MapBlockStored(BlockStored, tag_field="type", tag="BlockStored", omit_defaults=True):
-    block_hashes: list[_WireHash]  # type: ignore[assignment]
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
     parent_block_hash: _WireHash | None  # type: ignore[assignment]
+    token_ids: msgspec.Raw
 
 
 class _MapBlockRemoved(BlockRemoved, tag_field="type", tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[_WireHash]  # type: ignore[assignment]
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
 
 
 class _MapAllBlocksCleared(AllBlocksCleared, tag_field="type", tag="AllBlocksCleared"):
@@ -102,12 +138,13 @@ class _MapAllBlocksCleared(AllBlocksCleared, tag_field="type", tag="AllBlocksCle
 
 
 class _ArrBlockStored(BlockStored, array_like=True, tag="BlockStored", omit_defaults=True):
-    block_hashes: list[_WireHash]  # type: ignore[assignment]
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
     parent_block_hash: _WireHash | None  # type: ignore[assignment]
+    token_ids: msgspec.Raw
 
 
 class _ArrBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[_WireHash]  # type: ignore[assignment]
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
 
 
 class _ArrAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
@@ -158,7 +195,7 @@ def _stored_fields(event: BlockStored) -> list[tuple[str, Any]]:
     fields: list[tuple[str, Any]] = [
         ("block_hashes", list(event.block_hashes)),
         ("parent_block_hash", event.parent_block_hash),
-        ("token_ids", list(event.token_ids)),
+        ("token_ids", event.tokens()),
         ("block_size", event.block_size),
         ("lora_id", event.lora_id),
         ("medium", event.medium),

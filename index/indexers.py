@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from index.api import ClearAll, IndexOp, RemoveBlocks, StoreBlocks
-from index.table import BlockTable, SlotStats
+from index.table import SlotStats
+from index.tables import BlockTableApi, new_table
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 Clock = Callable[[], float]
@@ -21,12 +22,20 @@ Clock = Callable[[], float]
 class EventIndex:
     """Exact block → cache-domain index fed by engine events, capped at ``max_entries``."""
 
-    def __init__(self, max_entries: int = 2_000_000) -> None:
+    def __init__(self, max_entries: int = 2_000_000, table: BlockTableApi | None = None) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
-        self._table = BlockTable()
+        self._table = new_table() if table is None else table
         self._max_entries = max_entries
         self.pruned = 0
+
+    @property
+    def table(self) -> BlockTableApi:
+        return self._table
+
+    @property
+    def max_entries(self) -> int:
+        return self._max_entries
 
     def apply(self, worker: WorkerKey, op: IndexOp) -> None:
         if isinstance(op, StoreBlocks):
@@ -75,10 +84,11 @@ class ApproxIndex:
         ttl_s: float = 120.0,
         capacity: int = 200_000,
         clock: Clock = time.monotonic,
+        table: BlockTableApi | None = None,
     ) -> None:
         if ttl_s <= 0 or capacity <= 0:
             raise ValueError("ttl_s and capacity must be positive")
-        self._table = BlockTable()
+        self._table = new_table() if table is None else table
         self._ttl_s = ttl_s
         self._capacity = capacity
         self._clock = clock

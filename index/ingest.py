@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from index.api import Indexer
 from index.config import IndexConfig
@@ -19,8 +20,12 @@ from index.events import (
     EventDecoder,
 )
 from index.metrics import IndexMetrics
+from index.tables import native_available
 from index.translate import Outcome, Translator
 from index.types import WorkerId, WorkerKey
+
+if TYPE_CHECKING:
+    from index.native_ingest import NativeCounts, NativeIngest
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,10 @@ class BatchResult:
 
 
 class EventFeed:
-    """Applies one worker endpoint's event batches (one translator per data-parallel rank)."""
+    """Applies one worker endpoint's event batches (one translator per data-parallel rank).
+
+    Payloads in the common shape go through the native batch ingestion when the core is built
+    (``native=False`` turns it off); the rest through decode → translate → index here."""
 
     def __init__(
         self,
@@ -58,6 +66,7 @@ class EventFeed:
         block_size: int,
         metrics: IndexMetrics,
         clock: Callable[[], float] = time.time,
+        native: bool = True,
     ) -> None:
         self.worker = worker
         self.dp_rank = dp_rank
@@ -75,6 +84,21 @@ class EventFeed:
             name: metrics.events.labels(worker, name)
             for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "other")
         }
+        self._native = (
+            self._native_path(index, config, WorkerKey(worker, dp_rank), block_size)
+            if native
+            else None
+        )
+
+    @staticmethod
+    def _native_path(
+        index: Indexer, config: IndexConfig, worker: WorkerKey, block_size: int
+    ) -> NativeIngest | None:
+        if not native_available():
+            return None
+        from index.native_ingest import NativeIngest  # noqa: PLC0415 - needs the built core
+
+        return NativeIngest.create(index, config, worker, block_size)
 
     def ranks(self) -> list[WorkerKey]:
         return [t.worker for t in self._translators.values()]
@@ -91,6 +115,13 @@ class EventFeed:
         return sum(len(t) for t in self._translators.values())
 
     def apply_payload(self, payload: bytes) -> BatchResult:
+        if self._native is not None:
+            fresh = self.dp_rank not in self._translators
+            counts = self._native.ingest(payload, self.translator(self.dp_rank))
+            if counts is not None:
+                return self._applied_natively(counts)
+            if fresh:  # not taken: leave no trace of the attempt
+                del self._translators[self.dp_rank]
         try:
             batch = self._decoder.decode(payload)
         except EventDecodeError as error:
@@ -126,6 +157,22 @@ class EventFeed:
             self.reset("overflow")
         metrics.ingest_lag.observe(max(0.0, self._clock() - batch.ts))
         return BatchResult(status, len(batch.events))
+
+    def _applied_natively(self, counts: NativeCounts) -> BatchResult:
+        """The metrics and checks of ``apply_batch`` for a payload the native path applied."""
+        if counts.stored_events or counts.unknown_parent:  # both count as BlockStored seen
+            self._events_by_type["BlockStored"].inc(counts.stored_events + counts.unknown_parent)
+            self._blocks_stored.inc(counts.stored_blocks)
+        if counts.removed_events:
+            self._events_by_type["BlockRemoved"].inc(counts.removed_events)
+        for _ in range(counts.malformed):
+            self._decode_error(EventDecodeError("token_ids do not fill block_hashes"))
+        if len(self.translator(self.dp_rank)) > self._config.max_entries:
+            log.warning("%s: more mapped blocks than max_entries; clearing", self.worker)
+            self.reset("overflow")
+        self._metrics.ingest_lag.observe(max(0.0, self._clock() - counts.ts))
+        status = BatchStatus.UNKNOWN_PARENT if counts.unknown_parent else BatchStatus.APPLIED
+        return BatchResult(status, counts.events)
 
     def reset(self, reason: str, *, restarted: bool = False) -> None:
         """Drop everything known about this endpoint's cache domains."""

@@ -24,6 +24,7 @@ from index.metrics import IndexMetrics
 from index.sources import DiscoveryError, DiscoveryUnreachable, discover
 from index.subscriber import Endpoints, Subscriber
 from index.table import SlotStats
+from index.tables import new_table
 from index.tokenize import ModelTokenizer, TokenizeError, plain_render, prompt_seed
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
@@ -64,8 +65,11 @@ class KvIndexService:
         self.config = config
         self._http = http
         self.metrics = IndexMetrics(registry)
-        self.events = EventIndex(config.max_entries)
-        self.approx = ApproxIndex(config.approx_ttl_s, config.approx_worker_capacity, clock)
+        kind = config.table_kind()
+        self.events = EventIndex(config.max_entries, new_table(kind))
+        self.approx = ApproxIndex(
+            config.approx_ttl_s, config.approx_worker_capacity, clock, new_table(kind)
+        )
         self._workers: dict[WorkerId, _Worker] = {}
         self._tokenizers: dict[str, ModelTokenizer | None] = {}
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}

@@ -40,7 +40,7 @@ _CLASSES = (0, 1, 2)
 _MAX_ORPHANS_CHECKED = 64
 _MASK_INTERN_LIMIT = 4096
 _MATCH_MEMO_LIMIT = 4096
-_SECOND_CHANCES = 64
+SECOND_CHANCES = 64
 
 
 class _Lru:
@@ -239,6 +239,8 @@ class BlockTable:
         """Hold ``keys`` (a chain after ``parent``) in ``tier``; stamp them in LRU order."""
         if not keys:
             return
+        if not isinstance(keys, list):  # e.g. array('Q') from the event path: one int object
+            keys = list(keys)  # per key, shared by every map below
         slot = self._slot(worker)
         state = self._state(slot)
         shift = slot * _BITS
@@ -467,7 +469,7 @@ class BlockTable:
         if slot is not None:
             self._drop(self._state(slot), slot, key, _GROUP)
 
-    def prune_leaf(self, worker: WorkerKey, second_chances: int = _SECOND_CHANCES) -> bool:
+    def prune_leaf(self, worker: WorkerKey, second_chances: int = SECOND_CHANCES) -> bool:
         """Evict the least recently stored leaf of a cache domain (bounded second chances:
         an entry whose child is still held goes back to the recent end, up to that many)."""
         slot = self._slot_of.get(worker)

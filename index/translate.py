@@ -10,15 +10,52 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, cast
+
+import msgspec
 
 from index.api import Indexer, RemoveBlocks, StoreBlocks
 from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, KvEvent
 from index.types import BlockKey, EngineBlockHash, Tier, WorkerKey
 
 log = logging.getLogger(__name__)
+
+
+class HashKeyMap(Protocol):
+    """Engine block hash → kvgate block key (the native ``KeyMap``, or a dict)."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object, /) -> bool: ...
+    def __setitem__(self, key: int, value: int, /) -> None: ...
+    def __delitem__(self, key: int, /) -> None: ...
+    def get(self, key: int, default: None = None, /) -> int | None: ...
+    def clear(self) -> None: ...
+    def put_many(self, hashes: Sequence[int], keys: Sequence[int], /) -> None: ...
+    def take_many(self, hashes: Sequence[int], /) -> Sequence[int]: ...
+
+
+class _DictKeyMap(dict[int, int]):
+    def put_many(self, hashes: Sequence[int], keys: Sequence[int], /) -> None:
+        self.update(zip(hashes, keys, strict=True))
+
+    def take_many(self, hashes: Sequence[int], /) -> Sequence[int]:
+        found = (self.pop(h, None) for h in hashes)
+        return [key for key in found if key is not None]
+
+
+_MsgpackKeys = Callable[[msgspec.Raw, int, int, int], Sequence[int]]
+_native_msgpack_keys: _MsgpackKeys | None
+_new_key_map: Callable[[], HashKeyMap]
+try:
+    from index._native import KeyMap as _new_key_map
+    from index._native import chain_keys_msgpack as _native_msgpack_keys
+except ImportError:  # never built (pip install builds it): Python dict and per-block hashing
+    _new_key_map = _DictKeyMap
+    _native_msgpack_keys = None
 
 _GPU_ONLY = 1 << Tier.GPU
 
@@ -65,12 +102,22 @@ class Translator:
         self._index = index
         self._config = config
         self.block_size = block_size
-        self._keys: dict[EngineBlockHash, BlockKey] = {}
+        self._keys: HashKeyMap = _new_key_map()
         self._tiers: dict[EngineBlockHash, int] = {}  # only hashes held in tiers other than GPU
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.mismatched = False
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    @property
+    def key_map(self) -> HashKeyMap:
+        """Engine hash → key of this domain (the native batch ingestion writes it too)."""
+        return self._keys
+
+    def gpu_only(self) -> bool:
+        """Every known block is held on GPU only and the block size matched so far."""
+        return not self._tiers and not self.mismatched
 
     def apply(self, event: KvEvent) -> Translated:
         if self.mismatched and not isinstance(event, AllBlocksCleared):
@@ -108,20 +155,21 @@ class Translator:
                 self.clear()
             return Translated(Outcome.BLOCK_SIZE_MISMATCH)
         hashes = event.block_hashes
-        if len(event.token_ids) != len(hashes) * event.block_size:
-            return Translated(Outcome.MALFORMED)
         parent_hash = event.parent_block_hash
         parent: BlockKey | None = None
         if parent_hash is not None:
-            parent = self._keys.get(parent_hash)
+            parent = cast("BlockKey | None", self._keys.get(parent_hash))
             if parent is None:
                 return Translated(Outcome.UNKNOWN_PARENT)
-        seed = cache_seed(lora_name_of(event), cache_salt_of(event))
-        keys = block_keys(event.token_ids, self.block_size, seed, parent)
+        seed = self._seed(lora_name_of(event), cache_salt_of(event))
+        try:
+            keys = self._keys_of(event, len(hashes), seed, parent)
+        except (ValueError, OverflowError):  # ids that are not uint32, or do not fill the blocks
+            return Translated(Outcome.MALFORMED)
         tier = self._config.tier_of(event.medium)
         known = self._keys
         if tier == Tier.GPU:
-            known.update(zip(hashes, keys, strict=True))
+            known.put_many(hashes, keys)
             if self._tiers:
                 for engine_hash in hashes:
                     if engine_hash in self._tiers:
@@ -134,8 +182,44 @@ class Translator:
         self._index.apply(self.worker, StoreBlocks(keys, tier, parent))
         return Translated(Outcome.APPLIED, len(keys))
 
+    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        seeds = self._seeds
+        seed = seeds.get((lora_name, cache_salt))
+        if seed is None:
+            if len(seeds) > 1024:  # salts can be per user: keep the memo bounded
+                seeds.clear()
+            seed = seeds[(lora_name, cache_salt)] = cache_seed(lora_name, cache_salt)
+        return seed
+
+    def _keys_of(
+        self, event: BlockStored, blocks: int, seed: int, parent: BlockKey | None
+    ) -> Sequence[BlockKey]:
+        """Keys of the event's blocks; ``ValueError`` unless its ids fill exactly ``blocks``.
+
+        From the wire, the native core keys the raw msgpack ids and returns ``array('Q')``:
+        neither tokens nor keys become Python ints on their way into the index."""
+        tokens = event.token_ids
+        if isinstance(tokens, msgspec.Raw) and _native_msgpack_keys is not None:
+            prev = seed if parent is None else parent
+            keys = _native_msgpack_keys(tokens, self.block_size, prev, blocks)
+            return cast("Sequence[BlockKey]", keys)
+        ids = event.tokens()
+        if len(ids) != blocks * self.block_size:
+            raise EventDecodeError("token_ids do not fill block_hashes")
+        return block_keys(ids, self.block_size, seed, parent)
+
     def _removed(self, event: BlockRemoved) -> Translated:
         tier = self._config.tier_of(event.medium)
+        if not self._tiers:  # every known block is held on GPU only: one native call
+            if tier != Tier.GPU:
+                return Translated(Outcome.APPLIED)
+            gone = cast("Sequence[BlockKey]", self._keys.take_many(event.block_hashes))
+            if gone:
+                self._index.apply(self.worker, RemoveBlocks(gone, tier))
+            return Translated(Outcome.APPLIED, len(gone))
+        return self._removed_tiered(event, tier)
+
+    def _removed_tiered(self, event: BlockRemoved, tier: Tier) -> Translated:
         tier_bit = 1 << tier
         keys: list[BlockKey] = []
         known = self._keys
@@ -147,7 +231,7 @@ class Translator:
             held = tiers.get(engine_hash, _GPU_ONLY)
             if not held & tier_bit:
                 continue
-            keys.append(key)
+            keys.append(BlockKey(key))
             left = held & ~tier_bit
             if not left:
                 del known[engine_hash]

@@ -53,11 +53,14 @@ def test_installs_every_package_with_constraints() -> None:
     # COPY SRC... DEST: every source, trailing slash dropped
     copied = {src.rstrip("/") for kw, rest in build if kw == "COPY" for src in rest.split()[:-1]}
     assert packages <= copied
-    assert {"pyproject.toml", "constraints.txt", "README.md"} <= copied
-    for name in packages | {"pyproject.toml", "constraints.txt", "README.md"}:
+    build_files = {"pyproject.toml", "setup.py", "constraints.txt", "README.md"}
+    assert build_files <= copied
+    for name in packages | build_files:
         assert (ROOT / name).exists(), name
     runs = " ".join(rest for kw, rest in build if kw == "RUN")
     assert "pip install -c constraints.txt ." in runs
+    # the index's native core is compiled in the build stage and checked to import there
+    assert "gcc" in runs and "index._native" in runs
 
 
 def test_runtime_runs_unprivileged_with_healthcheck() -> None:

@@ -59,7 +59,7 @@ def test_round_trip(array_tagged: bool) -> None:
     assert isinstance(first, BlockStored) and isinstance(second, BlockRemoved)
     assert isinstance(third, AllBlocksCleared)
     assert (
-        first.block_hashes,
+        list(first.block_hashes),
         first.parent_block_hash,
         first.lora_id,
         first.medium,
@@ -112,9 +112,9 @@ def test_byte_and_signed_hashes_fold_to_u64() -> None:
     stored, removed = decode_event_batch(payload).events
     low = int.from_bytes(digest[-8:], "big")
     assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
-    assert stored.block_hashes == [low, 2**64 - 1]
+    assert list(stored.block_hashes) == [low, 2**64 - 1]
     assert stored.parent_block_hash == low
-    assert removed.block_hashes == [low]
+    assert list(removed.block_hashes) == [low]
     assert fold_hash(-2) == 2**64 - 2
 
 

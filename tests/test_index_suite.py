@@ -14,6 +14,7 @@ from index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
 from index.blocks import block_keys, cache_seed
 from index.indexers import ApproxIndex, EventIndex
 from index.table import _Lru
+from index.tables import TableKind, native_available, new_table
 from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
@@ -32,23 +33,39 @@ class FakeClock:
         return self.now
 
 
-def make_event_index() -> Indexer:
-    return EventIndex(max_entries=1_000_000)
+# Every implementation: both indexers, each over both block tables (the native core must be
+# built: ``pip install -e .`` does it, and CI installs the project that way).
+TABLES: tuple[TableKind, ...] = ("native", "python")
 
 
-def make_approx_index() -> Indexer:
-    return ApproxIndex(ttl_s=120.0, capacity=1_000_000, clock=FakeClock())
+def make_event_index(kind: TableKind) -> Indexer:
+    return EventIndex(max_entries=1_000_000, table=new_table(kind))
 
 
-FACTORIES: dict[str, Callable[[], Indexer]] = {
+def make_approx_index(kind: TableKind) -> Indexer:
+    return ApproxIndex(ttl_s=120.0, capacity=1_000_000, clock=FakeClock(), table=new_table(kind))
+
+
+FACTORIES: dict[str, Callable[[TableKind], Indexer]] = {
     "event": make_event_index,
     "approx": make_approx_index,
 }
 
 
-@pytest.fixture(params=sorted(FACTORIES))
+def test_native_table_is_built() -> None:
+    assert native_available(), "index._native missing: run `pip install -e .` (make does)"
+
+
+@pytest.fixture(params=[(name, kind) for name in sorted(FACTORIES) for kind in TABLES])
 def indexer(request: pytest.FixtureRequest) -> Indexer:
-    return FACTORIES[request.param]()
+    name, kind = request.param
+    return FACTORIES[name](kind)
+
+
+@pytest.fixture(params=TABLES)
+def table_kind(request: pytest.FixtureRequest) -> TableKind:
+    kind: TableKind = request.param
+    return kind
 
 
 def chain(tokens: Sequence[int]) -> list[BlockKey]:
@@ -193,8 +210,8 @@ def test_many_slots_reuse_after_removal(indexer: Indexer) -> None:
 
 
 # ------------------------------------------------------------ implementation specifics
-def test_event_index_cap_prunes_leaves_first() -> None:
-    index = EventIndex(max_entries=10)
+def test_event_index_cap_prunes_leaves_first(table_kind: TableKind) -> None:
+    index = EventIndex(max_entries=10, table=new_table(table_kind))
     store(index, W0, A, 0, 8)
     store(index, W1, D, 0, 8)
     assert index.entry_count() == 10
@@ -205,9 +222,9 @@ def test_event_index_cap_prunes_leaves_first() -> None:
     assert index.find_matches(D)[W1].gpu == 5
 
 
-def test_approx_index_ttl_and_capacity() -> None:
+def test_approx_index_ttl_and_capacity(table_kind: TableKind) -> None:
     clock = FakeClock()
-    index = ApproxIndex(ttl_s=120.0, capacity=10, clock=clock)
+    index = ApproxIndex(ttl_s=120.0, capacity=10, clock=clock, table=new_table(table_kind))
     index.record(W0, A[:6])
     clock.now += 60
     index.record(W1, A[:3])
@@ -320,20 +337,22 @@ def run_ops(
                 assert dict(index.find_matches(query[:length])) == ref.find_matches(query[:length])
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(op_st, max_size=40))
 def test_event_index_equals_reference(
-    ops: list[tuple[str, WorkerKey, tuple[int, int, int], Tier]],
+    kind: TableKind, ops: list[tuple[str, WorkerKey, tuple[int, int, int], Tier]]
 ) -> None:
-    run_ops(EventIndex(), iter(ops))
+    run_ops(EventIndex(table=new_table(kind)), iter(ops))
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(op_st, max_size=40))
 def test_approx_index_equals_reference_without_expiry(
-    ops: list[tuple[str, WorkerKey, tuple[int, int, int], Tier]],
+    kind: TableKind, ops: list[tuple[str, WorkerKey, tuple[int, int, int], Tier]]
 ) -> None:
-    run_ops(ApproxIndex(clock=FakeClock()), iter(ops))
+    run_ops(ApproxIndex(clock=FakeClock(), table=new_table(kind)), iter(ops))
 
 
 def test_matches_are_mappings(indexer: Indexer) -> None:
@@ -344,6 +363,7 @@ def test_matches_are_mappings(indexer: Indexer) -> None:
 LONG = [chain(list(range(600))), chain(list(range(300)) + [9000 + i for i in range(300)])]
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
@@ -359,10 +379,10 @@ LONG = [chain(list(range(600))), chain(list(range(300)) + [9000 + i for i in ran
     )
 )
 def test_long_chains_bisection_equals_walk(
-    ops: list[tuple[str, WorkerKey, int, int, int, Tier]],
+    kind: TableKind, ops: list[tuple[str, WorkerKey, int, int, int, Tier]]
 ) -> None:
     """300-block chains: exercises bisection, orphan checks and the >64-orphan fallback."""
-    index, ref = EventIndex(), Reference()
+    index, ref = EventIndex(table=new_table(kind)), Reference()
     for kind, worker, path, start, length, tier in ops:
         keys = LONG[path]
         end = min(len(keys), start + length)

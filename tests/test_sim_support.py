@@ -187,7 +187,7 @@ def rebuild(payloads: list[bytes]) -> Rebuilt:
                     assert parent in state["GPU"] or parent in state["CPU"], "orphan store"
                 size = event.block_size
                 for i, h in enumerate(event.block_hashes):
-                    tokens = tuple(event.token_ids[i * size : (i + 1) * size])
+                    tokens = tuple(event.tokens()[i * size : (i + 1) * size])
                     tier[int(h)] = (parent, tokens)
                     parent = h
             elif isinstance(event, BlockRemoved):

@@ -78,8 +78,8 @@ def test_block_stored_events_carry_the_prompt_blocks(
             got: list[int] = []
             for frame in frames:
                 for event in decoder.decode(frame[2]).events:
-                    if isinstance(event, BlockStored) and event.token_ids[:BLOCK] == tokens[:BLOCK]:
-                        got = list(event.token_ids)
+                    if isinstance(event, BlockStored) and event.tokens()[:BLOCK] == tokens[:BLOCK]:
+                        got = event.tokens()
             return got
 
         frames = recv_until(sub, lambda got: bool(stored_tokens(got)))
@@ -99,13 +99,13 @@ def test_block_stored_events_carry_the_prompt_blocks(
     stored = next(
         e
         for e in batch.events
-        if isinstance(e, BlockStored) and e.token_ids[:BLOCK] == tokens[:BLOCK]
+        if isinstance(e, BlockStored) and e.tokens()[:BLOCK] == tokens[:BLOCK]
     )
     assert stored.block_size == BLOCK
     assert stored.medium == "GPU"
     assert stored.parent_block_hash is None  # a new chain from the prompt's first block
     assert len(stored.block_hashes) == full_blocks
-    assert list(stored.token_ids) == tokens[: full_blocks * BLOCK]
+    assert stored.tokens() == tokens[: full_blocks * BLOCK]
 
 
 def test_replay_socket_resends_buffered_batches_then_ends(

@@ -1,0 +1,127 @@
+"""The native block table (index/csrc/table.h) behind the same interface as ``BlockTable``.
+
+The C core knows cache domains as small integer slots; this wrapper maps ``WorkerKey`` to
+slots (reusing released ones) and builds the ``PrefixMatch`` and ``SlotStats`` results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from index import _native
+from index.table import SECOND_CHANCES, SlotStats
+from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+
+_ALL_TIERS = 0b111
+_MATCH_MEMO_LIMIT = 4096
+
+
+class NativeBlockTable:
+    """Blocks held per cache domain, with LRU order per domain and exact prefix matching."""
+
+    def __init__(self) -> None:
+        self._core = _native.Table()
+        self._slot_of: dict[WorkerKey, int] = {}
+        self._worker_at: dict[int, WorkerKey] = {}
+        self._free_slots: list[int] = []
+        self._matches: dict[tuple[int, int, int], PrefixMatch] = {}
+
+    def _slot(self, worker: WorkerKey) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
+            self._slot_of[worker] = slot
+            self._worker_at[slot] = worker
+        return slot
+
+    def workers(self) -> list[WorkerKey]:
+        return list(self._slot_of)
+
+    def entry_count(self) -> int:
+        return self._core.entry_count()
+
+    def block_count(self) -> int:
+        return self._core.block_count()
+
+    def memory_bytes(self) -> int:
+        return self._core.memory_bytes()
+
+    def slot_entries(self, worker: WorkerKey) -> int:
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._core.slot_info(slot)[0]
+
+    def stats(self) -> list[SlotStats]:
+        out = []
+        for worker, slot in self._slot_of.items():
+            entries, gpu, cpu, disk, orphans = self._core.slot_info(slot)
+            by_tier = {Tier.GPU: gpu, Tier.CPU: cpu, Tier.DISK: disk}
+            out.append(SlotStats(worker, entries, by_tier, orphans))
+        return out
+
+    def store(
+        self,
+        worker: WorkerKey,
+        keys: Sequence[BlockKey],
+        tier: Tier,
+        parent: BlockKey | None,
+        stamp: float = 0.0,
+    ) -> None:
+        if keys:
+            self._core.store(self._slot(worker), keys, tier, parent, stamp)
+
+    def remove(self, worker: WorkerKey, keys: Sequence[BlockKey], tier: Tier) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            self._core.remove(slot, keys, 1 << tier)
+
+    def clear(self, worker: WorkerKey) -> None:
+        slot = self._slot_of.pop(worker, None)
+        if slot is not None:
+            del self._worker_at[slot]
+            self._core.clear_slot(slot)
+            self._free_slots.append(slot)
+
+    def oldest(self, worker: WorkerKey) -> tuple[int, float] | None:
+        slot = self._slot_of.get(worker)
+        return None if slot is None else self._core.oldest(slot)
+
+    def evict(self, worker: WorkerKey, key: int) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            self._core.evict(slot, key)
+
+    def prune_leaf(self, worker: WorkerKey, second_chances: int = SECOND_CHANCES) -> bool:
+        slot = self._slot_of.get(worker)
+        return slot is not None and self._core.prune_leaf(slot, second_chances)
+
+    def largest(self) -> WorkerKey | None:
+        """The domain with the most entries (the lowest slot on ties, as the native ingest's
+        own pruning picks it)."""
+        slot = self._core.largest_slot()
+        return None if slot is None else self._worker_at[slot]
+
+    def native_slot(self, worker: WorkerKey) -> tuple[_native.Table, int]:
+        """The C table and the slot this domain has, or gets once it stores a block: call
+        ``claim_slot`` then (the native batch ingestion)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._free_slots[-1] if self._free_slots else len(self._slot_of)
+        return self._core, slot
+
+    def claim_slot(self, worker: WorkerKey) -> None:
+        """The domain's slot from ``native_slot`` holds blocks now: record it."""
+        self._slot(worker)
+
+    def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]:
+        """Per cache domain holding ``keys[0]``: its contiguous matched prefix by tier."""
+        worker_at, memo = self._worker_at, self._matches
+        result: dict[WorkerKey, PrefixMatch] = {}
+        for slot, gpu, cpu, any_ in self._core.find_matches(keys):
+            runs = (gpu, cpu - gpu, any_ - cpu)
+            match = memo.get(runs)
+            if match is None:
+                if len(memo) > _MATCH_MEMO_LIMIT:
+                    memo.clear()
+                match = memo[runs] = PrefixMatch(*runs)
+            result[worker_at[slot]] = match
+        return result
