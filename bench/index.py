@@ -226,12 +226,26 @@ def new_feed(max_entries: int, table: TableKind) -> tuple[EventIndex, EventFeed]
     return index, feed
 
 
+def make_single_block_payloads(events: int, rng: random.Random) -> list[bytes]:
+    """64 one-block BlockStored events per payload: what decode steps produce (a block is
+    stored each time 16 generated tokens fill one)."""
+    payloads = []
+    for _ in range(events // 64):
+        batch: list[KvEvent] = [
+            BlockStored([rng.getrandbits(64)], None, rng.choices(range(32_000), k=BLOCK), BLOCK)
+            for _ in range(64)
+        ]
+        payloads.append(encode_event_batch(EventBatch(time.time(), batch), array_tagged=False))
+    return payloads
+
+
 def bench_ingest(blocks: int, rng: random.Random, tables: list[TableKind]) -> None:
     """Stored blocks per second through the whole event path, two ways: into an empty index
     (its growth included), and at working size (an engine at its cache capacity: every
     payload evicts as many blocks as it stores; the figure counts stored blocks and the time
-    includes the removals)."""
+    includes the removals). Then events per second when every event stores one block."""
     growing = make_payloads(blocks, rng)
+    singles = make_single_block_payloads(blocks // 4, rng)
     capacity = blocks // 2 // 128 * 128  # whole payloads of 4 chains of 32 blocks
     stream = make_payloads(capacity + blocks, rng, capacity)  # 128 stored blocks per payload
     warm_up, steady = stream[: capacity // 128], stream[capacity // 128 :]
@@ -258,6 +272,15 @@ def bench_ingest(blocks: int, rng: random.Random, tables: list[TableKind]) -> No
             f"ingest at working size ({capacity // 1000}k), {table} table: stored blocks/s",
             len(steady) * 128 / elapsed,
             "blocks/s",
+        )
+        index, feed = new_feed(blocks * 2, table)
+        t0 = clock()
+        for payload in singles:
+            feed.apply_payload(payload)
+        report(
+            f"ingest one-block events, {table} table: events/s",
+            len(singles) * 64 / (clock() - t0),
+            "events/s",
         )
     tokens = [rng.randrange(32_000) for _ in range(32 * BLOCK)]
     t0 = clock()

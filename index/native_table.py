@@ -117,11 +117,14 @@ class NativeBlockTable:
         worker_at, memo = self._worker_at, self._matches
         result: dict[WorkerKey, PrefixMatch] = {}
         for slot, gpu, cpu, any_ in self._core.find_matches(keys):
+            worker = worker_at.get(slot)
+            if worker is None:  # only if a native ingest failed (out of memory) mid-store
+                continue
             runs = (gpu, cpu - gpu, any_ - cpu)
             match = memo.get(runs)
             if match is None:
                 if len(memo) > _MATCH_MEMO_LIMIT:
                     memo.clear()
                 match = memo[runs] = PrefixMatch(*runs)
-            result[worker_at[slot]] = match
+            result[worker] = match
         return result

@@ -57,16 +57,23 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
     session = ChatSession.start("restart-old", seed=6001)
     with httpx.Client(base_url=kvgate.url, timeout=120.0) as client:
         home = _turn(client, session)[0]
+
+        def wait_indexed() -> None:
+            """Events reach kvgate asynchronously, shortly after the answer: wait for them
+            before the next turn (one sent at once could be routed before they arrive)."""
+            user = {"role": "user", "content": "?"}
+            probe = {"model": MODEL, "messages": [*session.messages, user]}
+            wait_for(
+                lambda: matched_blocks(route_explain(client, probe), home) > 0,
+                10.0,
+                f"kvgate to index the session's blocks on {home}: {index_stats(client)}",
+            )
+
+        wait_indexed()
         assert _turn(client, session)[0] == home
         index = vllm_fleet.urls.index(home)
         (other,) = set(vllm_fleet.urls) - {home}
-        probe = {"model": MODEL, "messages": [*session.messages, {"role": "user", "content": "?"}]}
-        # events reach kvgate asynchronously, shortly after the answer
-        wait_for(
-            lambda: matched_blocks(route_explain(client, probe), home) > 0,
-            10.0,
-            f"kvgate to index the session's blocks on {home}: {index_stats(client)}",
-        )
+        wait_indexed()
         assert _entries(client, home) > 0
 
         failures: list[BaseException] = []
