@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
 from backends.sim.cache import BlockCache
-from backends.sim.events import AllBlocksCleared, BlockRemoved, BlockStored
+from backends.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder
+from index.blocks import block_keys, cache_seed
+from index.config import IndexConfig
+from index.indexers import EventIndex
+from index.ingest import EventFeed
+from index.metrics import IndexMetrics
+from index.types import PrefixMatch, WorkerId, WorkerKey
 
 
 def _stored(
@@ -98,7 +106,7 @@ def test_evicted_blocks_move_to_the_cpu_tier() -> None:
         BlockRemoved(block_hashes=[2], medium="CPU"),
         BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 4, block_size=4,
                     lora_id=None, medium="CPU", lora_name=None,
-                    extra_keys=[[{"type": "cache_salt", "salt": "s"}]]),
+                    extra_keys=[["s"]]),
         BlockRemoved(block_hashes=[1], medium="GPU"),
     ]  # fmt: skip
     snap = cache.snapshot()
@@ -115,3 +123,27 @@ def test_reset_needs_an_idle_cache_and_clears_every_tier() -> None:
     assert cache.reset()
     assert _drain(cache) == [AllBlocksCleared()]
     assert cache.snapshot().gpu == {} and cache.snapshot().cpu == {}
+
+
+def test_salted_blocks_are_keyed_with_the_salt_by_kvgate() -> None:
+    """The salt travels as vLLM publishes it, so kvgate keys the blocks in the salt's own
+    chain: a salted repeat matches, the same tokens without the salt do not."""
+    cache = BlockCache(num_blocks=4, block_size=4)
+    _stored(cache, [1, 2], salt="tenant-a")
+    encoder = EventEncoder("map", "int")
+    feed_index = EventIndex()
+    feed = EventFeed(
+        WorkerId("http://sim"),
+        0,
+        feed_index,
+        IndexConfig(block_size=4),
+        block_size=4,
+        metrics=IndexMetrics(CollectorRegistry()),
+    )
+    feed.apply_payload(encoder.encode(0.0, list(_drain(cache))))  # type: ignore[arg-type]
+    tokens = [1] * 4 + [2] * 4
+    salted = block_keys(tokens, 4, cache_seed(None, "tenant-a"))
+    plain = block_keys(tokens, 4, cache_seed(None, None))
+    worker = WorkerKey(WorkerId("http://sim"), 0)
+    assert feed_index.find_matches(salted) == {worker: PrefixMatch(gpu=2)}
+    assert feed_index.find_matches(plain) == {}

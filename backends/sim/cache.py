@@ -49,10 +49,11 @@ class CacheSnapshot:
 
 
 def _salt_keys(salt: str | None, first_block: bool, blocks: int) -> list[object] | None:
-    """vLLM's ``extra_keys``: one entry per block; the salt marks the first block only."""
+    """vLLM's ``extra_keys``: one entry per block; the salt marks the first block only, as
+    vLLM publishes it (``to_event_extra_keys``: untagged, the bare salt string in a tuple)."""
     if salt is None or not first_block:
         return None
-    return [[{"type": "cache_salt", "salt": salt}], *([None] * (blocks - 1))]
+    return [[salt], *([None] * (blocks - 1))]
 
 
 class BlockCache:
