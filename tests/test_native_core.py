@@ -69,6 +69,14 @@ def test_chain_keys_msgpack_rejects_what_is_not_two_blocks_of_ids(tokens: object
         _native.chain_keys_msgpack(raw, 2, cache_seed(None, None), 2)
 
 
+@pytest.mark.parametrize("blocks", [-1, 2**61 + 1, 2**62])
+def test_chain_keys_msgpack_rejects_block_counts_the_ids_cannot_fill(blocks: int) -> None:
+    """A block count whose product with the block size wraps around must not pass."""
+    raw = msgspec.msgpack.encode([1] * 8)
+    with pytest.raises(ValueError, match="token_ids"):
+        _native.chain_keys_msgpack(raw, 8, 0, blocks)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     hashes=st.lists(

@@ -273,6 +273,8 @@ static PyObject *Table_prune_leaf(TableObject *self, PyObject *args)
     size_t slot;
     if (as_size(slot_obj, &slot) < 0)
         return NULL;
+    if (second_chances < 0)
+        second_chances = 0;
     int rc = table_prune_leaf(&self->t, slot, second_chances);
     if (rc < 0)
         return PyErr_NoMemory();
@@ -832,7 +834,9 @@ static PyObject *chain_keys_msgpack(PyObject *module, PyObject *args)
         uint8_t *packed = NULL;
         uint64_t *keys = NULL;
         size_t n = blocks < 0 ? 0 : (size_t)blocks, step = (size_t)block_size * 4;
-        int rc = blocks < 0 ? WIRE_MALFORMED
+        /* every id takes a byte or more: a count past the buffer cannot be right (and n times
+         * block_size cannot overflow below it) */
+        int rc = blocks < 0 || n > (size_t)view.len ? WIRE_MALFORMED
                             : read_tokens((const uint8_t *)view.buf, (size_t)view.len,
                                           n * (size_t)block_size, &packed);
         if (rc == WIRE_OK) {
