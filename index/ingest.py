@@ -147,16 +147,25 @@ class EventFeed:
                 metrics.block_size_mismatch.labels(worker).inc()
                 continue
             elif outcome is Outcome.MALFORMED:
-                self._decode_error(EventDecodeError("token_ids do not fill block_hashes"))
+                self._malformed()
                 continue
             elif outcome is Outcome.CLEARED:
                 metrics.resets.labels(worker, "all_blocks_cleared").inc()
             self._events_by_type[_event_type(event)].inc()
+        return self._batch_done(translator, batch.ts, status, len(batch.events))
+
+    def _batch_done(
+        self, translator: Translator, ts: float, status: BatchStatus, events: int
+    ) -> BatchResult:
+        """What ends every applied batch, on either path: the map's bound and the lag."""
         if len(translator) > self._config.max_entries:
             log.warning("%s: more mapped blocks than max_entries; clearing", translator.worker)
             self.reset("overflow")
-        metrics.ingest_lag.observe(max(0.0, self._clock() - batch.ts))
-        return BatchResult(status, len(batch.events))
+        self._metrics.ingest_lag.observe(max(0.0, self._clock() - ts))
+        return BatchResult(status, events)
+
+    def _malformed(self) -> None:
+        self._decode_error(EventDecodeError("token_ids do not fill block_hashes"))
 
     def _applied_natively(self, counts: NativeCounts) -> BatchResult:
         """The metrics and checks of ``apply_batch`` for a payload the native path applied."""
@@ -166,13 +175,9 @@ class EventFeed:
         if counts.removed_events:
             self._events_by_type["BlockRemoved"].inc(counts.removed_events)
         for _ in range(counts.malformed):
-            self._decode_error(EventDecodeError("token_ids do not fill block_hashes"))
-        if len(self.translator(self.dp_rank)) > self._config.max_entries:
-            log.warning("%s: more mapped blocks than max_entries; clearing", self.worker)
-            self.reset("overflow")
-        self._metrics.ingest_lag.observe(max(0.0, self._clock() - counts.ts))
+            self._malformed()
         status = BatchStatus.UNKNOWN_PARENT if counts.unknown_parent else BatchStatus.APPLIED
-        return BatchResult(status, counts.events)
+        return self._batch_done(self.translator(self.dp_rank), counts.ts, status, counts.events)
 
     def reset(self, reason: str, *, restarted: bool = False) -> None:
         """Drop everything known about this endpoint's cache domains."""

@@ -29,10 +29,16 @@ class NativeBlockTable:
     def _slot(self, worker: WorkerKey) -> int:
         slot = self._slot_of.get(worker)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
+            slot = self._next_slot()
+            if self._free_slots:
+                self._free_slots.pop()
             self._slot_of[worker] = slot
             self._worker_at[slot] = worker
         return slot
+
+    def _next_slot(self) -> int:
+        """The slot the next new domain gets: the last released one, else a new one."""
+        return self._free_slots[-1] if self._free_slots else len(self._slot_of)
 
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
@@ -104,9 +110,7 @@ class NativeBlockTable:
         """The C table and the slot this domain has, or gets once it stores a block: call
         ``claim_slot`` then (the native batch ingestion)."""
         slot = self._slot_of.get(worker)
-        if slot is None:
-            slot = self._free_slots[-1] if self._free_slots else len(self._slot_of)
-        return self._core, slot
+        return self._core, self._next_slot() if slot is None else slot
 
     def claim_slot(self, worker: WorkerKey) -> None:
         """The domain's slot from ``native_slot`` holds blocks now: record it."""

@@ -9,6 +9,7 @@ must agree on the batch result, every chain's match, the entry counts and every 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -150,25 +151,34 @@ def payload_st(draw: st.DrawFn) -> bytes:
     return msgspec.msgpack.encode(body)
 
 
-def make_feed(table: TableKind, native: bool, max_entries: int) -> tuple[EventFeed, EventIndex]:
+@dataclass
+class Side:
+    """One feed under test, with its index and its metrics."""
+
+    feed: EventFeed
+    index: EventIndex
+    registry: CollectorRegistry
+
+
+def make_feed(table: TableKind, native: bool, max_entries: int) -> Side:
     index = EventIndex(max_entries, new_table(table))
+    registry = CollectorRegistry()
     feed = EventFeed(
         WORKER,
         0,
         index,
         IndexConfig(block_size=BS, max_entries=10_000),
         block_size=BS,
-        metrics=IndexMetrics(registry := CollectorRegistry()),
+        metrics=IndexMetrics(registry),
         clock=lambda: 2.0,
         native=native,
     )
-    feed.registry = registry  # type: ignore[attr-defined]
-    return feed, index
+    return Side(feed, index, registry)
 
 
-def samples(feed: EventFeed) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def samples(side: Side) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
-    for metric in feed.registry.collect():  # type: ignore[attr-defined]
+    for metric in side.registry.collect():
         for sample in metric.samples:
             if not sample.name.endswith("_created"):  # when each registry made its series
                 out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
@@ -182,28 +192,22 @@ QUERIES = [
 ]
 
 
-def state(feed: EventFeed, index: EventIndex) -> tuple[Any, ...]:
+def state(side: Side) -> tuple[Any, ...]:
+    index, feed = side.index, side.feed
     matches = [
         sorted((str(w), m.gpu, m.cpu, m.disk) for w, m in index.find_matches(q).items())
         for q in QUERIES
     ]
     ranks = sorted((t.dp_rank, len(feed.translator(t.dp_rank))) for t in feed.ranks())
-    return index.entry_count(), matches, ranks, index.pruned
+    return index.entry_count(), matches, ranks, index.pruned, samples(side)
 
 
-def run(
-    payloads: list[bytes],
-    fast: EventFeed,
-    fast_index: EventIndex,
-    slow: EventFeed,
-    slow_index: EventIndex,
-) -> None:
+def run(payloads: list[bytes], fast: Side, slow: Side) -> None:
     for payload in payloads:
-        got: BatchResult = fast.apply_payload(payload)
-        want: BatchResult = slow.apply_payload(payload)
+        got: BatchResult = fast.feed.apply_payload(payload)
+        want: BatchResult = slow.feed.apply_payload(payload)
         assert got == want
-        assert state(fast, fast_index) == state(slow, slow_index)
-        assert samples(fast) == samples(slow)
+        assert state(fast) == state(slow)
 
 
 @pytest.mark.parametrize("max_entries", [1_000_000, 12])
@@ -211,22 +215,19 @@ def run(
 @given(payloads=st.lists(payload_st(), max_size=12))
 def test_native_ingest_equals_the_general_path(max_entries: int, payloads: list[bytes]) -> None:
     """Both over the native table (so the cap prunes the same way), with a tight cap too."""
-    fast, fast_index = make_feed("native", True, max_entries)
-    slow, slow_index = make_feed("native", False, max_entries)
-    run(payloads, fast, fast_index, slow, slow_index)
+    run(payloads, make_feed("native", True, max_entries), make_feed("native", False, max_entries))
 
 
 @settings(max_examples=100, deadline=None)
 @given(payloads=st.lists(payload_st(), max_size=12))
 def test_native_ingest_equals_the_python_table(payloads: list[bytes]) -> None:
-    fast, fast_index = make_feed("native", True, 1_000_000)
-    slow, slow_index = make_feed("python", False, 1_000_000)
-    run(payloads, fast, fast_index, slow, slow_index)
+    run(payloads, make_feed("native", True, 1_000_000), make_feed("python", False, 1_000_000))
 
 
 def test_the_common_shape_takes_the_native_path() -> None:
     """A plain vLLM payload is applied in C (the general path is never entered)."""
-    fast, index = make_feed("native", True, 1_000_000)
+    side = make_feed("native", True, 1_000_000)
+    fast, index = side.feed, side.index
     stored = {
         "type": "BlockStored",
         "block_hashes": [11, 12],

@@ -66,26 +66,22 @@ def test_native_suites_pass_under_address_and_ub_sanitizers(tmp_path: Path) -> N
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
         "PYTHONPATH": str(tmp_path),
     }
-    probe = "import index._native as n; print(n.__file__)"
-    loaded = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+
+    def python(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        """This interpreter, on the sanitized copy of the package."""
+        return subprocess.run(
+            [sys.executable, *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    loaded = python("-c", "import index._native as n; print(n.__file__)", timeout=60)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip().startswith(str(tmp_path)), loaded.stdout
     suites = [str(ROOT / "tests" / name) for name in SUITES]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suites],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    run = python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suites, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -112,29 +112,64 @@ static void keys_close(Keys *k)
     k->fast = NULL;
 }
 
-/* All keys as a C array: the buffer itself, or ``stack`` / a heap copy (``*heap``). */
-static const uint64_t *keys_array(const Keys *k, uint64_t *stack, Py_ssize_t stack_n,
-                                  uint64_t **heap)
+#define STACK_KEYS 256
+
+/* Keys as a C array of uint64: the caller's buffer itself, or a converted copy (on the stack
+ * up to STACK_KEYS, else on the heap). */
+typedef struct {
+    Keys keys;
+    uint64_t stack[STACK_KEYS];
+    uint64_t *heap;
+    const uint64_t *items;
+    Py_ssize_t n;
+} KeyArray;
+
+static int key_array_open(PyObject *obj, const char *what, KeyArray *a)
 {
-    *heap = NULL;
-    if (k->u64 != NULL)
-        return k->u64;
-    uint64_t *keys = stack;
-    if (k->n > stack_n) {
-        keys = *heap = (uint64_t *)PyMem_RawMalloc((size_t)k->n * sizeof(uint64_t));
-        if (keys == NULL) {
+    a->heap = NULL;
+    if (keys_open(obj, &a->keys, what) < 0)
+        return -1;
+    a->n = a->keys.n;
+    if (a->keys.u64 != NULL) {
+        a->items = a->keys.u64;
+        return 0;
+    }
+    uint64_t *items = a->stack;
+    if (a->n > STACK_KEYS) {
+        items = a->heap = (uint64_t *)PyMem_RawMalloc((size_t)a->n * sizeof(uint64_t));
+        if (items == NULL) {
+            keys_close(&a->keys);
             PyErr_NoMemory();
-            return NULL;
+            return -1;
         }
     }
-    for (Py_ssize_t i = 0; i < k->n; i++) {
-        if (keys_get(k, i, &keys[i]) < 0) {
-            PyMem_RawFree(*heap);
-            *heap = NULL;
-            return NULL;
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        if (keys_get(&a->keys, i, &items[i]) < 0) {
+            PyMem_RawFree(a->heap);
+            keys_close(&a->keys);
+            return -1;
         }
     }
-    return keys;
+    a->items = items;
+    return 0;
+}
+
+static void key_array_close(KeyArray *a)
+{
+    keys_close(&a->keys);
+    PyMem_RawFree(a->heap);
+    a->heap = NULL;
+}
+
+/* An array('Q') holding ``items``. */
+static PyObject *new_u64_array(PyObject *array_type, const uint64_t *items, size_t n)
+{
+    PyObject *packed = PyBytes_FromStringAndSize((const char *)items, (Py_ssize_t)(n * 8));
+    if (packed == NULL)
+        return NULL;
+    PyObject *out = PyObject_CallFunction(array_type, "sO", "Q", packed);
+    Py_DECREF(packed);
+    return out;
 }
 
 /* ======================================================================= Table */
@@ -161,8 +196,6 @@ static void Table_dealloc(TableObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-#define STACK_KEYS 256
-
 /* store(slot, keys, tier, parent, stamp) */
 static PyObject *Table_store(TableObject *self, PyObject *args)
 {
@@ -182,18 +215,12 @@ static PyObject *Table_store(TableObject *self, PyObject *args)
     int has_parent = parent_obj != Py_None;
     if (has_parent && as_u64(parent_obj, &parent) < 0)
         return NULL;
-    Keys k;
-    if (keys_open(keys_obj, &k, "keys must be a sequence") < 0)
+    KeyArray keys;
+    if (key_array_open(keys_obj, "keys must be a sequence", &keys) < 0)
         return NULL;
-    uint64_t stack[STACK_KEYS], *heap;
-    const uint64_t *keys = keys_array(&k, stack, STACK_KEYS, &heap);
-    int rc = keys == NULL ? 0
-                          : table_store(&self->t, slot, keys, (size_t)k.n, tier, has_parent,
-                                        parent, stamp);
-    keys_close(&k);
-    PyMem_RawFree(heap);
-    if (keys == NULL)
-        return NULL;
+    int rc = table_store(&self->t, slot, keys.items, (size_t)keys.n, tier, has_parent, parent,
+                         stamp);
+    key_array_close(&keys);
     if (rc < 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -209,19 +236,14 @@ static PyObject *Table_remove(TableObject *self, PyObject *args)
     size_t slot;
     if (as_size(slot_obj, &slot) < 0)
         return NULL;
-    Keys k;
-    if (keys_open(keys_obj, &k, "keys must be a sequence") < 0)
+    KeyArray keys;
+    if (key_array_open(keys_obj, "keys must be a sequence", &keys) < 0)
         return NULL;
-    uint64_t stack[STACK_KEYS], *heap;
-    const uint64_t *keys = keys_array(&k, stack, STACK_KEYS, &heap);
     int rc = 0;
-    if (keys != NULL && slot < self->t.nslots && self->t.slots[slot].used)
-        rc = table_remove(&self->t, &self->t.slots[slot], keys, (size_t)k.n,
+    if (slot < self->t.nslots && self->t.slots[slot].used)
+        rc = table_remove(&self->t, &self->t.slots[slot], keys.items, (size_t)keys.n,
                           (uint8_t)(tier_bits & KV_ALL_TIERS));
-    keys_close(&k);
-    PyMem_RawFree(heap);
-    if (keys == NULL)
-        return NULL;
+    key_array_close(&keys);
     if (rc < 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -417,6 +439,36 @@ static PyTypeObject TableType = {
 };
 
 /* ======================================================================= KeyMap */
+/* Map hashes[i] -> keys[i] (cells 8 ahead are fetched meanwhile). -1: no memory. */
+static int map_put_keys(U64Map *m, const uint64_t *hashes, const uint64_t *keys, size_t n)
+{
+    for (size_t i = 0; i < n && i < KV_PREFETCH_AHEAD; i++)
+        U64Map_prefetch(m, hashes[i]);
+    for (size_t i = 0; i < n; i++) {
+        if (i + KV_PREFETCH_AHEAD < n)
+            U64Map_prefetch(m, hashes[i + KV_PREFETCH_AHEAD]);
+        int created;
+        U64MapCell *cell = U64Map_insert(m, hashes[i], &created);
+        if (cell == NULL)
+            return -1;
+        cell->val = keys[i];
+    }
+    return 0;
+}
+
+/* Remove the hashes present; their keys go to ``out`` in order (``out`` may be ``hashes``:
+ * each key overwrites a hash already read). Returns how many were present. */
+static size_t map_take_keys(U64Map *m, const uint64_t *hashes, size_t n, uint64_t *out)
+{
+    size_t found = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t key;
+        if (U64Map_remove(m, hashes[i], &key))
+            out[found++] = key;
+    }
+    return found;
+}
+
 typedef struct {
     PyObject_HEAD
     U64Map m;
@@ -555,63 +607,41 @@ static PyObject *KeyMap_put_many(KeyMapObject *self, PyObject *args)
     PyObject *hashes_obj, *keys_obj;
     if (!PyArg_ParseTuple(args, "OO", &hashes_obj, &keys_obj))
         return NULL;
-    Keys h, k;
-    if (keys_open(hashes_obj, &h, "hashes must be a sequence") < 0)
+    KeyArray hashes, keys;
+    if (key_array_open(hashes_obj, "hashes must be a sequence", &hashes) < 0)
         return NULL;
-    if (keys_open(keys_obj, &k, "keys must be a sequence") < 0) {
-        keys_close(&h);
+    if (key_array_open(keys_obj, "keys must be a sequence", &keys) < 0) {
+        key_array_close(&hashes);
         return NULL;
     }
     PyObject *result = NULL;
-    if (h.n != k.n) {
+    if (hashes.n != keys.n)
         PyErr_SetString(PyExc_ValueError, "hashes and keys differ in length");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < h.n; i++) {
-        uint64_t hash, key;
-        if (keys_get(&h, i, &hash) < 0 || keys_get(&k, i, &key) < 0)
-            goto done;
-        int created;
-        U64MapCell *cell = U64Map_insert(&self->m, hash, &created);
-        if (cell == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        cell->val = key;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    keys_close(&h);
-    keys_close(&k);
+    else if (map_put_keys(&self->m, hashes.items, keys.items, (size_t)hashes.n) < 0)
+        PyErr_NoMemory();
+    else
+        result = Py_NewRef(Py_None);
+    key_array_close(&hashes);
+    key_array_close(&keys);
     return result;
 }
 
 /* take_many(hashes) -> array('Q'): the keys of the hashes present, in order, each removed. */
 static PyObject *KeyMap_take_many(KeyMapObject *self, PyObject *hashes_obj)
 {
-    Keys h;
-    if (keys_open(hashes_obj, &h, "hashes must be a sequence") < 0)
+    KeyArray hashes;
+    if (key_array_open(hashes_obj, "hashes must be a sequence", &hashes) < 0)
         return NULL;
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, h.n * 8);
     PyObject *out = NULL;
-    if (packed == NULL)
-        goto done;
-    uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(packed);
-    Py_ssize_t found = 0;
-    for (Py_ssize_t i = 0; i < h.n; i++) {
-        uint64_t hash;
-        if (keys_get(&h, i, &hash) < 0)
-            goto done;
-        if (U64Map_remove(&self->m, hash, &keys[found]))
-            found++;
+    uint64_t *keys = (uint64_t *)PyMem_RawMalloc((size_t)hashes.n * 8 + 8);
+    if (keys == NULL) {
+        PyErr_NoMemory();
+    } else {
+        size_t found = map_take_keys(&self->m, hashes.items, (size_t)hashes.n, keys);
+        out = new_u64_array(self->array_type, keys, found);
+        PyMem_RawFree(keys);
     }
-    PyObject *used = PyBytes_FromStringAndSize(PyBytes_AS_STRING(packed), found * 8);
-    if (used != NULL)
-        out = PyObject_CallFunction(self->array_type, "sO", "Q", used);
-    Py_XDECREF(used);
-done:
-    Py_XDECREF(packed);
-    keys_close(&h);
+    key_array_close(&hashes);
     return out;
 }
 
@@ -800,16 +830,6 @@ static void chain_into(const uint8_t *packed, size_t blocks, size_t step, uint64
 {
     for (size_t i = 0; i < blocks; i++)
         keys[i] = prev = kv_xxh3_64(packed + i * step, step, prev);
-}
-
-static PyObject *new_u64_array(PyObject *array_type, const uint64_t *items, size_t n)
-{
-    PyObject *packed = PyBytes_FromStringAndSize((const char *)items, (Py_ssize_t)(n * 8));
-    if (packed == NULL)
-        return NULL;
-    PyObject *out = PyObject_CallFunction(array_type, "sO", "Q", packed);
-    Py_DECREF(packed);
-    return out;
 }
 
 static PyObject *wire_error(int rc, const char *what)
@@ -1077,18 +1097,8 @@ static int apply_stored(Batch *b, const WireEvent *ev)
     if (rc == WIRE_OK) {
         uint64_t parent = prev;
         chain_into(packed, n, b->block_size * 4, prev, keys);
-        for (size_t i = 0; i < n && i < KV_PREFETCH_AHEAD; i++)
-            U64Map_prefetch(b->known, hashes[i]);
-        for (size_t i = 0; i < n && rc == WIRE_OK; i++) {
-            if (i + KV_PREFETCH_AHEAD < n)
-                U64Map_prefetch(b->known, hashes[i + KV_PREFETCH_AHEAD]);
-            int created;
-            U64MapCell *cell = U64Map_insert(b->known, hashes[i], &created);
-            if (cell == NULL)
-                rc = WIRE_NO_MEMORY;
-            else
-                cell->val = keys[i];
-        }
+        if (map_put_keys(b->known, hashes, keys, n) < 0)
+            rc = WIRE_NO_MEMORY;
         if (rc == WIRE_OK &&
             table_store(b->table, b->slot, keys, n, 0, has_parent, parent, 0.0) < 0)
             rc = WIRE_NO_MEMORY;
@@ -1111,14 +1121,11 @@ static int apply_stored(Batch *b, const WireEvent *ev)
 static int apply_removed(Batch *b, const WireEvent *ev)
 {
     uint64_t *hashes;
-    size_t n, gone = 0;
+    size_t n;
     int rc = read_hashes(ev->field[F_HASHES], ev->len[F_HASHES], &hashes, &n);
     if (rc != WIRE_OK)
         return rc; /* checked by event_supported: only memory can fail here */
-    for (size_t i = 0; i < n; i++) {
-        if (U64Map_remove(b->known, hashes[i], &hashes[gone]))
-            gone++; /* the key overwrites a hash already read */
-    }
+    size_t gone = map_take_keys(b->known, hashes, n, hashes);
     if (gone && b->slot < b->table->nslots && b->table->slots[b->slot].used &&
         table_remove(b->table, &b->table->slots[b->slot], hashes, gone, 1) < 0)
         rc = WIRE_NO_MEMORY;
