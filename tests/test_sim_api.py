@@ -10,9 +10,12 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
-from test_sim_support import sim_config, sim_fleet, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from test_sim_support import EventLog, expected, sim_config, sim_fleet, wait_for
 
+from backends.engines import VLLM
 from backends.sim.fleet import SimFleet
+from index.events import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"
@@ -258,3 +261,27 @@ async def test_requests_queue_beyond_max_num_seqs() -> None:
             replies = gathered.result()
         assert all(r.status_code == 200 for r in replies)
         assert seen_waiting
+
+
+async def test_block_size_32_in_events_and_cache_config_info() -> None:
+    """vLLM's CPU backend runs block size 32: the events carry it and /metrics says it, with
+    the capacity, on ``vllm:cache_config_info`` as vLLM labels it (engine index, no model)."""
+    async with sim_fleet(sim_config(block_size=32, capacity_blocks=500)) as fleet:
+        replica = fleet.replica(0)
+        url, events, replay_endpoint = fleet.replicas[0]
+        async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+            body = {"prompt": list(range(100, 200)), "max_tokens": 1}
+            assert (await c.post("/v1/completions", json=body)).status_code == 200
+            await wait_for(replica.idle)
+            await log.complete(replica.publisher.next_seq)
+            text = (await c.get("/metrics")).text
+        assert log.rebuild() == expected(replica.snapshot())
+    [stored] = [e for p in log.batches.values() for e in decode_event_batch(p).events]
+    assert isinstance(stored, BlockStored)
+    assert stored.block_size == 32 and len(stored.block_hashes) == 3
+    [info] = [f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info"]
+    assert [(s.labels, s.value) for s in info.samples] == [
+        ({"engine": "0", "block_size": "32", "num_gpu_blocks": "500", "num_cpu_blocks": "0",
+          "enable_prefix_caching": "True"}, 1.0)
+    ]  # fmt: skip
+    assert VLLM.parse_load(text).kv_capacity_blocks == 500

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.sim.cache import BlockCache
 from backends.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder
+from backends.sim.lora import Adapter
 from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
 from index.indexers import EventIndex
@@ -147,3 +148,23 @@ def test_salted_blocks_are_keyed_with_the_salt_by_kvgate() -> None:
     worker = WorkerKey(WorkerId("http://sim"), 0)
     assert feed_index.find_matches(salted) == {worker: PrefixMatch(gpu=2)}
     assert feed_index.find_matches(plain) == {}
+
+
+def test_adapter_blocks_keep_their_adapter_on_the_cpu_tier() -> None:
+    """vLLM's BlockStored for an adapter's request: ``lora_id``, ``lora_name`` and the name in
+    every block's extra keys (before the salt on the first block), on every tier."""
+    sql = Adapter("sql", 7, "/adapters/sql")
+    cache = BlockCache(num_blocks=2, block_size=4, cpu_blocks=4)
+    blocks = cache.allocate(2)
+    assert blocks is not None
+    cache.register(blocks, [1, 2], None, [1] * 4 + [2] * 4, "s", lora=sql)
+    [gpu] = _drain(cache)
+    assert isinstance(gpu, BlockStored)
+    assert (gpu.lora_id, gpu.lora_name, gpu.extra_keys) == (7, "sql", [["sql", "s"], ["sql"]])
+    cache.free(blocks[::-1])
+    assert cache.allocate(2) is not None  # both evicted to the CPU tier
+    offloaded = [e for e in _drain(cache) if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.lora_id, e.lora_name, e.extra_keys) for e in offloaded] == [
+        ([2], 7, "sql", [["sql"]]),
+        ([1], 7, "sql", [["sql", "s"]]),
+    ]

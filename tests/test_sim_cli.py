@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from backends.sim.cli import build_parser, config_from_args, main
+from backends.sim.config import ApiConfig, LoraModule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,9 +41,30 @@ def test_flags_map_onto_the_config() -> None:
     assert config.host == "127.0.0.1"
 
 
+def test_lora_stream_open_responses_and_prefill_flags() -> None:
+    args = build_parser().parse_args(
+        ["--lora", "sql=/adapters/sql", "chat", "--lora", "code", "--stream-open",
+         "at_first_token", "--responses-store", "5", "--responses-store-mib", "2",
+         "--prefill-slowdown", "8"]
+    )  # fmt: skip
+    config = config_from_args(args)
+    config.validate()
+    assert config.engine.lora_modules == (
+        LoraModule("sql", "/adapters/sql"), LoraModule("chat", "chat"), LoraModule("code", "code")
+    )  # fmt: skip
+    assert config.api == ApiConfig("at_first_token", 5, 2 * 2**20)
+    assert config.faults.prefill_slowdown == 8
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert defaults.api == ApiConfig() and defaults.api.stream_open == "at_accept"
+    assert defaults.engine.lora_modules == ()
+
+
 @pytest.mark.parametrize(
-    "argv", [["--replicas", "0"], ["--speedup", "0"], ["--fail-rate", "2"], ["--port", "70000"]]
-)
+    "argv",
+    [["--replicas", "0"], ["--speedup", "0"], ["--fail-rate", "2"], ["--port", "70000"],
+     ["--lora", "a", "a"], ["--lora", "kvgate-sim"], ["--lora", "=p"], ["--prefill-slowdown", "0"],
+     ["--responses-store", "-1"]],
+)  # fmt: skip
 def test_invalid_settings_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "kvgate sim:" in capsys.readouterr().err

@@ -157,3 +157,15 @@ def test_step_time_model() -> None:
     fast = TimingConfig(speedup=10.0)
     assert step_seconds(StepWork(tokens=1), fast, slowdown=2.0) == pytest.approx(0.006 * 2 / 10)
     assert prefill_pairs(5, 3) == 5 + 6 + 7
+
+
+def test_prefill_slowdown_scales_the_prefill_share_only() -> None:
+    timing = TimingConfig()
+    mixed = StepWork(tokens=1010, prefill_tokens=1000, prefill_pairs=prefill_pairs(0, 1000),
+                     decode_context=10 * 2000)  # fmt: skip
+    # compute of 1000 prefill tokens x 3 plus 10 decode tokens, prefill attention x 3
+    assert step_seconds(mixed, timing, prefill_slowdown=3.0) == pytest.approx(
+        (3000 + 10) * 30e-6 + 3 * 499_500 * 1e-9 + 20_000 * 49e-9
+    )
+    decode = StepWork(tokens=10, decode_context=20_000)
+    assert step_seconds(decode, timing, prefill_slowdown=3.0) == step_seconds(decode, timing)

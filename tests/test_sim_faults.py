@@ -9,7 +9,17 @@ from dataclasses import replace
 import httpx
 import pytest
 import zmq.asyncio
-from test_sim_support import EventLog, expected, replay, sim_config, sim_fleet, wait_for
+from test_sim_support import (
+    EventLog,
+    expected,
+    fault,
+    healthy,
+    refused,
+    replay,
+    sim_config,
+    sim_fleet,
+    wait_for,
+)
 
 from backends.sim.config import StartupFaults
 from backends.sim.fleet import SimFleet
@@ -25,36 +35,10 @@ async def fleet() -> AsyncIterator[SimFleet]:
         yield f
 
 
-async def _fault(client: httpx.AsyncClient, **body: object) -> dict[str, object]:
-    reply = await client.post("/sim/fault", json=body)
-    assert reply.status_code == 200, reply.text
-    result: dict[str, object] = reply.json()
-    return result
-
-
 async def _complete(
     client: httpx.AsyncClient, prompt: list[int], max_tokens: int = 2
 ) -> httpx.Response:
     return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
-
-
-async def _refused(url: str) -> bool:
-    async with httpx.AsyncClient(timeout=2) as c:
-        try:
-            await c.get(f"{url}/health")
-        except httpx.ConnectError:
-            return True
-        except httpx.TransportError:
-            return False  # accepted, then dropped: the listener is closing, not refusing yet
-    return False
-
-
-async def _healthy(url: str) -> bool:
-    async with httpx.AsyncClient(timeout=2) as c:
-        try:
-            return (await c.get(f"{url}/health")).status_code == 200
-        except httpx.TransportError:  # refused, or dropped while the listener changes
-            return False
 
 
 async def _live(log: EventLog, client: httpx.AsyncClient, fleet: SimFleet) -> None:
@@ -69,14 +53,14 @@ async def _live(log: EventLog, client: httpx.AsyncClient, fleet: SimFleet) -> No
 
 async def test_fail_answers_errors_for_count_requests(fleet: SimFleet) -> None:
     async with httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
-        await _fault(c, kind="fail", count=2, status=503)
+        await fault(c, kind="fail", count=2, status=503)
         statuses = [(await _complete(c, [7] * 6)).status_code for _ in range(3)]
         assert statuses == [503, 503, 200]
-        await _fault(c, kind="fail")  # rate 1, until cleared
+        await fault(c, kind="fail")  # rate 1, until cleared
         reply = await _complete(c, [7] * 6)
         assert reply.status_code == 500
         assert reply.json()["error"]["code"] == 500
-        await _fault(c, kind="clear", fault="fail")
+        await fault(c, kind="clear", fault="fail")
         assert (await _complete(c, [7] * 6)).status_code == 200
     assert fleet.replica(0).faults.hits["fail"] == 3
 
@@ -92,7 +76,7 @@ async def test_dropped_batches_leave_a_gap_that_replay_fills(fleet: SimFleet) ->
     url, events, replay_endpoint = fleet.replicas[0]
     async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
         await _live(log, c, fleet)
-        await _fault(c, kind="drop_events", count=1)
+        await fault(c, kind="drop_events", count=1)
         dropped = replica.publisher.next_seq
         assert (await _complete(c, list(range(200, 230)), max_tokens=3)).status_code == 200
         await wait_for(replica.idle)
@@ -107,7 +91,7 @@ async def test_lost_batches_are_missing_from_replay_too(fleet: SimFleet) -> None
     url, events, replay_endpoint = fleet.replicas[0]
     async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
         await _live(log, c, fleet)
-        await _fault(c, kind="drop_events", count=1, replayable=False)
+        await fault(c, kind="drop_events", count=1, replayable=False)
         lost = replica.publisher.next_seq
         assert (await _complete(c, list(range(300, 330)), max_tokens=3)).status_code == 200
         await wait_for(replica.idle)
@@ -129,13 +113,13 @@ async def test_delayed_batches_are_held_then_published_in_order(fleet: SimFleet)
     async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
         await _live(log, c, fleet)
         before = replica.publisher.next_seq
-        await _fault(c, kind="delay_events", delay_s=3600)
+        await fault(c, kind="delay_events", delay_s=3600)
         assert (await _complete(c, list(range(400, 420)), max_tokens=3)).status_code == 200
         await wait_for(replica.idle)
         held = replica.publisher.pending_delayed
         assert held == replica.publisher.next_seq - before > 0
         assert max(log.received) < before
-        await _fault(c, kind="clear", fault="delay_events")  # releases what was held
+        await fault(c, kind="clear", fault="delay_events")  # releases what was held
         assert replica.publisher.pending_delayed == 0
         await wait_for(lambda: max(log.received) == replica.publisher.next_seq - 1)
         assert log.received == sorted(log.received)
@@ -149,10 +133,10 @@ async def test_slow_multiplies_modelled_step_time(fleet: SimFleet) -> None:
         start = engine.busy_s
         assert (await _complete(c, [11] * 7, max_tokens=3)).status_code == 200
         normal = engine.busy_s - start
-        state = await _fault(c, kind="slow", factor=3)
+        state = await fault(c, kind="slow", factor=3)
         assert state["faults"] == [
             {"kind": "slow", "rate": 1.0, "count": None, "until": None, "value": 3.0,
-             "replayable": True}
+             "replayable": True, "drop": False}
         ]  # fmt: skip
         start = engine.busy_s
         assert (await _complete(c, [12] * 7, max_tokens=3)).status_code == 200
@@ -177,7 +161,7 @@ async def test_restart_fails_requests_resets_cache_and_seq() -> None:
                 async for line in stream.aiter_lines():
                     lines.append(line)
                     if len(lines) == 1:
-                        await _fault(c, kind="restart")
+                        await fault(c, kind="restart")
             errors = [json.loads(x[6:]) for x in lines if x.startswith('data: {"error"')]
             assert errors and errors[0]["error"]["code"] == 500
             assert [x for x in lines if x][-1] == "data: [DONE]"
@@ -196,9 +180,9 @@ async def test_restart_fails_requests_resets_cache_and_seq() -> None:
 async def test_restart_with_downtime_refuses_connections_for_a_while(fleet: SimFleet) -> None:
     url = fleet.replicas[0].url
     async with httpx.AsyncClient(base_url=url) as c:
-        await _fault(c, kind="restart", downtime_s=0.3)
-    await wait_for(lambda: _refused(url), what="connections refused")
-    await wait_for(lambda: _healthy(url), what="the replica back")
+        await fault(c, kind="restart", downtime_s=0.3)
+    await wait_for(lambda: refused(url), what="connections refused")
+    await wait_for(lambda: healthy(url), what="the replica back")
     assert fleet.replica(0).generation == 1
 
 
@@ -208,11 +192,11 @@ async def test_refuse_until_resume_keeps_the_cache(fleet: SimFleet) -> None:
     async with httpx.AsyncClient(base_url=url) as c:
         assert (await _complete(c, list(range(600, 620)))).status_code == 200
         cached = replica.snapshot()
-        await _fault(c, kind="refuse")
-    await wait_for(lambda: _refused(url), what="connections refused")
+        await fault(c, kind="refuse")
+    await wait_for(lambda: refused(url), what="connections refused")
     assert not replica.http_up
     await replica.resume()
-    assert await _healthy(url)
+    assert await healthy(url)
     assert replica.snapshot() == cached
     async with httpx.AsyncClient(base_url=url) as c:
         reply = await _complete(c, list(range(600, 620)))
@@ -223,11 +207,11 @@ async def test_admin_of_one_replica_can_target_another(fleet: SimFleet) -> None:
     down = fleet.replicas[0].url
     async with httpx.AsyncClient(base_url=fleet.replicas[1].url) as c:
         # long enough that a poll delayed on a busy machine still sees the refusal
-        result = await _fault(c, kind="refuse", replica=0, duration_s=2.0)
+        result = await fault(c, kind="refuse", replica=0, duration_s=2.0)
         assert result["replica"] == 0
-        await wait_for(lambda: _refused(down), what="replica 0 refusing")
-        assert await _healthy(fleet.replicas[1].url)
-        await wait_for(lambda: _healthy(down), what="replica 0 back after its duration")
+        await wait_for(lambda: refused(down), what="replica 0 refusing")
+        assert await healthy(fleet.replicas[1].url)
+        await wait_for(lambda: healthy(down), what="replica 0 back after its duration")
         reply = await c.post("/sim/fault", json={"kind": "slow", "factor": 2, "replica": 9})
         assert reply.status_code == 400
 
@@ -245,7 +229,7 @@ async def test_reset_prefix_cache_sends_all_blocks_cleared(fleet: SimFleet) -> N
         last = decode_event_batch(log.batches[replica.publisher.next_seq - 1])
         assert isinstance(last.events[-1], AllBlocksCleared)
         assert log.rebuild() == expected(replica.snapshot())
-        assert (await _fault(c, kind="reset_cache"))["reset"] is True
+        assert (await fault(c, kind="reset_cache"))["reset"] is True
 
 
 async def test_reset_is_refused_while_blocks_are_in_use() -> None:
@@ -282,3 +266,71 @@ async def test_malformed_fault_requests_are_rejected(
         reply = await c.post("/sim/fault", json=body)
     assert reply.status_code == 400
     assert reply.json()["error"]["code"] == 400
+
+
+async def test_stopped_event_stream_goes_silent_without_a_gap(fleet: SimFleet) -> None:
+    """A wedged publisher: nothing published, no seq consumed, replays unanswered; once it
+    resumes the seqs run on with no gap, so a subscriber cannot see what it missed."""
+    replica = fleet.replica(0)
+    url, events, replay_endpoint = fleet.replicas[0]
+    async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
+        await _live(log, c, fleet)
+        before = replica.publisher.next_seq
+        await fault(c, kind="stop_events")
+        assert (await _complete(c, list(range(800, 840)), max_tokens=3)).status_code == 200
+        await wait_for(replica.idle)
+        assert replica.publisher.next_seq == before
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.connect(replay_endpoint)
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # ignored while stopped
+            await wait_for(
+                lambda: (
+                    replica.registry.get_sample_value(
+                        "kvgate_sim_replay_requests_total", {"outcome": "ignored"}
+                    )
+                    == 1
+                ),
+                what="the replay request received",
+            )
+            await fault(c, kind="clear", fault="stop_events")
+            assert (await _complete(c, list(range(900, 920)), max_tokens=2)).status_code == 200
+            await wait_for(replica.idle)
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            ends = 0
+            while ends == 0:
+                assert await dealer.poll(5000), "the replay socket did not answer"
+                frames = await dealer.recv_multipart()
+                ends += frames[2] == b"\xff" * 8
+            assert not await dealer.poll(0)  # one answer: the stopped-time request was dropped
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+        await wait_for(lambda: log.received[-1] == replica.publisher.next_seq - 1)
+        assert log.received == list(range(log.received[0], replica.publisher.next_seq))
+        await log.complete(replica.publisher.next_seq)
+        missed = set(expected(replica.snapshot())["GPU"]) - set(log.rebuild()["GPU"])
+        assert missed  # the blocks stored while stopped never reach the subscriber
+    stopped = replica.registry.get_sample_value(
+        "kvgate_sim_event_batches_total", {"outcome": "stopped"}
+    )
+    assert stopped is not None and stopped > 0
+
+
+async def test_slow_prefill_stretches_prefill_steps_only(fleet: SimFleet) -> None:
+    engine = fleet.replica(0).engine
+
+    async def busy(prompt: list[int], max_tokens: int) -> float:
+        start = engine.busy_s
+        assert (await _complete(c, prompt, max_tokens=max_tokens)).status_code == 200
+        return engine.busy_s - start
+
+    async with httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        prefill = await busy(list(range(1000, 2000)), 1)  # one 1000-token prefill step
+        decode = await busy([3] * 5, 30)  # steps at the weight-read floor
+        await fault(c, kind="slow_prefill", factor=4)
+        slow_prefill = await busy(list(range(2000, 3000)), 1)
+        slow_decode = await busy([4] * 5, 30)
+    assert slow_prefill == pytest.approx(4 * prefill)
+    assert slow_decode == pytest.approx(decode)

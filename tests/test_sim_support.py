@@ -10,16 +10,17 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
+import httpx
 import zmq
 import zmq.asyncio
 
 from backends.sim.cache import CacheSnapshot
-from backends.sim.config import EngineConfig, EventsConfig, SimConfig, TimingConfig
+from backends.sim.config import ApiConfig, EngineConfig, EventsConfig, SimConfig, TimingConfig
 from backends.sim.fleet import SimFleet
 from backends.sim.tokenizer import SimTokenizer
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
@@ -38,6 +39,7 @@ def sim_config(
     topic: str = "kv-events",
     hash_format: str = "int",
     speedup: float = 1000.0,
+    api: ApiConfig | None = None,
     **engine: Any,
 ) -> SimConfig:
     """A fleet on ephemeral loopback ports, fast (speed-up) and small."""
@@ -54,6 +56,7 @@ def sim_config(
         ),
         timing=TimingConfig(speedup=speedup),
         events=EventsConfig(encoding=encoding, topic=topic, hash_format=hash_format),  # type: ignore[arg-type]
+        api=api or ApiConfig(),
     )
 
 
@@ -83,6 +86,41 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)
+
+
+async def sse_lines(reply: httpx.Response) -> AsyncIterator[str]:
+    """The non-empty lines of an SSE body as they arrive."""
+    async for line in reply.aiter_lines():
+        if line:
+            yield line
+
+
+async def fault(client: httpx.AsyncClient, **body: object) -> dict[str, Any]:
+    """``POST /sim/fault`` (must succeed)."""
+    reply = await client.post("/sim/fault", json=body)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+async def refused(url: str) -> bool:
+    """Connections to ``url`` are refused (not accepted-then-dropped while a listener closes)."""
+    async with httpx.AsyncClient(timeout=2) as c:
+        try:
+            await c.get(f"{url}/health")
+        except httpx.ConnectError:
+            return True
+        except httpx.TransportError:
+            return False
+    return False
+
+
+async def healthy(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=2) as c:
+        try:
+            return (await c.get(f"{url}/health")).status_code == 200
+        except httpx.TransportError:  # refused, or dropped while the listener changes
+            return False
 
 
 async def replay(

@@ -1,69 +1,73 @@
 """The HTTP face of one replica: a lean ASGI app (served by uvicorn) speaking vLLM's API.
 
 OpenAI: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not, with
-``usage.prompt_tokens_details.cached_tokens``), ``GET /v1/models``. vLLM: ``GET /health``,
-``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions/render``,
-``POST /v1/chat/completions/render``, ``GET /kv_event_sources``, ``POST /reset_prefix_cache``,
-``GET /version``. Simulator: ``POST /sim/fault``, ``GET /sim/state``.
+``usage.prompt_tokens_details.cached_tokens``), ``POST /v1/responses``,
+``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``GET /v1/models``. vLLM:
+``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``,
+``POST /v1/completions/render``, ``POST /v1/chat/completions/render``,
+``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``, ``GET /kv_event_sources``,
+``POST /reset_prefix_cache``, ``GET /version``. Simulator: ``POST /sim/fault``,
+``GET /sim/state``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.sim.engine import SimRequest
+from backends.sim.engine import RequestFault, SimRequest
 from backends.sim.faults import FaultError
+from backends.sim.lora import Adapter, LoraError
 from backends.sim.protocol import (
-    SSE_DONE,
     ApiError,
     ResponseShape,
-    Sampling,
     check_length,
-    check_model,
     get_bool,
     json_encode,
+    model_not_found,
     parse_messages,
     parse_object,
     parse_prompt,
     parse_sampling,
     parse_tools,
     render_request,
-    sse_error,
-    usage,
+)
+from backends.sim.responses import (
+    ResponseObject,
+    chat_tools,
+    conversation,
+    not_found,
+    parse_request,
+)
+from backends.sim.streaming import (
+    JSON_HEADERS,
+    ChatFramer,
+    Framer,
+    Generation,
+    Receive,
+    ResponsesFramer,
+    Scope,
+    Send,
+    respond,
 )
 from index.chat_template import TemplateError
 
 if TYPE_CHECKING:
     from backends.sim.replica import SimReplica
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 VERSION = "kvgate-sim 0.1.0"
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-
-async def _respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
-) -> None:
-    length = (b"content-length", str(len(body)).encode())
-    await send({"type": "http.response.start", "status": status, "headers": [*headers, length]})
-    await send({"type": "http.response.body", "body": body})
+_RESPONSES = "/v1/responses/"
 
 
 async def _json(send: Send, payload: Any, status: int = 200) -> None:
-    await _respond(send, status, json_encode(payload), _JSON)
+    await respond(send, status, json_encode(payload), JSON_HEADERS)
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -80,6 +84,10 @@ async def _read_body(receive: Receive) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _lora_error(exc: LoraError) -> ApiError:
+    return ApiError(exc.status, exc.message, kind=exc.kind)
 
 
 class ReplicaApp:
@@ -101,58 +109,85 @@ class ReplicaApp:
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/responses"): self._responses,
             ("POST", "/v1/completions/render"): self._render_completion,
             ("POST", "/v1/chat/completions/render"): self._render_chat,
+            ("POST", "/v1/load_lora_adapter"): self._load_lora,
+            ("POST", "/v1/unload_lora_adapter"): self._unload_lora,
         }
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        handler = self._routes.get((scope["method"], scope["path"]))
+        handler = self._route(scope["method"], scope["path"])
         try:
-            if handler is None:
-                if scope["path"] in self._paths:
-                    raise ApiError(405, f"method {scope['method']} not allowed")
-                raise ApiError(404, f"no route {scope['path']}")
             body = await _read_body(receive) if scope["method"] == "POST" else b""
             await handler(scope, body, receive, send)
         except ApiError as exc:
-            await _respond(send, exc.status, exc.body(), _JSON)
+            await respond(send, exc.status, exc.body(), JSON_HEADERS)
         except ConnectionAbortedError:
             return
+
+    def _route(self, method: str, path: str) -> Handler:
+        handler = self._routes.get((method, path))
+        if handler is not None:
+            return handler
+        if path.startswith(_RESPONSES) and len(path) > len(_RESPONSES):
+            cancel = path.endswith("/cancel")
+            if (method, cancel) in (("GET", False), ("POST", True)):
+                return self._cancel_response if cancel else self._get_response
+            return self._refuse(405, f"method {method} not allowed")
+        if path in self._paths:
+            return self._refuse(405, f"method {method} not allowed")
+        return self._refuse(404, f"no route {path}")
+
+    @staticmethod
+    def _refuse(status: int, message: str) -> Handler:
+        async def refuse(scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+            raise ApiError(status, message)
+
+        return refuse
+
+    def _served(self, data: Mapping[str, Any]) -> tuple[str, Adapter | None]:
+        """The model a body names: the served model (also when it names none) or an adapter;
+        vLLM's 404 for anything else."""
+        base = self._replica.config.engine.model
+        name = data.get("model")
+        if name is None or name == base:
+            return base, None
+        if not isinstance(name, str):
+            raise ApiError(400, "'model' must be a string", "model")
+        adapter = self._replica.adapters.get(name)
+        if adapter is None:
+            raise model_not_found(name)
+        return name, adapter
 
     # --- plain endpoints -----------------------------------------------------------------
 
     async def _health(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        await _respond(send, 200, b"", [])
+        await respond(send, 200, b"", [])
 
     async def _version(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         await _json(send, {"version": VERSION})
 
     async def _models(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        cfg = self._replica.config.engine
-        await _json(
-            send,
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": cfg.model,
-                        "object": "model",
-                        "created": self._replica.started_at,
-                        "owned_by": "vllm",
-                        "root": cfg.model,
-                        "parent": None,
-                        "max_model_len": cfg.effective_max_model_len,
-                    }
-                ],
-            },
-        )
+        replica = self._replica
+        cfg = replica.config.engine
+
+        def card(name: str, root: str, parent: str | None, max_len: int | None) -> Any:
+            return {
+                "id": name, "object": "model", "created": replica.started_at,
+                "owned_by": "vllm", "root": root, "parent": parent, "max_model_len": max_len,
+            }  # fmt: skip
+
+        cards = [card(cfg.model, cfg.model, None, cfg.effective_max_model_len)]
+        cards += [card(a.name, a.path, cfg.model, None) for a in replica.adapters]
+        await _json(send, {"object": "list", "data": cards})
 
     async def _metrics(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         payload = generate_latest(self._replica.registry)
-        await _respond(send, 200, payload, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+        await respond(send, 200, payload, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     async def _kv_event_sources(
         self, scope: Scope, body: bytes, receive: Receive, send: Send
@@ -174,31 +209,66 @@ class ReplicaApp:
     ) -> None:
         if not self._replica.engine.reset_prefix_cache():
             raise ApiError(409, "blocks are in use: the prefix cache was not reset")
-        await _respond(send, 200, b"", [])
+        await respond(send, 200, b"", [])
+
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    async def _load_lora(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        data = parse_object(body)
+        name, path = data.get("lora_name"), data.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise ApiError(400, "'lora_name' and 'lora_path' must be strings")
+        in_place = get_bool(data, "load_inplace", False)
+        try:
+            self._replica.adapters.load(name, path, in_place=in_place)
+        except LoraError as exc:
+            raise _lora_error(exc) from exc
+        await respond(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(), [])
+
+    async def _unload_lora(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        name = parse_object(body).get("lora_name")
+        if not isinstance(name, str):
+            raise ApiError(400, "'lora_name' must be a string", "lora_name")
+        try:
+            self._replica.adapters.unload(name)
+        except LoraError as exc:
+            raise _lora_error(exc) from exc
+        message = f"Success: LoRA adapter '{name}' removed successfully."
+        await respond(send, 200, message.encode(), [])
 
     # --- tokenization --------------------------------------------------------------------
 
-    async def _prompt_ids(self, data: dict[str, Any], chat: bool) -> list[int]:
-        """Token ids of a request: chat ``messages`` (rendered) or a completion ``prompt``."""
+    async def _render_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        data: Mapping[str, Any],
+    ) -> list[int]:
+        """Token ids of chat ``messages`` rendered by the chat template."""
         tok = self._replica.tokenizer
+        try:
+            text = tok.render_chat(
+                messages,
+                tools=tools,
+                add_generation_prompt=get_bool(data, "add_generation_prompt", True),
+                continue_final_message=get_bool(data, "continue_final_message", False),
+                template_kwargs=data.get("chat_template_kwargs") or None,
+            )
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        return await tok.encode_async(text)
+
+    async def _prompt_ids(self, data: Mapping[str, Any], chat: bool) -> list[int]:
+        """Token ids of a request: chat ``messages`` (rendered) or a completion ``prompt``."""
         if chat:
-            try:
-                text = tok.render_chat(
-                    parse_messages(data),
-                    tools=parse_tools(data),
-                    add_generation_prompt=get_bool(data, "add_generation_prompt", True),
-                    continue_final_message=get_bool(data, "continue_final_message", False),
-                    template_kwargs=data.get("chat_template_kwargs") or None,
-                )
-            except TemplateError as exc:
-                raise ApiError(400, str(exc), "messages") from exc
-            return await tok.encode_async(text)
+            return await self._render_ids(parse_messages(data), parse_tools(data), data)
+        tok = self._replica.tokenizer
         prompt = parse_prompt(data, tok.vocab_size)
         return prompt if isinstance(prompt, list) else await tok.encode_async(prompt)
 
     async def _tokenize(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         data = parse_object(body)
-        check_model(data, self._replica.config.engine.model)
+        self._served(data)
         ids = await self._prompt_ids(data, chat="messages" in data)
         tok = self._replica.tokenizer
         strs = (
@@ -216,7 +286,7 @@ class ReplicaApp:
 
     async def _detokenize(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         data = parse_object(body)
-        check_model(data, self._replica.config.engine.model)
+        self._served(data)
         tokens = data.get("tokens")
         tok = self._replica.tokenizer
         if not isinstance(tokens, list) or not all(
@@ -226,112 +296,134 @@ class ReplicaApp:
             raise ApiError(400, "'tokens' must be an array of token ids", "tokens")
         await _json(send, {"prompt": tok.decode(tokens)})
 
-    def _request(self, body: bytes, chat: bool) -> tuple[dict[str, Any], Sampling]:
-        """A generation or render body, checked: the served model and the sampling options."""
+    async def _render(self, body: bytes, chat: bool) -> dict[str, Any]:
         data = parse_object(body)
-        cfg = self._replica.config.engine
-        check_model(data, cfg.model)
-        return data, parse_sampling(data, cfg.default_max_tokens if chat else 16, chat=chat)
+        model, _ = self._served(data)
+        sampling = parse_sampling(data, self._default_max_tokens(chat), chat=chat)
+        ids = await self._prompt_ids(data, chat)
+        return render_request(ids, model, sampling.max_tokens, sampling.stream)
 
     async def _render_completion(
         self, scope: Scope, body: bytes, receive: Receive, send: Send
     ) -> None:
-        data, sampling = self._request(body, chat=False)
-        ids = await self._prompt_ids(data, chat=False)
-        model = self._replica.config.engine.model
-        await _json(send, [render_request(ids, model, sampling.max_tokens, sampling.stream)])
+        await _json(send, [await self._render(body, chat=False)])
 
     async def _render_chat(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        data, sampling = self._request(body, chat=True)
-        ids = await self._prompt_ids(data, chat=True)
-        model = self._replica.config.engine.model
-        await _json(send, render_request(ids, model, sampling.max_tokens, sampling.stream))
+        await _json(send, await self._render(body, chat=True))
 
     # --- generation ----------------------------------------------------------------------
 
-    async def _chat(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        await self._generate(body, chat=True, receive=receive, send=send)
+    def _default_max_tokens(self, chat: bool) -> int:
+        return self._replica.config.engine.default_max_tokens if chat else 16
 
-    async def _completions(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        await self._generate(body, chat=False, receive=receive, send=send)
-
-    async def _generate(self, body: bytes, *, chat: bool, receive: Receive, send: Send) -> None:
-        arrival = time.monotonic()
-        data, sampling = self._request(body, chat)
-        replica = self._replica
-        fault = replica.faults.hit("fail")
+    def _check_fail(self) -> None:
+        fault = self._replica.faults.hit("fail")
         if fault is not None:
-            replica.metrics.on_fault("fail")
+            self._replica.metrics.on_fault("fail")
             raise ApiError(int(fault.value), "simulated failure (fault 'fail')")
-        ids = await self._prompt_ids(data, chat)
-        check_length(len(ids), sampling.max_tokens, replica.config.engine.effective_max_model_len)
-        engine = replica.engine
-        req = engine.submit(ids, sampling.max_tokens, sampling.cache_salt, arrival)
-        watcher = asyncio.create_task(self._watch_disconnect(receive, req))
-        shape = ResponseShape.new(chat, replica.config.engine.model)
-        try:
-            if sampling.stream:
-                await self._stream(req, shape, sampling, send)
-            else:
-                await self._complete(req, shape, send)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            engine.abort(req)
 
-    async def _watch_disconnect(self, receive: Receive, req: SimRequest) -> None:
-        message = await receive()
-        if message["type"] == "http.disconnect" and not req.stream.done:
-            self._replica.engine.abort(req)
-            req.stream.fail("client disconnected")
+    def _submit(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        *,
+        salt: str | None,
+        arrival: float,
+        adapter: Adapter | None,
+        param: str = "max_tokens",
+    ) -> SimRequest:
+        """Into the engine, with the ``abort`` fault drawn for it if one is standing."""
+        replica = self._replica
+        check_length(len(ids), max_tokens, replica.config.engine.effective_max_model_len, param)
+        abort = replica.faults.hit("abort")
+        fault = None
+        if abort is not None:
+            replica.metrics.on_fault("abort")
+            fault = RequestFault(int(abort.value), abort.drop)
+        return replica.engine.submit(ids, max_tokens, salt, arrival, lora=adapter, fault=fault)
 
-    def _text(self, token_ids: list[int], leading_space: bool) -> str:
+    async def _serve(
+        self, req: SimRequest, framer: Framer, *, stream: bool, asgi: tuple[Scope, Receive, Send]
+    ) -> None:
+        replica = self._replica
+        at_accept = replica.config.api.stream_open == "at_accept"
+        generation = Generation(replica.engine, req, *asgi)
+        await generation.serve(framer, stream=stream, at_accept=at_accept)
+
+    def _text(self, token_ids: Sequence[int], leading_space: bool) -> str:
         tok = self._replica.tokenizer
         text = " ".join(tok.token_text(t) for t in token_ids)
         return " " + text if leading_space and text else text
 
-    async def _complete(self, req: SimRequest, shape: ResponseShape, send: Send) -> None:
-        stream = req.stream
-        while await stream.next():
-            pass
-        if stream.error is not None:
-            raise ApiError(500, stream.error)
-        final = usage(req.prompt_len, req.num_output, req.cached_tokens)
-        body = shape.full(
-            self._text(req.output_ids, False), stream.finish_reason or "length", final
-        )
-        await _respond(send, 200, body, _JSON)
+    async def _chat(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        await self._generate(scope, body, receive, send, chat=True)
 
-    async def _stream(
-        self, req: SimRequest, shape: ResponseShape, sampling: Sampling, send: Send
+    async def _completions(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        await self._generate(scope, body, receive, send, chat=False)
+
+    async def _generate(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, *, chat: bool
     ) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-        stream = req.stream
-        sent = 0
-        if shape.chat:
-            await self._send(send, shape.chunk("", None, first=True))
-        while tokens := await stream.next():
-            for token in tokens:
-                sent += 1
-                last = stream.finish_reason is not None and sent == req.num_output
-                running_usage = (
-                    usage(req.prompt_len, sent, req.cached_tokens)
-                    if sampling.continuous_usage
-                    else None
-                )
-                chunk = shape.chunk(
-                    self._text([token], sent > 1), stream.finish_reason if last else None,
-                    usage_body=running_usage,
-                )  # fmt: skip
-                await self._send(send, chunk)
-        if stream.error is not None:
-            await self._send(send, sse_error(ApiError(500, stream.error)))
-        elif sampling.include_usage:
-            final = usage(req.prompt_len, req.num_output, req.cached_tokens)
-            await self._send(send, shape.usage_chunk(final))
-        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+        arrival = time.monotonic()
+        data = parse_object(body)
+        model, adapter = self._served(data)
+        sampling = parse_sampling(data, self._default_max_tokens(chat), chat=chat)
+        self._check_fail()
+        ids = await self._prompt_ids(data, chat)
+        req = self._submit(
+            ids, sampling.max_tokens, salt=sampling.cache_salt, arrival=arrival, adapter=adapter
+        )
+        framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
+        await self._serve(req, framer, stream=sampling.stream, asgi=(scope, receive, send))
 
-    @staticmethod
-    async def _send(send: Send, chunk: bytes) -> None:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    # --- the Responses API ---------------------------------------------------------------
+
+    async def _responses(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        arrival = time.monotonic()
+        data = parse_object(body)
+        model, adapter = self._served(data)
+        request = parse_request(data)
+        store = self._replica.responses
+        history = None
+        if request.previous_response_id is not None:
+            previous = store.get(request.previous_response_id)
+            if previous is None:
+                raise not_found(request.previous_response_id)
+            history = previous.history
+        self._check_fail()
+        messages = conversation(request, history)
+        ids = await self._render_ids(messages, chat_tools(request), {})
+        max_tokens = request.max_output_tokens or self._default_max_tokens(chat=True)
+        req = self._submit(
+            ids, max_tokens, salt=request.cache_salt, arrival=arrival, adapter=adapter,
+            param="max_output_tokens",
+        )  # fmt: skip
+        response = ResponseObject(request, model, max_tokens)
+
+        def done(body: dict[str, Any], text: str) -> None:
+            if request.store:
+                store.put(response.id, body, [*messages, {"role": "assistant", "content": text}])
+
+        framer = ResponsesFramer(response, self._text, done)
+        await self._serve(req, framer, stream=request.stream, asgi=(scope, receive, send))
+
+    def _stored(self, scope: Scope) -> tuple[str, dict[str, Any]]:
+        response_id = scope["path"][len(_RESPONSES) :].removesuffix("/cancel")
+        stored = self._replica.responses.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return response_id, stored.body
+
+    async def _get_response(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if query.get("stream", ["false"])[-1].lower() == "true":
+            raise ApiError(400, "only background responses stream again", "stream")
+        await _json(send, self._stored(scope)[1])
+
+    async def _cancel_response(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        self._stored(scope)
+        raise ApiError(
+            400, "Cannot cancel a synchronous response.", "response_id", "invalid_request_error"
+        )

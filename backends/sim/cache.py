@@ -11,6 +11,9 @@
 * With a CPU tier, a hash evicted from GPU moves to CPU (``BlockStored`` medium CPU) unless
   already there; the CPU tier is an LRU of ``cpu_blocks`` hashes. Hits there are loaded back
   into fresh GPU blocks (at a cost charged by the engine).
+* Blocks of a LoRA adapter's requests carry the adapter in their events as vLLM publishes
+  them: ``lora_id`` (the adapter's integer id), ``lora_name``, and the name in every block's
+  ``extra_keys`` (before the cache salt on the first block).
 
 Every state change appends its event to ``events`` in order; the engine publishes them.
 """
@@ -29,6 +32,7 @@ from backends.sim.events import (
     BlockStored,
     KVEvent,
 )
+from backends.sim.lora import Adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class BlockMeta:
     parent: int | None
     token_ids: tuple[int, ...]
     cache_salt: str | None = None
+    lora: Adapter | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +53,39 @@ class CacheSnapshot:
     cpu: dict[int, BlockMeta]
 
 
-def _salt_keys(salt: str | None, first_block: bool, blocks: int) -> list[object] | None:
-    """vLLM's ``extra_keys``: one entry per block; the salt marks the first block only, as
-    vLLM publishes it (``to_event_extra_keys``: untagged, the bare salt string in a tuple)."""
-    if salt is None or not first_block:
-        return None
-    return [[salt], *([None] * (blocks - 1))]
+def _extra_keys(
+    salt: str | None, lora: Adapter | None, first_block: bool, blocks: int
+) -> list[object] | None:
+    """vLLM's ``extra_keys``: one entry per block, untagged as vLLM publishes them: the
+    adapter's name on every block of an adapter's request, then the bare salt string on the
+    first block of a salted chain."""
+    salted = salt is not None and first_block
+    if lora is None:
+        return [[salt], *([None] * (blocks - 1))] if salted else None
+    first = [lora.name, salt] if salted else [lora.name]
+    return [first, *([[lora.name]] * (blocks - 1))]
+
+
+def _stored(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    *,
+    block_size: int,
+    medium: str,
+    salt: str | None,
+    lora: Adapter | None,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=None if lora is None else lora.lora_id,
+        medium=medium,
+        lora_name=None if lora is None else lora.name,
+        extra_keys=_extra_keys(salt, lora, parent is None, len(hashes)),
+    )
 
 
 class BlockCache:
@@ -164,6 +196,8 @@ class BlockCache:
         parent: int | None,
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        *,
+        lora: Adapter | None = None,
     ) -> None:
         """Full blocks now cached on GPU: one ``BlockStored`` for the chain."""
         if not block_ids:
@@ -179,18 +213,18 @@ class BlockCache:
                 holders.append(b)
             if h not in self._meta:
                 salt = cache_salt if prev is None else None
-                self._meta[h] = BlockMeta(prev, tuple(token_ids[i * bs : (i + 1) * bs]), salt)
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                self._meta[h] = BlockMeta(prev, tokens, salt, lora)
             prev = h
         self.events.append(
-            BlockStored(
-                block_hashes=list(block_hashes),
-                parent_block_hash=parent,
-                token_ids=list(token_ids),
+            _stored(
+                list(block_hashes),
+                parent,
+                list(token_ids),
                 block_size=bs,
-                lora_id=None,
                 medium=MEDIUM_GPU,
-                lora_name=None,
-                extra_keys=_salt_keys(cache_salt, parent is None, len(block_hashes)),
+                salt=cache_salt,
+                lora=lora,
             )
         )
 
@@ -240,14 +274,13 @@ class BlockCache:
         cpu[h] = None
         meta = self._meta[h]
         self.events.append(
-            BlockStored(
-                block_hashes=[h],
-                parent_block_hash=meta.parent,
-                token_ids=list(meta.token_ids),
+            _stored(
+                [h],
+                meta.parent,
+                list(meta.token_ids),
                 block_size=self.block_size,
-                lora_id=None,
                 medium=MEDIUM_CPU,
-                lora_name=None,
-                extra_keys=_salt_keys(meta.cache_salt, meta.parent is None, 1),
+                salt=meta.cache_salt,
+                lora=meta.lora,
             )
         )

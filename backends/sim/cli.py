@@ -21,9 +21,11 @@ import uvloop
 import zmq
 
 from backends.sim.config import (
+    ApiConfig,
     ConfigError,
     EngineConfig,
     EventsConfig,
+    LoraModule,
     SimConfig,
     StartupFaults,
     TimingConfig,
@@ -34,7 +36,7 @@ log = logging.getLogger("kvgate.sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    e, t, v = EngineConfig(), TimingConfig(), EventsConfig()
+    e, t, v, a = EngineConfig(), TimingConfig(), EventsConfig(), ApiConfig()
     p = argparse.ArgumentParser(
         prog="kvgate sim",
         description="Simulated vLLM-like replicas: OpenAI API, vLLM metrics, prefix cache, "
@@ -71,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="max prompt + output tokens (capped by the cache size)")  # fmt: skip
     eng.add_argument("--default-max-tokens", type=int, default=e.default_max_tokens,
                      help="output tokens of a chat request without max_tokens")  # fmt: skip
+    eng.add_argument(
+        "--lora", nargs="+", action="extend", default=[], metavar="NAME[=PATH]",
+        help="LoRA adapters served from the start (more: POST /v1/load_lora_adapter)",
+    )  # fmt: skip
+
+    api = p.add_argument_group("OpenAI server")
+    api.add_argument(
+        "--stream-open", choices=("at_accept", "at_first_token"), default=a.stream_open,
+        help="when a streaming response sends 200 and its headers: at_accept (vLLM: before "
+        "the request queues and prefills) or with the first token",
+    )  # fmt: skip
+    api.add_argument("--responses-store", type=int, default=a.responses_store,
+                     help="responses kept per replica (previous_response_id; 0: none)")  # fmt: skip
+    api.add_argument("--responses-store-mib", type=int,
+                     default=a.responses_store_bytes // 2**20,
+                     help="conversation text the store keeps, MiB per replica")  # fmt: skip
 
     tim = p.add_argument_group("timing (per step: max(floor, tokens x token-us) + attention)")
     tim.add_argument("--speedup", type=float, default=t.speedup, help="divides every time")
@@ -103,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share of event batches not published (replayable seq gaps)")  # fmt: skip
     flt.add_argument("--event-delay-ms", type=float, default=0.0, help="delay every batch")
     flt.add_argument("--slowdown", type=float, default=1.0, help="multiplies step times")
+    flt.add_argument("--prefill-slowdown", type=float, default=1.0,
+                     help="multiplies the prefill share of step times")  # fmt: skip
     return p
 
 
@@ -122,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             default_max_tokens=args.default_max_tokens,
+            lora_modules=tuple(LoraModule.parse(spec) for spec in args.lora),
         ),
         timing=TimingConfig(
             step_floor_ms=args.step_floor_ms,
@@ -144,6 +165,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             drop_events_rate=args.drop_events_rate,
             event_delay_s=args.event_delay_ms / 1000.0,
             slowdown=args.slowdown,
+            prefill_slowdown=args.prefill_slowdown,
+        ),
+        api=ApiConfig(
+            stream_open=args.stream_open,
+            responses_store=args.responses_store,
+            responses_store_bytes=args.responses_store_mib * 2**20,
         ),
     )
 
@@ -152,10 +179,12 @@ def describe(fleet: SimFleet) -> str:
     cfg = fleet.config
     e = cfg.engine
     cpu = f"{e.cpu_offload_blocks} CPU blocks" if e.cpu_offload_blocks else "no CPU tier"
+    loras = ", ".join(m.name for m in e.lora_modules) or "none"
     lines = [
         f"kvgate sim: {cfg.replicas} replica(s) of model {e.model!r}: block size {e.block_size}, "
         f"{e.capacity_blocks} GPU blocks, {cpu}, speed-up x{cfg.timing.speedup:g}, "
         f"events {cfg.events.encoding}-encoded on topic {cfg.events.topic!r}",
+        f"LoRA adapters: {loras}; streams open {cfg.api.stream_open}",
         "port scheme: HTTP port+i, KV events PUB events-port+2i, replay ROUTER events-port+2i+1",
     ]
     for i, (url, events, replay) in enumerate(fleet.replicas):

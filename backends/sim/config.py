@@ -12,6 +12,7 @@ from typing import Literal
 EventEncoding = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
 SourcesFormat = Literal["object", "list"]
+StreamOpen = Literal["at_accept", "at_first_token"]
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,20 @@ class TimingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraModule:
+    """A LoRA adapter served from the start (vLLM's ``--lora-modules name=path``)."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, spec: str) -> LoraModule:
+        """``NAME`` or ``NAME=PATH`` (the path defaults to the name)."""
+        name, _, path = spec.partition("=")
+        return cls(name.strip(), path.strip() or name.strip())
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Scheduler and KV-cache settings of one replica (vLLM names where vLLM has them)."""
 
@@ -59,6 +74,8 @@ class EngineConfig:
     max_model_len: int = 131_072
     default_max_tokens: int = 64
     """Output length when a chat request gives no ``max_tokens`` (completions default: 16)."""
+    lora_modules: tuple[LoraModule, ...] = ()
+    """Adapters served from the start; more come and go through ``/v1/load_lora_adapter``."""
 
     @property
     def effective_max_model_len(self) -> int:
@@ -74,6 +91,33 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.cpu_offload_blocks < 0:
             raise ConfigError("cpu_offload_blocks must be >= 0")
+        names = [m.name for m in self.lora_modules]
+        if any(not n for n in names) or any(not m.path for m in self.lora_modules):
+            raise ConfigError("every LoRA adapter needs a name and a path")
+        if len(set(names)) != len(names) or self.model in names:
+            raise ConfigError("LoRA adapter names must be unique and differ from the model")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    """Behaviour of the OpenAI server in front of the engine."""
+
+    stream_open: StreamOpen = "at_accept"
+    """``at_accept``: a streaming response's ``200`` and headers go out as soon as the request
+    is accepted, before it queues and prefills (vLLM); ``at_first_token``: with the first
+    token, so a failure before it is an HTTP error status."""
+    responses_store: int = 10_000
+    """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (0: none,
+    like vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``; vLLM's store is unbounded)."""
+    responses_store_bytes: int = 256 * 1024 * 1024
+    """The store also keeps at most this many bytes of conversation text (each response is
+    counted with its whole conversation)."""
+
+    def validate(self) -> None:
+        if self.stream_open not in ("at_accept", "at_first_token"):
+            raise ConfigError("stream_open must be 'at_accept' or 'at_first_token'")
+        if self.responses_store < 0 or self.responses_store_bytes < 0:
+            raise ConfigError("responses_store and responses_store_bytes must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +155,7 @@ class StartupFaults:
     drop_events_rate: float = 0.0
     event_delay_s: float = 0.0
     slowdown: float = 1.0
+    prefill_slowdown: float = 1.0
 
     def validate(self) -> None:
         for name in ("fail_rate", "drop_events_rate"):
@@ -118,8 +163,8 @@ class StartupFaults:
                 raise ConfigError(f"{name} must be within 0..1")
         if self.event_delay_s < 0:
             raise ConfigError("event_delay_s must be >= 0")
-        if not self.slowdown > 0:
-            raise ConfigError("slowdown must be > 0")
+        if not (self.slowdown > 0 and self.prefill_slowdown > 0):
+            raise ConfigError("slowdown and prefill_slowdown must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +185,7 @@ class SimConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     faults: StartupFaults = field(default_factory=StartupFaults)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     def validate(self) -> None:
         if self.replicas < 1:
@@ -156,6 +202,7 @@ class SimConfig:
         self.timing.validate()
         self.events.validate()
         self.faults.validate()
+        self.api.validate()
 
     def http_port(self, index: int) -> int:
         return self.port + index if self.port else 0

@@ -14,26 +14,31 @@ Each step (one ``asyncio`` sleep of the modelled step time):
 4. after the step, every request whose prompt is fully computed gets one token; a request
    with ``max_tokens`` tokens finishes and frees its blocks tail first.
 
-The step's KV events are published as one batch after the step.
+The step's KV events are published as one batch after the step. While a ``pause`` fault
+holds, no step runs (requests queue); a ``slow``/``slow_prefill`` fault stretches steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import random
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import xxhash
 
 from backends.sim.cache import BlockCache
 from backends.sim.config import EngineConfig, TimingConfig
 from backends.sim.events import KVEvent
 from backends.sim.faults import FaultState
+from backends.sim.lora import Adapter
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
 from backends.sim.vocab import GENERATED_WORDS
 
@@ -65,16 +70,27 @@ class EngineObserver(Protocol):
         """A running request was preempted for lack of free blocks."""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFault:
+    """An ``abort`` fault drawn for one request: it fails when it would produce token
+    ``after_tokens + 1``; ``drop``: its connection is dropped instead of an error answer."""
+
+    after_tokens: int = 0
+    drop: bool = False
+
+
 class TokenStream:
     """Tokens of one request as the engine produces them, read by the HTTP handler."""
 
-    __slots__ = ("_pending", "_waiter", "error", "finish_reason")
+    __slots__ = ("_pending", "_waiter", "dropped", "error", "finish_reason")
 
     def __init__(self) -> None:
         self._pending: list[int] = []
         self._waiter: asyncio.Future[None] | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.dropped = False
+        """The request failed so that its connection goes down (a crash), not with an error."""
 
     @property
     def done(self) -> bool:
@@ -93,9 +109,10 @@ class TokenStream:
         self.finish_reason = reason
         self._wake()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, drop: bool = False) -> None:
         if not self.done:
             self.error = message
+            self.dropped = drop
         self._wake()
 
     async def next(self) -> list[int]:
@@ -118,7 +135,9 @@ class SimRequest:
         "blocks",
         "cache_salt",
         "cached_tokens",
+        "fault",
         "hashes",
+        "lora",
         "max_tokens",
         "num_computed",
         "num_output",
@@ -130,12 +149,21 @@ class SimRequest:
     )
 
     def __init__(
-        self, token_ids: list[int], max_tokens: int, cache_salt: str | None, arrival: float
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        cache_salt: str | None,
+        arrival: float,
+        *,
+        lora: Adapter | None = None,
+        fault: RequestFault | None = None,
     ) -> None:
         self.token_ids = token_ids
         self.prompt_len = len(token_ids)
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
+        self.lora = lora
+        self.fault = fault
         self.arrival = arrival
         self.num_computed = 0
         self.num_output = 0
@@ -186,12 +214,20 @@ class Engine:
     # --- requests ------------------------------------------------------------------------
 
     def submit(
-        self, token_ids: list[int], max_tokens: int, cache_salt: str | None, arrival: float
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        cache_salt: str | None,
+        arrival: float,
+        *,
+        lora: Adapter | None = None,
+        fault: RequestFault | None = None,
     ) -> SimRequest:
-        """Queue a request (``arrival``: ``time.monotonic()`` when it was received)."""
+        """Queue a request (``arrival``: ``time.monotonic()`` when it was received), served
+        with adapter ``lora`` (its blocks are cached apart) and failing as ``fault`` says."""
         if not token_ids or len(token_ids) + max_tokens > self.config.effective_max_model_len:
             raise ValueError("empty request, or longer than the effective max_model_len")
-        req = SimRequest(token_ids, max_tokens, cache_salt, arrival)
+        req = SimRequest(token_ids, max_tokens, cache_salt, arrival, lora=lora, fault=fault)
         self.waiting.append(req)
         self._wakeup.set()
         return req
@@ -207,20 +243,21 @@ class Engine:
             return
         req.state = RequestState.ABORTED
 
-    def fail_all(self, reason: str) -> None:
-        """Every queued and running request ends with an error; cached blocks stay cached."""
+    def fail_all(self, reason: str, drop: bool = False) -> None:
+        """Every queued and running request ends with an error (``drop``: with its connection
+        dropped); cached blocks stay cached."""
         for req in (*self.waiting, *self.running):
             if req.state is RequestState.RUNNING:
                 self._release(req)
             req.state = RequestState.ABORTED
-            req.stream.fail(reason)
+            req.stream.fail(reason, drop)
         self.waiting.clear()
         self.running.clear()
         self._wakeup.set()
 
-    def restart(self, hash_seed: int, reason: str) -> None:
+    def restart(self, hash_seed: int, reason: str, drop: bool = False) -> None:
         """Engine crash and restart: requests fail, the cache starts empty, new hash seed."""
-        self.fail_all(reason)
+        self.fail_all(reason, drop)
         self._hash_seed = hash_seed
         self.cache = self._new_cache()
         self._epoch += 1
@@ -237,11 +274,17 @@ class Engine:
             self._wakeup.set()
         return done
 
+    def wake(self) -> None:
+        """Look at the faults again (a ``pause`` was cleared)."""
+        self._wakeup.set()
+
     # --- the step loop -------------------------------------------------------------------
 
     async def run(self) -> None:
         deadline = time.monotonic()
         while True:
+            if await self._paused():
+                continue
             scheduled: list[tuple[SimRequest, int]] = []
             work = StepWork()
             if self.running or self.waiting:
@@ -253,7 +296,8 @@ class Engine:
                 continue
             epoch = self._epoch
             now = time.monotonic()
-            duration = step_seconds(work, self.timing, self.faults.slowdown())
+            faults = self.faults
+            duration = step_seconds(work, self.timing, faults.slowdown(), faults.prefill_slowdown())
             self.busy_s += duration
             deadline = max(deadline, now) + duration
             delay = deadline - now
@@ -263,6 +307,17 @@ class Engine:
             self.steps += 1
             self._complete(scheduled, time.monotonic())
             self._flush_events()
+
+    async def _paused(self) -> bool:
+        """Wait while a ``pause`` fault holds (until it is cleared or ends); True if it did."""
+        fault = self.faults.active("pause")
+        if fault is None:
+            return False
+        self._wakeup.clear()
+        left = None if fault.until is None else max(fault.until - time.monotonic(), 0.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), left)
+        return True
 
     def _flush_events(self) -> None:
         events = self.cache.events
@@ -308,6 +363,7 @@ class Engine:
         if n == 1 and req.num_output > 0 and req.num_computed == len(req.token_ids) - 1:
             work.decode_context += req.num_computed
         else:
+            work.prefill_tokens += n
             work.prefill_pairs += prefill_pairs(req.num_computed, n)
 
     def _complete(self, scheduled: list[tuple[SimRequest, int]], now: float) -> None:
@@ -317,6 +373,13 @@ class Engine:
                 continue
             req.num_computed += n
             if req.num_computed < len(req.token_ids):
+                continue
+            fault = req.fault
+            if fault is not None and req.num_output >= fault.after_tokens:
+                req.state = RequestState.ABORTED
+                self._release(req)
+                req.stream.fail("simulated engine error (fault 'abort')", fault.drop)
+                finished = True
                 continue
             token = self._first_output_id + self._rng.randrange(GENERATED_WORDS)
             req.token_ids.append(token)
@@ -360,7 +423,9 @@ class Engine:
         if c:
             parent = hashes[g - 1] if g else None
             tokens = req.token_ids[g * bs : (g + c) * bs]
-            cache.register(new[:c], hashes[g : g + c], parent, tokens, req.cache_salt)
+            cache.register(
+                new[:c], hashes[g : g + c], parent, tokens, req.cache_salt, lora=req.lora
+            )
             req.num_registered = g + c
             work.cpu_loaded_tokens += c * bs
         req.num_computed = computed
@@ -394,6 +459,7 @@ class Engine:
             parent,
             req.token_ids[start * bs : full * bs],
             req.cache_salt,
+            lora=req.lora,
         )
         req.num_registered = full
 
@@ -417,14 +483,18 @@ class Engine:
             return hashes
         bs, seed = self.config.block_size, self._hash_seed
         data = array("i", req.token_ids[have * bs : n_blocks * bs]).tobytes()
-        if have:
-            parent = hashes[-1]
-        else:
-            root = b"kvgate-sim" + (req.cache_salt or "").encode()
-            parent = xxhash.xxh3_64_intdigest(root, seed=seed)
+        parent = hashes[-1] if have else xxhash.xxh3_64_intdigest(_root(req), seed=seed)
         step = 4 * bs
         digest = xxhash.xxh3_64_intdigest
         for k in range(0, len(data), step):
             parent = digest(parent.to_bytes(8, "little") + data[k : k + step], seed=seed)
             hashes.append(parent)
         return hashes
+
+
+def _root(req: SimRequest) -> bytes:
+    """What a request's chain starts from: its adapter's name and its cache salt, so that
+    requests that must not share cache never share a hash (vLLM folds both into the block
+    hashes' extra keys)."""
+    lora = None if req.lora is None else req.lora.name
+    return b"kvgate-sim" + msgspec.json.encode([lora, req.cache_salt])

@@ -1,8 +1,10 @@
-"""Standing faults of one replica: failing requests, dropping or delaying events, slowness.
+"""Standing faults of one replica: failing or aborting requests, dropping, delaying or
+stopping events, slowness, a paused engine.
 
 A standing fault lasts until cleared, for ``count`` occurrences, or for ``duration_s``
 seconds (wall clock), whichever ends first; ``rate`` is the chance that an occasion is hit.
-One-shot faults (restart, refuse, reset_cache) are actions of the replica (``replica.py``).
+One-shot faults (restart, crash, refuse, reset_cache) are actions of the replica
+(``replica.py``).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeGuard, get_args
 
-StandingKind = Literal["fail", "drop_events", "delay_events", "slow"]
-ActionKind = Literal["restart", "refuse", "resume", "reset_cache", "clear"]
+StandingKind = Literal[
+    "fail", "abort", "drop_events", "delay_events", "stop_events", "slow", "slow_prefill", "pause"
+]
+ActionKind = Literal["restart", "crash", "refuse", "resume", "reset_cache", "clear"]
 FAULT_KINDS: tuple[str, ...] = (*get_args(StandingKind), *get_args(ActionKind))
 
 
@@ -23,7 +27,8 @@ class FaultError(ValueError):
 
 @dataclass(slots=True)
 class Fault:
-    """One standing fault. ``value``: HTTP status (fail), seconds (delay_events), factor (slow)."""
+    """One standing fault. ``value``: HTTP status (fail), tokens before the failure (abort),
+    seconds (delay_events), factor (slow, slow_prefill)."""
 
     kind: StandingKind
     rate: float = 1.0
@@ -31,6 +36,8 @@ class Fault:
     until: float | None = None
     value: float = 0.0
     replayable: bool = True
+    drop: bool = False
+    """abort: the connection is dropped (no error event, no end of stream)."""
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,37 +52,63 @@ def _number(body: Mapping[str, Any], name: str, default: float | None) -> float 
     return float(value)
 
 
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise FaultError(f"'{name}' must be a boolean")
+    return value
+
+
+_VALUES: dict[str, tuple[str, float]] = {
+    "fail": ("status", 500),
+    "abort": ("after_tokens", 0),
+    "delay_events": ("delay_s", 0.0),
+    "slow": ("factor", 1.0),
+    "slow_prefill": ("factor", 1.0),
+}
+"""Kinds with a value: the body field that sets it and its default."""
+
+
+def _value(kind: str, body: Mapping[str, Any]) -> float:
+    if kind not in _VALUES:
+        return 0.0
+    name, default = _VALUES[kind]
+    value = _number(body, name, default)
+    if value is None or value < 0 or (kind in ("slow", "slow_prefill") and value <= 0):
+        raise FaultError(f"'{name}' must be a positive number")
+    if kind == "fail" and not 400 <= value <= 599:
+        raise FaultError("'status' must be an HTTP error status (400..599)")
+    if kind == "abort" and value != int(value):
+        raise FaultError("'after_tokens' must be a non-negative integer")
+    return value
+
+
+def _is_standing(kind: object) -> TypeGuard[StandingKind]:
+    return kind in get_args(StandingKind)
+
+
 def parse_fault(body: Mapping[str, Any], now: float) -> Fault:
     """A standing fault from an admin request body (``kind`` is one of the standing kinds)."""
     kind = body.get("kind")
-    defaults: dict[str, float] = {"fail": 500, "delay_events": 0.0, "slow": 1.0, "drop_events": 0}
-    if kind not in defaults:
+    if not _is_standing(kind):
         raise FaultError(f"'kind' must be one of {', '.join(FAULT_KINDS)}")
     rate = _number(body, "rate", 1.0)
     count = _number(body, "count", None)
     duration = _number(body, "duration_s", None)
-    value_name = {"fail": "status", "delay_events": "delay_s", "slow": "factor"}.get(kind, "")
-    value = _number(body, value_name, defaults[kind]) if value_name else 0.0
     if rate is None or not 0.0 <= rate <= 1.0:
         raise FaultError("'rate' must be within 0..1")
     if count is not None and (count < 0 or count != int(count)):
         raise FaultError("'count' must be a non-negative integer")
     if duration is not None and duration < 0:
         raise FaultError("'duration_s' must be >= 0")
-    if value is None or value < 0 or (kind == "slow" and value <= 0):
-        raise FaultError(f"'{value_name}' must be a positive number")
-    if kind == "fail" and not 400 <= value <= 599:
-        raise FaultError("'status' must be an HTTP error status (400..599)")
-    replayable = body.get("replayable", True)
-    if not isinstance(replayable, bool):
-        raise FaultError("'replayable' must be a boolean")
     return Fault(
         kind=kind,
         rate=rate,
         count=None if count is None else int(count),
         until=None if duration is None else now + duration,
-        value=value,
-        replayable=replayable,
+        value=_value(kind, body),
+        replayable=_flag(body, "replayable", True),
+        drop=_flag(body, "drop", False),
     )
 
 
@@ -119,6 +152,10 @@ class FaultState:
 
     def slowdown(self) -> float:
         fault = self.active("slow")
+        return fault.value if fault is not None else 1.0
+
+    def prefill_slowdown(self) -> float:
+        fault = self.active("slow_prefill")
         return fault.value if fault is not None else 1.0
 
     def event_delay(self) -> float:

@@ -54,9 +54,11 @@ class _LiveCollector(Collector):
         yield self._gauge("vllm:num_requests_running", "Requests in the batch.", s.running())
         yield self._gauge("vllm:num_requests_waiting", "Requests queued.", s.waiting())
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", s.usage())
-        yield self._gauge(
-            "vllm:cache_config_info", "KV-cache configuration.", 1.0, self._cache_info
-        )
+        # vLLM labels its config info with the engine index only (no model name)
+        labels = ["engine", *self._cache_info]
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.", labels=labels)
+        info.add_metric([self._labels["engine"], *self._cache_info.values()], 1.0)
+        yield info
         yield self._gauge("kvgate_sim_cpu_cached_blocks", "Blocks on the CPU tier.", s.cpu_cached())
         yield self._gauge("kvgate_sim_event_seq", "Next KV-event sequence number.", s.event_seq())
         busy = CounterMetricFamily(
@@ -125,6 +127,10 @@ class ReplicaMetrics:
             "kvgate_sim_event_batches", "KV-event batches by outcome.", ["outcome"],
             registry=registry,
         )  # fmt: skip
+        self._replays = Counter(
+            "kvgate_sim_replay_requests", "Replay requests by outcome.", ["outcome"],
+            registry=registry,
+        )  # fmt: skip
         registry.register(_LiveCollector(live, labels, cache_info))
 
     # --- engine observer -----------------------------------------------------------------
@@ -155,5 +161,9 @@ class ReplicaMetrics:
         self._faults.labels(kind).inc()
 
     def on_batch(self, outcome: str) -> None:
-        """``published``, ``delayed``, ``dropped`` (replayable) or ``lost``."""
+        """``published``, ``delayed``, ``dropped`` (replayable), ``lost`` or ``stopped``."""
         self._batches.labels(outcome).inc()
+
+    def on_replay(self, outcome: str) -> None:
+        """``served``, ``malformed`` or ``ignored`` (the stream is stopped)."""
+        self._replays.labels(outcome).inc()

@@ -28,16 +28,19 @@ class ApiError(Exception):
         503: "ServiceUnavailableError",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        default = "ServerError" if status >= 500 else "ClientError"
+        self.kind = kind or self.TYPES.get(status, default)
 
     def body(self) -> bytes:
-        kind = self.TYPES.get(self.status, "ServerError" if self.status >= 500 else "ClientError")
         return json_encode(
-            {"error": {"message": self.message, "type": kind, "param": self.param,
+            {"error": {"message": self.message, "type": self.kind, "param": self.param,
                        "code": self.status}}
         )  # fmt: skip
 
@@ -80,15 +83,9 @@ def get_str(data: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
-def check_model(data: Mapping[str, Any], model: str) -> None:
-    """404 ``model_not_found`` unless the body names the served model (or none)."""
-    name = data.get("model")
-    if name is None:
-        return
-    if not isinstance(name, str):
-        raise ApiError(400, "'model' must be a string", "model")
-    if name != model:
-        raise ApiError(404, f"The model `{name}` does not exist.", "model")
+def model_not_found(name: str) -> ApiError:
+    """vLLM's answer for a ``model`` that is neither the served model nor a loaded adapter."""
+    return ApiError(404, f"The model `{name}` does not exist.", "model")
 
 
 def parse_messages(data: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -163,7 +160,9 @@ def parse_sampling(data: Mapping[str, Any], default_max_tokens: int, chat: bool)
     )
 
 
-def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def check_length(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "max_tokens"
+) -> None:
     if prompt_tokens == 0:
         raise ApiError(400, "The prompt cannot be empty.", "prompt")
     if prompt_tokens + max_tokens > max_model_len:
@@ -173,7 +172,7 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> Non
             f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
             f"{max_tokens} in the completion). Please reduce the length of the prompt or "
             "the completion.",
-            "max_tokens",
+            param,
         )
 
 

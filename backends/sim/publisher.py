@@ -6,7 +6,9 @@
   payload]`` for every buffered batch with ``seq >= start_seq`` (ring of the last
   ``buffer_steps`` batches, at most ``buffer_bytes``), then ``[b"", b"", -1 (0xff * 8), b""]``.
 * Faults: a dropped batch consumes its ``seq`` (subscribers see a gap) and, if replayable,
-  stays in the ring; a delayed batch goes out ``delay_s`` later, batches keep their order.
+  stays in the ring; a delayed batch goes out ``delay_s`` later, batches keep their order;
+  while the stream is stopped (``stop_events``: a wedged publisher) batches vanish without
+  taking a ``seq`` (no gap to see once it resumes) and replay requests get no answer.
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ class EventPublisher:
             self._ring_bytes -= len(ring.popleft()[1])
 
     def publish(self, events: list[KVEvent]) -> None:
+        if self._faults.active("stop_events") is not None:
+            self._metrics.on_batch("stopped")
+            return
         payload = self._encoder.encode(time.time(), events)
         seq = self._next_seq
         self._next_seq += 1
@@ -174,7 +179,12 @@ class EventPublisher:
             frames = await router.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 log.warning("ignoring a malformed replay request (%d frames)", len(frames))
+                self._metrics.on_replay("malformed")
                 continue
+            if self._faults.active("stop_events") is not None:
+                self._metrics.on_replay("ignored")  # a wedged publisher answers nothing
+                continue
+            self._metrics.on_replay("served")
             identity, _, start = frames
             first = int.from_bytes(start, "big")
             for seq, payload in [item for item in self._ring if item[0] >= first]:

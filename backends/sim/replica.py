@@ -1,4 +1,5 @@
-"""One simulated replica: engine, KV-event publisher, HTTP server and faults."""
+"""One simulated replica: engine, KV-event publisher, HTTP server, adapters, stored
+responses and faults."""
 
 from __future__ import annotations
 
@@ -6,12 +7,10 @@ import asyncio
 import contextlib
 import logging
 import random
-import socket
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, get_args
 
-import uvicorn
 import xxhash
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -29,13 +28,15 @@ from backends.sim.faults import (
     StandingKind,
     parse_fault,
 )
+from backends.sim.lora import AdapterRegistry
 from backends.sim.metrics import LiveState, ReplicaMetrics
 from backends.sim.publisher import EventPublisher
+from backends.sim.responses import ResponseStore
+from backends.sim.server import HttpServer
 from backends.sim.tokenizer import SimTokenizer
 
 _STANDING: tuple[str, ...] = get_args(StandingKind)
 log = logging.getLogger(__name__)
-_STARTUP_TIMEOUT_S = 10.0
 
 
 def _seconds(body: Mapping[str, Any], name: str) -> float | None:
@@ -45,14 +46,6 @@ def _seconds(body: Mapping[str, Any], name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise FaultError(f"'{name}' must be a number >= 0")
     return float(value)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without signal capture: many servers share one loop; the CLI owns signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class SimReplica:
@@ -93,6 +86,8 @@ class SimReplica:
             },
             cpu_tier=cfg.cpu_offload_blocks > 0,
         )
+        self.adapters = AdapterRegistry(cfg.model, cfg.lora_modules)
+        self.responses = ResponseStore(config.api.responses_store, config.api.responses_store_bytes)
         self.publisher = EventPublisher(config.events, self.faults, self.metrics, time.monotonic)
         self.engine = Engine(
             cfg,
@@ -104,10 +99,9 @@ class SimReplica:
             on_batch=self._publish,
             observer=self.metrics,
         )
-        self._app = ReplicaApp(self)
-        self._http_port = config.http_port(index)
-        self._server: _Server | None = None
-        self._server_task: asyncio.Task[None] | None = None
+        self._http = HttpServer(
+            ReplicaApp(self), config.host, config.http_port(index), f"replica {index}"
+        )
         self._engine_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_startup_faults()
@@ -118,7 +112,7 @@ class SimReplica:
     def url(self) -> str:
         host = self.config.host
         shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{self._http_port}"
+        return f"http://{shown}:{self._http.port}"
 
     @property
     def events_endpoint(self) -> str:
@@ -130,7 +124,7 @@ class SimReplica:
 
     @property
     def http_up(self) -> bool:
-        return self._server is not None
+        return self._http.up
 
     def _hash_seed(self) -> int:
         key = f"{self.config.seed}:{self.index}:{self.generation}"
@@ -149,6 +143,8 @@ class SimReplica:
             self.faults.set(Fault("delay_events", value=start.event_delay_s))
         if start.slowdown != 1.0:
             self.faults.set(Fault("slow", value=start.slowdown))
+        if start.prefill_slowdown != 1.0:
+            self.faults.set(Fault("slow_prefill", value=start.prefill_slowdown))
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -160,7 +156,7 @@ class SimReplica:
         self._engine_task = asyncio.create_task(self.engine.run())
         self._engine_task.add_done_callback(self._engine_stopped)
         try:
-            await self._start_http()
+            await self._http.start()
         except BaseException:
             await self.stop()
             raise
@@ -178,7 +174,7 @@ class SimReplica:
         for task in list(self._background):
             task.cancel()
         self.engine.fail_all("replica stopped")
-        await self._stop_http()
+        await self._http.stop()
         if self._engine_task is not None:
             self._engine_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -189,53 +185,6 @@ class SimReplica:
                 await task
         await self.publisher.stop()
 
-    async def _start_http(self) -> None:
-        if self._server is not None:
-            return
-        host = self.config.host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # proto=IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, self._http_port))
-        except OSError:
-            sock.close()
-            raise
-        self._http_port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self._app,
-            lifespan="off",
-            http="httptools",
-            ws="none",
-            log_config=None,
-            log_level=None,
-            access_log=False,
-            timeout_graceful_shutdown=1,
-        )
-        server = _Server(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while not server.started:
-            if task.done():
-                sock.close()
-                task.result()
-                raise RuntimeError(f"replica {self.index}: HTTP server exited at start-up")
-            if time.monotonic() > deadline:
-                task.cancel()
-                sock.close()
-                raise TimeoutError(f"replica {self.index}: HTTP server did not start")
-            await asyncio.sleep(0.005)
-        self._server, self._server_task = server, task
-
-    async def _stop_http(self) -> None:
-        server, task = self._server, self._server_task
-        self._server = self._server_task = None
-        if server is None or task is None:
-            return
-        server.should_exit = True
-        await task
-
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -243,18 +192,34 @@ class SimReplica:
 
     # --- faults --------------------------------------------------------------------------
 
-    async def restart(self, downtime_s: float = 0.0) -> None:
-        """Crash and restart: requests fail, cache empty, new hash seed, event seq from 0.
-
-        With ``downtime_s`` > 0 the HTTP port refuses connections for that long.
-        """
+    def _cold_start(self, kind: str, drop: bool) -> None:
+        """A new engine generation: requests fail, cache empty, new hash seed, event seq from
+        0, stored responses gone (vLLM keeps them in the server process's memory)."""
         self.generation += 1
-        self.metrics.on_fault("restart")
-        self.engine.restart(self._hash_seed(), "engine restarted (simulated fault)")
+        self.metrics.on_fault(kind)
+        self.engine.restart(self._hash_seed(), f"engine restarted (simulated {kind})", drop)
         self.publisher.reset()
+        self.responses.clear()
+
+    async def restart(self, downtime_s: float = 0.0) -> None:
+        """Engine failure and restart: in-flight requests end with an error (an error event
+        in a stream), then a cold start. With ``downtime_s`` > 0 the HTTP port refuses
+        connections for that long."""
+        self._cold_start("restart", drop=False)
         if downtime_s > 0:
-            await self._stop_http()
+            await self._http.stop()
             self._spawn(self._resume_after(downtime_s))
+
+    async def crash(self, downtime_s: float = 0.0) -> None:
+        """The process killed (SIGKILL) and started again cold: every connection is reset,
+        requests in flight get no answer and no end of stream, the port refuses connections
+        for ``downtime_s``, then a cold start."""
+        self._cold_start("crash", drop=True)
+        await self._http.stop()
+        if downtime_s > 0:
+            self._spawn(self._resume_after(downtime_s))
+        else:
+            await self._http.start()
 
     async def refuse(self, duration_s: float | None = None) -> None:
         """Stop listening (connections refused) until ``resume`` or for ``duration_s``.
@@ -263,13 +228,13 @@ class SimReplica:
         """
         self.metrics.on_fault("refuse")
         self.engine.fail_all("connection lost (simulated fault)")
-        await self._stop_http()
+        await self._http.stop()
         if duration_s is not None:
             self._spawn(self._resume_after(duration_s))
 
     async def resume(self) -> None:
         """Listen again after ``refuse`` (same port)."""
-        await self._start_http()
+        await self._http.start()
 
     async def _resume_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -296,6 +261,7 @@ class SimReplica:
             self.faults.clear(which)
             if which in (None, "delay_events"):
                 self.publisher.release_delayed()
+            self.engine.wake()
         elif kind == "reset_cache":
             return {"replica": self.index, "reset": self.reset_prefix_cache()}
         elif kind == "restart":
@@ -304,6 +270,8 @@ class SimReplica:
                 self._spawn(self.restart(downtime))
             else:
                 await self.restart()
+        elif kind == "crash":  # every connection goes, this one too: answer first
+            self._spawn(self.crash(_seconds(body, "downtime_s") or 0.0))
         elif kind == "refuse":
             self._spawn(self.refuse(_seconds(body, "duration_s")))
         elif kind == "resume":
@@ -367,6 +335,10 @@ class SimReplica:
             "gpu_cached_blocks": cache.gpu_cached,
             "cpu_cached_blocks": cache.cpu_cached,
             "kv_cache_usage": cache.usage,
+            "lora_adapters": [
+                {"name": a.name, "lora_id": a.lora_id, "path": a.path} for a in self.adapters
+            ],
+            "stored_responses": len(self.responses),
             "faults": self.faults.describe(),
             "fault_hits": dict(self.faults.hits),
         }

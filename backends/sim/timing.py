@@ -13,6 +13,8 @@ class StepWork:
 
     tokens: int = 0
     """Tokens through the model: prefill chunks plus one per decoding sequence."""
+    prefill_tokens: int = 0
+    """Of ``tokens``, those of prefill chunks (what a prefill slowdown multiplies)."""
     prefill_pairs: int = 0
     """Sum over prefill tokens of the tokens before them in their sequence."""
     decode_context: int = 0
@@ -21,11 +23,19 @@ class StepWork:
     """Tokens brought back from the CPU tier this step."""
 
 
-def step_seconds(work: StepWork, timing: TimingConfig, slowdown: float = 1.0) -> float:
-    """Wall seconds of one step: the modelled time times ``slowdown``, over ``speedup``."""
-    compute_us = max(timing.step_floor_ms * 1000.0, work.tokens * timing.token_us)
+def step_seconds(
+    work: StepWork, timing: TimingConfig, slowdown: float = 1.0, prefill_slowdown: float = 1.0
+) -> float:
+    """Wall seconds of one step: the modelled time times ``slowdown``, over ``speedup``.
+
+    ``prefill_slowdown`` multiplies the prefill share only (its tokens' compute and its
+    attention pairs): a replica slow at prefill and normal at decode.
+    """
+    tokens = work.tokens + work.prefill_tokens * (prefill_slowdown - 1.0)
+    compute_us = max(timing.step_floor_ms * 1000.0, tokens * timing.token_us)
     attention_us = (
-        work.prefill_pairs * timing.prefill_attn_ns + work.decode_context * timing.decode_kv_ns
+        work.prefill_pairs * timing.prefill_attn_ns * prefill_slowdown
+        + work.decode_context * timing.decode_kv_ns
     ) / 1000.0
     load_us = work.cpu_loaded_tokens * timing.cpu_load_us_per_token
     return (compute_us + attention_us + load_us) * 1e-6 * slowdown / timing.speedup
