@@ -188,7 +188,13 @@ class SimReplica:
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        """A fault action that failed (say, its port taken meanwhile) is logged, not lost."""
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("replica %d: fault action failed", self.index, exc_info=task.exception())
 
     # --- faults --------------------------------------------------------------------------
 
