@@ -69,6 +69,15 @@ class EventIndex:
     def entry_count(self) -> int:
         return self._table.entry_count()
 
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        return self._table.holds(worker, key)
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
+
     def block_count(self) -> int:
         return self._table.block_count()
 
@@ -140,6 +149,15 @@ class ApproxIndex:
     def entry_count(self) -> int:
         self.expire()
         return self._table.entry_count()
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        return self._table.holds(worker, key)
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
 
     def stats(self) -> list[SlotStats]:
         self.expire()
