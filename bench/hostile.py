@@ -144,6 +144,7 @@ class Attacker:
         self.max_event_blocks = max_event_blocks
         self.stored: list[tuple[int, int]] = []  # (engine hash, key) it sent in stores
         self.floods = colliding_engine_hashes(20_000)
+        self._over_bound: bytes | None = None
         self.kinds: list[tuple[Callable[[], bytes], int]] = [
             (self.valid_store, 8),
             (self.valid_remove, 5),
@@ -270,10 +271,13 @@ class Attacker:
         return payload([stored([self._hash(2, 0)], None, tokens)], rank=rank)
 
     def over_bound(self) -> bytes:
-        blocks = self.max_event_blocks + 1
-        hashes = [self.rng.getrandbits(64) for _ in range(blocks)]
-        tokens = [self.rng.randrange(50_000) for _ in range(blocks * BLOCK)]
-        return payload([stored(hashes, None, tokens)])
+        """One event of one block more than the bound (built once: it may be large)."""
+        if self._over_bound is None:
+            blocks = self.max_event_blocks + 1
+            hashes = [self.rng.getrandbits(64) for _ in range(blocks)]
+            tokens = [self.rng.randrange(50_000) for _ in range(blocks * BLOCK)]
+            self._over_bound = payload([stored(hashes, None, tokens)])
+        return self._over_bound
 
     def flood(self) -> bytes:
         """Engine hashes colliding in an unkeyed map (kvgate's native maps are keyed)."""

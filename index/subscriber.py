@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = 0xFFFFFFFFFFFFFFFF
 _DRAIN_MAX = 256
+_SLICE_S = 0.002
+"""Event work in one go: past it, a subscriber with more to do yields the event loop for as
+long again. A flooding publisher then gets at most about half of the loop, and a request
+waits at most about a slice (plus one payload, bounded by ``max_message_bytes``) per await."""
 
 
 class ReplayFailed(Exception):
@@ -185,6 +190,9 @@ class Subscriber:
         await self._notify()
 
     async def _drain(self, sock: zmq.asyncio.Socket) -> None:
+        """What is queued, up to ``_DRAIN_MAX`` messages or a ``_SLICE_S`` time slice."""
+        started = time.perf_counter()
+        busy = False
         for _ in range(_DRAIN_MAX):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -192,7 +200,12 @@ class Subscriber:
             except zmq.Again:
                 break
             await self.on_frames(message)
+            busy = time.perf_counter() - started > _SLICE_S
+            if busy:
+                break
         await self._notify()
+        if busy:
+            await asyncio.sleep(_SLICE_S)
 
     # --------------------------------------------------------------- sequence
     async def on_frames(self, frames: list[bytes]) -> None:
@@ -258,7 +271,11 @@ class Subscriber:
         outcome = "failed"
         try:
             async with contextlib.aclosing(self._replay_batches(start)) as batches:
+                sliced = time.perf_counter()
                 async for seq, payload in batches:
+                    if time.perf_counter() - sliced > _SLICE_S:  # queued batches never yield
+                        await asyncio.sleep(_SLICE_S)
+                        sliced = time.perf_counter()
                     if not settled:
                         settled = True
                         outcome = self._settle(start, upto, joining, covered=seq == start)
