@@ -28,6 +28,8 @@ class EventIndex:
         self._table = new_table() if table is None else table
         self._max_entries = max_entries
         self.pruned = 0
+        # the table's own method: asked for every stored event on the general path
+        self.holds: Callable[[WorkerKey, BlockKey], bool] = self._table.holds
 
     @property
     def table(self) -> BlockTableApi:
@@ -68,9 +70,6 @@ class EventIndex:
 
     def entry_count(self) -> int:
         return self._table.entry_count()
-
-    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
-        return self._table.holds(worker, key)
 
     def domain_entries(self, worker: WorkerKey) -> int:
         return self._table.slot_entries(worker)

@@ -161,7 +161,7 @@ class _Slot:
     orphans: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
         default_factory=lambda: ({}, {}, {})
     )
-    depth: dict[int, int] = field(default_factory=dict)  # held key -> depth in own chains
+    depth: dict[int, int] = field(default_factory=dict)  # depths that cannot be derived
     contested: set[int] = field(default_factory=set)  # stored under another parent
 
 
@@ -245,7 +245,7 @@ class BlockTable:
     def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
         """Whether the cache domain holds ``key`` in any tier."""
         slot = self._slot_of.get(worker)
-        return slot is not None and key in self._state(slot).lru
+        return slot is not None and (self._mask.get(key, 0) >> (slot * _BITS)) & _GROUP != 0
 
     def held_keys(self, worker: WorkerKey) -> list[int]:
         slot = self._slot_of.get(worker)
@@ -268,11 +268,11 @@ class BlockTable:
         slot = self._slot(worker)
         state = self._state(slot)
         shift = slot * _BITS
-        depth = self._first_depth(state, parent)
         fresh: dict[int, int] = dict.fromkeys(keys, self._intern((1 << tier) << shift))
         if len(fresh) == len(keys) and self._mask.keys().isdisjoint(fresh) and parent not in fresh:
-            self._store_fresh(state, shift, keys, fresh, tier=tier, parent=parent, depth=depth)
+            self._store_fresh(state, shift, keys, fresh, tier=tier, parent=parent)
         else:
+            depth = self._first_depth(state, shift, parent)
             prev: int | None = parent
             for i, key in enumerate(keys):
                 at = _NO_DEPTH if depth < 0 else depth + i
@@ -280,13 +280,39 @@ class BlockTable:
                 prev = key
         state.lru.touch_all(keys[::-1], stamp)
 
-    @staticmethod
-    def _first_depth(state: _Slot, parent: int | None) -> int:
+    def _first_depth(self, state: _Slot, shift: int, parent: int | None) -> int:
         """Depth of the block after ``parent`` in the slot's own chain (-1: not known there)."""
         if parent is None:
             return 0
-        depth = state.depth.get(parent, _NO_DEPTH)
+        if not (self._mask.get(parent, 0) >> shift) & _GROUP:
+            return _NO_DEPTH
+        depth = self._depth(state, shift, parent)
         return _NO_DEPTH if depth < 0 else depth + 1
+
+    def _depth(self, state: _Slot, shift: int, key: int) -> int:
+        """The depth of a key the slot holds, in its own chains (table.h's Node.depth).
+
+        Kept only where it cannot be derived: a key stored after the parent on its record,
+        which the slot holds, is one deeper than that parent. Derived depths are written down
+        as they are computed (each key once while held), and a parent the slot loses writes
+        its children's first (``_drop``), so this walk is linear over a slot's lifetime."""
+        explicit = state.depth
+        path: list[int] = []
+        while (found := explicit.get(key)) is None:
+            parent = self._parent.get(key)
+            if (
+                parent is None
+                or parent == _UNKNOWN_PARENT
+                or key in state.contested
+                or not (self._mask.get(parent, 0) >> shift) & _GROUP
+            ):
+                found = explicit[key] = _NO_DEPTH  # not derivable (> 64 children lost it)
+                break
+            path.append(key)
+            key = parent
+        for walked in reversed(path):
+            found = explicit[walked] = _NO_DEPTH if found < 0 else found + 1
+        return found
 
     def _store_fresh(
         self,
@@ -297,32 +323,36 @@ class BlockTable:
         *,
         tier: Tier,
         parent: BlockKey | None,
-        depth: int,
     ) -> None:
-        """A chain of distinct keys nobody holds yet: bulk inserts, no per-key Python work."""
+        """A chain of distinct keys nobody holds yet: bulk inserts, no per-key Python work
+        (depths are derived: only the first key's may have to be written down)."""
         n = len(keys)
-        linked = parent is not None and parent in self._mask  # before the chain's keys exist
-        self._mask.update(fresh)
+        masks = self._mask
+        linked = parent is not None and parent in masks  # before the chain's keys exist
+        if parent is None:
+            state.depth[keys[0]] = 0
+        elif not linked or not (masks[parent] >> shift) & _GROUP:
+            state.depth[keys[0]] = self._first_depth(state, shift, parent)
+        masks.update(fresh)
         state.tier_counts[tier] += n
         self._entries += n
         if n > 1:
             tail = keys[1:]
             self._parent.update(zip(tail, keys, strict=False))
             self._child.update(zip(keys, tail, strict=False))
-        if depth < 0:
-            state.depth.update(dict.fromkeys(keys, _NO_DEPTH))
-        else:
-            state.depth.update(zip(keys, range(depth, depth + n), strict=True))
         if parent is None:
             return
         first = keys[0]
+        classes = _CLASS_OF_TIERS[1 << tier]
         if linked:
             self._parent[first] = parent
             self._link(first, parent)
+            if not classes & ~_CLASS_OF_TIERS[(self._mask[parent] >> shift) & _GROUP]:
+                return  # its parent is held in its classes, it has no children: no orphan
         else:
             self._parent[first] = _UNKNOWN_PARENT
             state.contested.add(first)
-        self._on_gain(state, shift, first, _CLASS_OF_TIERS[1 << tier])
+        self._on_gain(state, shift, first, classes)
 
     def _store_one(
         self, state: _Slot, shift: int, key: int, *, prev: int | None, depth: int, tier: Tier
@@ -332,13 +362,18 @@ class BlockTable:
         mask = masks.get(key)
         contested = self._link_stored(key, mask is None, prev)
         tiers = 0 if mask is None else (mask >> shift) & _GROUP
-        changed = False
+        newly = changed = False
         if tiers:
-            changed = self._node_stored(state, key, depth, contested)
-        else:
+            newly, changed = self._node_stored(state, shift, key, depth, contested)
+        elif contested:
+            state.contested.add(key)
             state.depth[key] = depth
-            if contested:
-                state.contested.add(key)
+        elif (
+            prev is None
+            or self._parent.get(key) != prev
+            or not (masks.get(prev, 0) >> shift) & _GROUP
+        ):
+            state.depth[key] = depth  # a root, or after a block the slot does not hold
         tier_bit = 1 << tier
         if not tiers & tier_bit:
             masks[key] = self._intern((mask or 0) | (tier_bit << shift))
@@ -349,7 +384,7 @@ class BlockTable:
             if gained:
                 self._on_gain(state, shift, key, gained)
         if changed:
-            self._refresh_orphan(state, shift, key)
+            self._refresh_orphan(state, shift, key, newly)
 
     def _link_stored(self, key: int, created: bool, prev: int | None) -> bool:
         """Set ``key``'s links if its record is new or of unknown ancestry and that cannot close
@@ -382,19 +417,20 @@ class BlockTable:
             key = parent
         return True
 
-    @staticmethod
-    def _node_stored(state: _Slot, key: int, depth: int, contested: bool) -> bool:
+    def _node_stored(
+        self, state: _Slot, shift: int, key: int, depth: int, contested: bool
+    ) -> tuple[bool, bool]:
         """A held block stored again: contested if this store is, no depth if it gives
-        another; whether it changed."""
-        changed = False
-        if contested and key not in state.contested:
+        another; whether it became contested, and whether anything changed."""
+        known = self._depth(state, shift, key)  # written down: it may not be derivable now
+        newly = contested and key not in state.contested
+        if newly:
             state.contested.add(key)
-            changed = True
-        known = state.depth.get(key, _NO_DEPTH)
+        changed = newly
         if depth not in (_NO_DEPTH, known):
             state.depth[key] = depth if known == _NO_DEPTH else _NO_DEPTH
             changed = True
-        return changed
+        return newly, changed
 
     def _link(self, key: int, parent: int) -> None:
         """Record ``key`` as a child of ``parent`` (an existing record)."""
@@ -447,7 +483,6 @@ class BlockTable:
         """``key`` is now held in ``gained``: its own orphan entry is set or cleared, its held
         children are orphans no more (table.h's on_gain)."""
         orphaned = self._orphan_classes(state, shift, key)
-        depth = state.depth.get(key, _NO_DEPTH)
         kids = self._children_upto(key)
         masks = self._mask
         for cls in _CLASSES:
@@ -455,7 +490,7 @@ class BlockTable:
                 continue
             orphans = state.orphans[cls]
             if orphaned >> cls & 1:
-                orphans[key] = depth
+                orphans[key] = self._depth(state, shift, key)
             else:
                 orphans.pop(key, None)
             if not kids or not orphans:
@@ -465,16 +500,16 @@ class BlockTable:
                 if held >> cls & 1 and kid not in state.contested:
                     orphans.pop(kid, None)
 
-    def _refresh_orphan(self, state: _Slot, shift: int, key: int) -> None:
-        orphaned = self._orphan_classes(state, shift, key)
+    def _refresh_orphan(self, state: _Slot, shift: int, key: int, contested: bool) -> None:
+        """A held key's node changed: contested now (an orphan in every class it is held in),
+        or only its depth (its orphan entries, if any, get the new one): which entries exist
+        never depends on a depth (table.h's refresh_orphan)."""
         held = _CLASS_OF_TIERS[(self._mask[key] >> shift) & _GROUP]
-        depth = state.depth.get(key, _NO_DEPTH)
+        depth = self._depth(state, shift, key)
         for cls in _CLASSES:
-            if held >> cls & 1:
-                if orphaned >> cls & 1:
-                    state.orphans[cls][key] = depth
-                else:
-                    state.orphans[cls].pop(key, None)
+            orphans = state.orphans[cls]
+            if held >> cls & 1 and (contested or key in orphans):
+                orphans[key] = depth
 
     # ---------------------------------------------------------------- remove
     def remove(self, worker: WorkerKey, keys: Sequence[BlockKey], tier: Tier) -> None:
@@ -496,7 +531,8 @@ class BlockTable:
         if not dropped:
             return
         left = tiers & ~dropped
-        depth = state.depth.get(key, _NO_DEPTH)
+        # a parent's depth (while the slot still holds it): its children derive theirs from it
+        depth = self._depth(state, shift, key) if key in self._child else _NO_DEPTH
         mask = self._mask[key] = self._intern(mask & ~(dropped << shift))
         for tier in Tier:
             if dropped >> tier & 1:
@@ -504,13 +540,25 @@ class BlockTable:
         if not left:
             self._entries -= 1
             state.lru.discard(key)
-            del state.depth[key]
-            state.contested.discard(key)
+            state.depth.pop(key, None)
+            if state.contested:
+                state.contested.discard(key)
+            if key in self._child:
+                self._write_down_children(state, shift, key, depth)
         lost = _CLASS_OF_TIERS[tiers] & ~_CLASS_OF_TIERS[left]
         if lost:
             self._on_loss(state, shift, key, depth, lost)
         if not mask:
             self._drop_record(key)
+
+    def _write_down_children(self, state: _Slot, shift: int, key: int, depth: int) -> None:
+        """The slot no longer holds ``key``: the depths of its children (up to
+        MAX_CHILDREN_SCANNED) can no longer be derived from it, so they are written down."""
+        kids = self._children_upto(key)
+        masks, explicit = self._mask, state.depth
+        for kid in kids or ():
+            if (masks.get(kid, 0) >> shift) & _GROUP and kid not in explicit:
+                explicit[kid] = _NO_DEPTH if depth < 0 else depth + 1
 
     def _on_loss(self, state: _Slot, shift: int, key: int, depth: int, lost: int) -> None:
         """``key`` left ``lost``: its held children there are orphans now, or past
@@ -529,7 +577,7 @@ class BlockTable:
                 continue
             for kid in kids:
                 if _CLASS_OF_TIERS[(masks.get(kid, 0) >> shift) & _GROUP] >> cls & 1:
-                    orphans[kid] = state.depth.get(kid, _NO_DEPTH)
+                    orphans[kid] = self._depth(state, shift, kid)
 
     def _drop_record(self, key: int) -> None:
         """The last holder of ``key`` is gone: its record goes, its children lose their
@@ -560,7 +608,7 @@ class BlockTable:
                     continue
                 for kid in kids:
                     if _CLASS_OF_TIERS[(masks.get(kid, 0) >> shift) & _GROUP] >> cls & 1:
-                        orphans[kid] = state.depth.get(kid, _NO_DEPTH)
+                        orphans[kid] = self._depth(state, shift, kid)
 
     # ----------------------------------------------------------------- clear
     def clear(self, worker: WorkerKey) -> None:

@@ -120,6 +120,8 @@ class Translator:
         self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.mismatched = False
         self.trimmed = False  # hashes of pruned blocks were forgotten since the last clear
+        self._max_blocks = config.max_event_blocks
+        self._holds = index.holds
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -134,11 +136,6 @@ class Translator:
         return not self._tiers and not self.mismatched
 
     def apply(self, event: KvEvent) -> Translated:
-        if (
-            not isinstance(event, AllBlocksCleared)
-            and len(event.block_hashes) > self._config.max_event_blocks
-        ):
-            return Translated(Outcome.OVER_LIMIT)
         if self.mismatched and not isinstance(event, AllBlocksCleared):
             return Translated(Outcome.BLOCK_SIZE_MISMATCH)
         if isinstance(event, BlockStored):
@@ -176,6 +173,8 @@ class Translator:
         return len(keys) <= bound
 
     def _stored(self, event: BlockStored) -> Translated:
+        if len(event.block_hashes) > self._max_blocks:
+            return Translated(Outcome.OVER_LIMIT)
         if event.block_size != self.block_size:
             if not self.mismatched:
                 log.warning(
@@ -195,7 +194,7 @@ class Translator:
             parent = cast("BlockKey | None", self._keys.get(parent_hash))
             if parent is None:  # once trimmed, it may be a pruned one
                 return Translated(Outcome.PARENT_PRUNED if self.trimmed else Outcome.UNKNOWN_PARENT)
-            if not self._index.holds(self.worker, parent):  # the cap pruned it
+            if not self._holds(self.worker, parent):  # the cap pruned it
                 return Translated(Outcome.PARENT_PRUNED)
         seed = self._seed(lora_name_of(event), cache_salt_of(event))
         try:
@@ -245,6 +244,8 @@ class Translator:
         return block_keys(ids, self.block_size, seed, parent)
 
     def _removed(self, event: BlockRemoved) -> Translated:
+        if len(event.block_hashes) > self._max_blocks:
+            return Translated(Outcome.OVER_LIMIT)
         tier = self._config.tier_of(event.medium)
         if not self._tiers:  # every known block is held on GPU only: one native call
             if tier != Tier.GPU:

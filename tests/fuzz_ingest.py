@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: the repository root must come first
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # run as a script: find the repository (after PYTHONPATH, which
+    # the sanitizer test points at its instrumented copy of the package)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry
 

@@ -100,14 +100,14 @@ static uint64_t kv_random_seed(void)
     return seed | 1;
 }
 
-/* Home cell of ``key``: murmur3's 64-bit finalizer over the key xor the map's secret. */
+/* Home cell of ``key``: a multiply between xorshifts (half of murmur3's finalizer) over the key
+ * xor the map's secret. Without the secret the mix is invertible, so a publisher could choose
+ * keys for any cell (bench/hostile.py's colliding_engine_hashes); with it, it cannot. */
 static inline size_t kv_map_home(uint64_t key, uint64_t seed, size_t mask)
 {
     key ^= seed;
     key ^= key >> 33;
     key *= 0xFF51AFD7ED558CCDULL;
-    key ^= key >> 33;
-    key *= 0xC4CEB9FE1A85EC53ULL;
     key ^= key >> 33;
     return (size_t)key & mask;
 }

@@ -326,10 +326,9 @@ static uint8_t orphan_classes(const Slot *s, const Link *link, const Node *node)
 /* ``key`` (held) is now in the classes ``gained``: its own orphan entry is set or cleared (a
  * marker of it goes either way), and its children held in those classes are orphans no more
  * (up to KV_MAX_CHILDREN_SCANNED children: past that they stay, which only costs walks). */
-static int on_gain(Table *t, Slot *s, uint64_t key, uint8_t gained)
+static int on_gain(Table *t, Slot *s, uint64_t key, const Link *link, const Node *node,
+                   uint8_t gained)
 {
-    const Link *link = &LinkMap_find(&t->links, key)->val;
-    const Node *node = &NodeMap_find(&s->nodes, key)->val;
     uint8_t orphaned = orphan_classes(s, link, node);
     int32_t depth = node->depth;
     uint64_t kids[KV_MAX_CHILDREN_SCANNED];
@@ -354,23 +353,22 @@ static int on_gain(Table *t, Slot *s, uint64_t key, uint8_t gained)
     return 0;
 }
 
-/* Its own orphan entries of a held ``key`` whose node changed (contested, depth), in the
- * classes it is held in. */
-static int refresh_orphan(Table *t, Slot *s, uint64_t key)
+/* A held ``key``'s node changed: ``contested`` now (an orphan in every class it is held in),
+ * or only its depth (its orphan entries, if any, get the new one). Which entries exist never
+ * depends on a depth: the two tables then agree on them whatever depths they keep. */
+static int refresh_orphan(Slot *s, uint64_t key, int contested)
 {
-    const Link *link = &LinkMap_find(&t->links, key)->val;
     const Node *node = &NodeMap_find(&s->nodes, key)->val;
-    uint8_t orphaned = orphan_classes(s, link, node), held = KV_CLASS_OF[node->tiers];
+    uint8_t held = KV_CLASS_OF[node->tiers];
     int32_t depth = node->depth;
     for (int cls = 0; cls < 3; cls++) {
         if (!(held >> cls & 1))
             continue;
-        if (orphaned >> cls & 1) {
-            if (orphan_put(&s->orphans[cls], key, depth) < 0)
-                return -1;
-        } else {
-            DepthMap_remove(&s->orphans[cls], key, NULL);
-        }
+        DepthMapCell *cell = DepthMap_find(&s->orphans[cls], key);
+        if (cell != NULL)
+            cell->val = depth;
+        else if (contested && orphan_put(&s->orphans[cls], key, depth) < 0)
+            return -1;
     }
     return 0;
 }
@@ -473,10 +471,9 @@ static int may_descend(const Table *t, uint64_t key, uint64_t ancestor)
 /* ``key`` is stored after ``prev`` (``has_prev``; else as a chain's root): set its links if
  * its record is new or of unknown ancestry and that cannot close a cycle. *contested tells
  * whether the record's parent differs from ``prev`` after that. */
-static int link_stored(Table *t, uint64_t key, int created, int has_prev, uint64_t prev,
-                       int *contested)
+static int link_stored(Table *t, uint64_t key, Link *link, int created, int has_prev,
+                       uint64_t prev, int prev_exists, int *contested)
 {
-    Link *link = &LinkMap_find(&t->links, key)->val;
     if (created || link->flags & L_UNKNOWN) {
         *contested = 0;
         if (!has_prev) {
@@ -484,7 +481,7 @@ static int link_stored(Table *t, uint64_t key, int created, int has_prev, uint64
             return 0;
         }
         /* a new record has no children, so only the block itself could close a cycle */
-        if (LinkMap_find(&t->links, prev) != NULL &&
+        if ((prev_exists || LinkMap_find(&t->links, prev) != NULL) &&
             (created ? prev != key : !may_descend(t, prev, key))) {
             link->flags = (uint8_t)((link->flags & ~L_UNKNOWN) | L_PARENT);
             link->parent = prev;
@@ -561,7 +558,9 @@ static int drop_record(Table *t, uint64_t key)
 /* ---------------------------------------------------------------- store / drop */
 /* The node of a block the slot stores: a new one gets the depth and contested flag; an
  * existing one becomes contested if this store is, and loses its depth if this store gives
- * another. Returns whether an existing node changed that way. */
+ * another. Returns what changed on an existing node: NODE_CONTESTED, NODE_DEPTH. */
+enum { NODE_CONTESTED = 1, NODE_DEPTH = 2 };
+
 static int node_stored(NodeMapCell *node, int created, int32_t depth, int contested)
 {
     if (created) {
@@ -572,11 +571,11 @@ static int node_stored(NodeMapCell *node, int created, int32_t depth, int contes
     int changed = 0;
     if (contested && !(node->val.flags & N_CONTESTED)) {
         node->val.flags |= N_CONTESTED;
-        changed = 1;
+        changed |= NODE_CONTESTED;
     }
     if (depth != KV_NO_DEPTH && node->val.depth != depth) {
         node->val.depth = node->val.depth == KV_NO_DEPTH ? depth : KV_NO_DEPTH;
-        changed = 1;
+        changed |= NODE_DEPTH;
     }
     return changed;
 }
@@ -615,8 +614,9 @@ static int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, in
         }
         uint64_t key = keys[i];
         int created, contested;
-        if (LinkMap_insert(&t->links, key, &created) == NULL ||
-            link_stored(t, key, created, has_prev, prev, &contested) < 0)
+        LinkMapCell *cell = LinkMap_insert(&t->links, key, &created);
+        if (cell == NULL ||
+            link_stored(t, key, &cell->val, created, has_prev, prev, i > 0, &contested) < 0)
             return -1;
         NodeMapCell *node = NodeMap_insert(&s->nodes, key, &created);
         if (node == NULL)
@@ -626,15 +626,16 @@ static int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, in
         if (!(tiers & bit)) {
             node->val.tiers = tiers | bit;
             s->counts[tier]++;
+            Link *link = &cell->val; /* no insertion into the links map since */
             if (!tiers) {
                 t->entries++;
-                LinkMap_find(&t->links, key)->val.holders++;
+                link->holders++;
             }
             uint8_t gained = KV_CLASS_OF[tiers | bit] & (uint8_t)~KV_CLASS_OF[tiers];
-            if (gained && on_gain(t, s, key, gained) < 0)
+            if (gained && on_gain(t, s, key, link, &node->val, gained) < 0)
                 return -1;
         }
-        if (changed && refresh_orphan(t, s, key) < 0)
+        if (changed && refresh_orphan(s, key, changed & NODE_CONTESTED) < 0)
             return -1;
         prev = key;
         has_prev = 1;
