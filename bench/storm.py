@@ -11,7 +11,9 @@ process and a fresh ``kvgate serve`` (kv policy, default bounds), all on 127.0.0
   to carry the honest sessions' keys, self-parented blocks, long chains removed root first,
   repeated keys, deep nesting, huge ranks, colliding hashes, byte mutations, seq jumps and
   restarts, and a replay socket that streams without end) as fast as it can, niced (it stands
-  for another machine; on this 2-core box it still takes CPU from everything else).
+  for another machine; on this 2-core box it still takes CPU from everything else). One
+  payload every 2 s is larger than kvgate's message bound (ZMQ then drops the connection):
+  more often, and the storm would mostly be reconnections.
 
 kvgate runs with ``--index-max-entries 50000`` (``--max-entries``): the storm fills the index
 within seconds, so its pruning runs all along (a cap the default 2M reaches later). The load
@@ -38,6 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import zmq
@@ -57,6 +60,8 @@ from bench.hostile import BLOCK, Attacker, payload, stored
 from bench.traces import block_words
 
 SYSTEM_BLOCKS = 16  # shared by every session: a branch point with many children
+OVERSIZED_BYTES = 2**19  # over this, a payload counts as oversized (kvgate's bound: 1 MiB)
+OVERSIZED_EVERY_S = 2.0
 TURN_BLOCKS = 2
 END_OF_REPLAY = (2**64 - 1).to_bytes(8, "big")
 
@@ -103,6 +108,10 @@ async def publish(args: argparse.Namespace) -> None:
         sock.bind(f"tcp://{LOOPBACK}:{port}")
     texts = json.loads(await asyncio.to_thread(Path(args.prompts).read_text))
     pool = storm_pool(texts, args.seed, 3000)
+    # over kvgate's message bound (ZMQ drops the connection): one every OVERSIZED_EVERY_S, so
+    # that the storm is mostly payloads kvgate has to read
+    oversized = [data for data in pool if len(data) > OVERSIZED_BYTES]
+    pool = [data for data in pool if len(data) <= OVERSIZED_BYTES]
     rng = random.Random(args.seed)
     replies = asyncio.create_task(answer_replays(router, pool, rng, args.mode == "storm"))
     sent = 0
@@ -110,9 +119,14 @@ async def publish(args: argparse.Namespace) -> None:
         async with asyncio.timeout(60):
             await pub.recv()  # kvgate subscribed
         deadline = time.monotonic() + args.seconds
+        big_at = time.monotonic() + OVERSIZED_EVERY_S
         seq = 0
         while args.mode == "storm" and time.monotonic() < deadline:
-            for data in rng.sample(pool, 200):
+            batch = rng.sample(pool, 200)
+            if oversized and time.monotonic() > big_at:
+                batch.append(rng.choice(oversized))
+                big_at += OVERSIZED_EVERY_S
+            for data in batch:
                 roll = rng.random()
                 seq = 0 if roll < 0.002 else seq + (rng.randrange(2, 500) if roll < 0.01 else 1)
                 with contextlib.suppress(zmq.Again):
@@ -177,7 +191,10 @@ class Load:
             self.samples.append(Sample(via, session, turn, 0.0, None, None, None, False))
             return
         ms = (time.perf_counter() - started) * 1000
-        usage = response.json().get("usage") or {} if response.status_code == 200 else {}
+        usage: dict[str, Any] = {}
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                usage = response.json().get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         predicted = response.headers.get("x-kvgate-predicted-cached-tokens")
         self.samples.append(
@@ -194,18 +211,21 @@ class Load:
         )
 
     async def session(
-        self, client: httpx.AsyncClient, url: str, via: str, session: int, offset: float,
-        seconds: float, turns_from: int = 0,
+        self, client: httpx.AsyncClient, url: str, via: str, session: int, *, offset: float,
+        seconds: float,
     ) -> None:  # fmt: skip
         """One turn a second (sequential: a late turn delays the next, never overlaps)."""
         start = time.monotonic() + offset
-        for turn in range(turns_from, turns_from + int(seconds)):
-            await asyncio.sleep(max(0.0, start + (turn - turns_from) - time.monotonic()))
+        for turn in range(int(seconds)):
+            await asyncio.sleep(max(0.0, start + turn - time.monotonic()))
             await self.turn(client, url, via, session, turn)
 
 
-async def drive(kvgate: str, direct: list[str], rate: int, seconds: float, after: bool) -> Load:
-    """``rate`` sessions through kvgate and as many straight to the replicas."""
+async def drive(
+    kvgate: str, direct: list[str], rate: int, seconds: float, storm_over: Path
+) -> Load:
+    """``rate`` sessions through kvgate and as many straight to the replicas; then, once the
+    storm is over (its publisher wrote ``storm_over``), one more turn per kvgate session."""
     load = Load()
     limits = httpx.Limits(max_connections=4 * rate + 8)
     async with httpx.AsyncClient(timeout=30.0, limits=limits, trust_env=False) as client:
@@ -214,14 +234,16 @@ async def drive(kvgate: str, direct: list[str], rate: int, seconds: float, after
         tasks = []
         for s in range(rate):
             offset = s / rate
-            tasks.append(load.session(client, kvgate, "kvgate", s, offset, seconds))
+            tasks.append(load.session(client, kvgate, "kvgate", s, offset=offset, seconds=seconds))
             tasks.append(load.session(client, direct[s % len(direct)], "direct", 1000 + s,
-                                      offset + 0.5 / rate, seconds))  # fmt: skip
+                                      offset=offset + 0.5 / rate, seconds=seconds))  # fmt: skip
         await asyncio.gather(*tasks)
-        if after:  # after the storm: one more turn per kvgate session, once it is over
-            await asyncio.sleep(1.0)
-            for s in range(rate):
-                await load.turn(client, kvgate, "after", s, int(seconds))
+        async with asyncio.timeout(60):
+            while storm_sent(storm_over) < 0:  # noqa: ASYNC110 - a file, nothing to await
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        for s in range(rate):
+            await load.turn(client, kvgate, "after", s, int(seconds))
     return load
 
 
@@ -315,7 +337,7 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
             "storm",
             [sys.executable, "-m", "bench.storm", "publish", "--mode", mode,
              "--events-port", str(events_port), "--replay-port", str(events_port + 1),
-             "--seconds", str(args.seconds), "--seed", str(args.seed),
+             "--seconds", str(args.seconds + 3), "--seed", str(args.seed),
              "--prompts", str(prompts)],
             log_dir / f"storm-{mode}.log",
         ).start()  # fmt: skip
@@ -346,7 +368,8 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
             stop = asyncio.Event()
             sampler = asyncio.create_task(sample_rss(kvgate.pid, peak, stop))
             try:
-                return await drive(url, urls[:-1], args.rate, args.seconds, after=True)
+                storm_log = log_dir / f"storm-{mode}.log"
+                return await drive(url, urls[:-1], args.rate, args.seconds, storm_log)
             finally:
                 stop.set()
                 await sampler

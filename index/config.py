@@ -84,10 +84,11 @@ class IndexConfig(BaseModel):
         256 * 2**20, gt=0, description="Give up on a replay after this many payload bytes."
     )
     max_message_bytes: int = Field(
-        4 * 2**20,
+        2**20,
         gt=0,
         description="Largest ZMQ frame taken from an event or replay socket: a publisher "
-        "sending more is disconnected by ZMQ (and its worker cleared).",
+        "sending more is disconnected by ZMQ (and its worker cleared). An engine step's batch "
+        "stores at most its batched tokens (chunked prefill: 8-16k, about 50 KB).",
     )
     receive_hwm: int = Field(
         128,

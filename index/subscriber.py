@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = 0xFFFFFFFFFFFFFFFF
 _DRAIN_MAX = 256
-_SLICE_S = 0.002
+_SLICE_S = 0.001
 """Event work in one go: past it, a subscriber with more to do yields the event loop for as
 long again. A flooding publisher then gets at most about half of the loop, and a request
 waits at most about a slice (plus one payload, bounded by ``max_message_bytes``) per await."""
