@@ -65,6 +65,18 @@ class Indexer(Protocol):
         """Number of (block, cache domain) entries held."""
         ...
 
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        """Whether one cache domain holds ``key`` in some tier."""
+        ...
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        """Blocks one cache domain holds."""
+        ...
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        """The blocks one cache domain holds."""
+        ...
+
 
 TokenizeMode = Literal["tokenizer", "engine", "approx", "token_ids"]
 """How a prompt became tokens: the model's own tokenizer + chat template, the engine's

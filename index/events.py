@@ -58,6 +58,11 @@ def _fold_all(hashes: Sequence[Any] | msgspec.Raw) -> Sequence[Any]:
 
 
 _TOKEN_IDS = msgspec.msgpack.Decoder(list[int])
+_native_repeats_a_key: Callable[[bytes], bool] | None
+try:
+    from index._native import repeats_a_key as _native_repeats_a_key
+except ImportError:  # never built: msgspec's own rule (the last value of a field wins)
+    _native_repeats_a_key = None
 
 
 class BlockStored(msgspec.Struct, gc=False):
@@ -171,6 +176,17 @@ class EventDecoder:
         self._arr = msgspec.msgpack.Decoder(_ArrBatch)
 
     def decode(self, payload: bytes) -> EventBatch:
+        """One payload's batch. A map event holding a known key twice is refused (the native
+        path's rule, checked by its own reader: tests/test_native_ingest.py), and so is
+        nesting too deep for the decoder."""
+        if _native_repeats_a_key is not None and _native_repeats_a_key(payload):
+            raise EventDecodeError("an event repeats a key")
+        try:
+            return self._decode(payload)
+        except RecursionError as error:
+            raise EventDecodeError("nested too deeply") from error
+
+    def _decode(self, payload: bytes) -> EventBatch:
         try:
             wire: _MapBatch | _ArrBatch = self._map.decode(payload)
         except msgspec.ValidationError as map_error:

@@ -28,6 +28,8 @@ class EventIndex:
         self._table = new_table() if table is None else table
         self._max_entries = max_entries
         self.pruned = 0
+        # the table's own method: asked for every stored event on the general path
+        self.holds: Callable[[WorkerKey, BlockKey], bool] = self._table.holds
 
     @property
     def table(self) -> BlockTableApi:
@@ -68,6 +70,12 @@ class EventIndex:
 
     def entry_count(self) -> int:
         return self._table.entry_count()
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
 
     def block_count(self) -> int:
         return self._table.block_count()
@@ -140,6 +148,15 @@ class ApproxIndex:
     def entry_count(self) -> int:
         self.expire()
         return self._table.entry_count()
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        return self._table.holds(worker, key)
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
 
     def stats(self) -> list[SlotStats]:
         self.expire()

@@ -42,6 +42,8 @@ class BatchStatus(enum.Enum):
     APPLIED = "applied"
     UNDECODABLE = "undecodable"
     UNKNOWN_PARENT = "unknown_parent"
+    FAILED = "failed"  # raised while applied: what it did is unknown (the worker is cleared)
+    DROPPED = "dropped"  # past a bound before anything was applied (a rank too many)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,10 @@ class EventFeed:
     """Applies one worker endpoint's event batches (one translator per data-parallel rank).
 
     Payloads in the common shape go through the native batch ingestion when the core is built
-    (``native=False`` turns it off); the rest through decode → translate → index here."""
+    (``native=False`` turns it off); the rest through decode → translate → index here. A
+    payload costs at most itself: whatever it raises, it is counted and reported ``FAILED``
+    (the subscriber clears the worker), and the bounds of ``IndexConfig`` hold (ranks, blocks
+    per event, mapped hashes)."""
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class EventFeed:
         self._last_error_log = -1e18
         self._errors_since_log = 0
         self._blocks_stored = metrics.blocks_stored.labels(worker)
+        self._skipped_pruned = metrics.skipped_events.labels(worker, "pruned_parent")
         self._events_by_type = {
             name: metrics.events.labels(worker, name)
             for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "other")
@@ -89,6 +95,7 @@ class EventFeed:
             if native
             else None
         )
+        self.translator(dp_rank)  # its own rank first: never refused by the rank bound
 
     @staticmethod
     def _native_path(
@@ -115,13 +122,18 @@ class EventFeed:
         return sum(len(t) for t in self._translators.values())
 
     def apply_payload(self, payload: bytes) -> BatchResult:
+        try:
+            return self._apply_payload(payload)
+        except Exception as error:  # noqa: BLE001 - one batch's boundary: counted, logged, FAILED
+            self._metrics.failed_batches.labels(self.worker).inc()
+            self._log_skip(error, traceback=True)
+            return BatchResult(BatchStatus.FAILED)
+
+    def _apply_payload(self, payload: bytes) -> BatchResult:
         if self._native is not None:
-            fresh = self.dp_rank not in self._translators
             counts = self._native.ingest(payload, self.translator(self.dp_rank))
             if counts is not None:
                 return self._applied_natively(counts)
-            if fresh:  # not taken: leave no trace of the attempt
-                del self._translators[self.dp_rank]
         try:
             batch = self._decoder.decode(payload)
         except EventDecodeError as error:
@@ -131,6 +143,11 @@ class EventFeed:
 
     def apply_batch(self, batch: EventBatch) -> BatchResult:
         rank = self.dp_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
+        if rank not in self._translators and (
+            len(self._translators) >= self._config.max_ranks_per_endpoint
+        ):
+            self._metrics.limits.labels(self.worker, "ranks").inc()
+            return BatchResult(BatchStatus.DROPPED)
         translator = self.translator(rank)
         worker = self.worker
         status = BatchStatus.APPLIED
@@ -143,6 +160,11 @@ class EventFeed:
                     self._blocks_stored.inc(result.blocks)
             elif outcome is Outcome.UNKNOWN_PARENT:
                 status = BatchStatus.UNKNOWN_PARENT
+            elif outcome is Outcome.PARENT_PRUNED:
+                self._skipped_pruned.inc()
+            elif outcome is Outcome.OVER_LIMIT:
+                self._over_limit(translator, "event_blocks")
+                continue
             elif outcome is Outcome.BLOCK_SIZE_MISMATCH:
                 metrics.block_size_mismatch.labels(worker).inc()
                 continue
@@ -157,27 +179,43 @@ class EventFeed:
     def _batch_done(
         self, translator: Translator, ts: float, status: BatchStatus, events: int
     ) -> BatchResult:
-        """What ends every applied batch, on either path: the map's bound and the lag."""
+        """What ends every applied batch, on either path: the map's bounds and the lag."""
+        if not translator.shrink():
+            self._over_limit(translator, "mapped_hashes")
         if len(translator) > self._config.max_entries:
             log.warning("%s: more mapped blocks than max_entries; clearing", translator.worker)
             self.reset("overflow")
         self._metrics.ingest_lag.observe(max(0.0, self._clock() - ts))
         return BatchResult(status, events)
 
+    def _over_limit(self, translator: Translator, limit: str) -> None:
+        """A publisher went past a bound: its domain is cleared and the bound counted."""
+        translator.clear()
+        self._metrics.limits.labels(self.worker, limit).inc()
+        self._metrics.resets.labels(self.worker, "limit").inc()
+        self._log_skip(EventDecodeError(f"past the {limit} bound: domain cleared"))
+
     def _malformed(self) -> None:
         self._decode_error(EventDecodeError("token_ids do not fill block_hashes"))
 
     def _applied_natively(self, counts: NativeCounts) -> BatchResult:
         """The metrics and checks of ``apply_batch`` for a payload the native path applied."""
-        if counts.stored_events or counts.unknown_parent:  # both count as BlockStored seen
-            self._events_by_type["BlockStored"].inc(counts.stored_events + counts.unknown_parent)
+        translator = self.translator(self.dp_rank)
+        unknown, pruned = counts.unknown_parent, counts.pruned_parent
+        if translator.trimmed:  # as Translator._stored: an unknown parent may be a pruned one
+            unknown, pruned = 0, pruned + unknown
+        seen = counts.stored_events + unknown + pruned  # all count as BlockStored seen
+        if seen:
+            self._events_by_type["BlockStored"].inc(seen)
             self._blocks_stored.inc(counts.stored_blocks)
+        if pruned:
+            self._skipped_pruned.inc(pruned)
         if counts.removed_events:
             self._events_by_type["BlockRemoved"].inc(counts.removed_events)
         for _ in range(counts.malformed):
             self._malformed()
-        status = BatchStatus.UNKNOWN_PARENT if counts.unknown_parent else BatchStatus.APPLIED
-        return self._batch_done(self.translator(self.dp_rank), counts.ts, status, counts.events)
+        status = BatchStatus.UNKNOWN_PARENT if unknown else BatchStatus.APPLIED
+        return self._batch_done(translator, counts.ts, status, counts.events)
 
     def reset(self, reason: str, *, restarted: bool = False) -> None:
         """Drop everything known about this endpoint's cache domains."""
@@ -196,14 +234,21 @@ class EventFeed:
 
     def _decode_error(self, error: Exception) -> None:
         self._metrics.decode_errors.labels(self.worker).inc()
+        self._log_skip(error)
+
+    def _log_skip(self, error: Exception, *, traceback: bool = False) -> None:
+        """At most one log line per interval for payloads kvgate could not use (a failure with
+        its traceback: a bug, or a crafted input worth looking at)."""
         self._errors_since_log += 1
         now = self._clock()
         if now - self._last_error_log >= self._config.decode_error_log_interval_s:
             log.warning(
-                "%s: skipped %d undecodable event payload(s): %s",
+                "%s: %d event payload(s) not used since the last report; the last: %s: %s",
                 self.worker,
                 self._errors_since_log,
+                type(error).__name__,
                 error,
+                exc_info=error if traceback else None,
             )
             self._last_error_log = now
             self._errors_since_log = 0

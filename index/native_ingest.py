@@ -33,18 +33,25 @@ class NativeCounts:
     malformed: int
     unknown_parent: int
     pruned: int
+    pruned_parent: int
 
 
 class NativeIngest:
     """Applies one cache domain's payloads in C (``ingest`` returns None when it cannot)."""
 
     def __init__(
-        self, index: EventIndex, table: NativeBlockTable, worker: WorkerKey, block_size: int
+        self,
+        index: EventIndex,
+        table: NativeBlockTable,
+        worker: WorkerKey,
+        block_size: int,
+        max_event_blocks: int,
     ) -> None:
         self._index = index
         self._table = table
         self._worker = worker
         self._block_size = block_size
+        self._max_event_blocks = max_event_blocks
         self._root_seed = cache_seed(None, None)
 
     @classmethod
@@ -56,7 +63,7 @@ class NativeIngest:
             return None
         if config.tier_of("GPU") != Tier.GPU:
             return None
-        return cls(index, index.table, worker, block_size)
+        return cls(index, index.table, worker, block_size, config.max_event_blocks)
 
     def ingest(self, payload: bytes, translator: Translator) -> NativeCounts | None:
         keys = translator.key_map
@@ -72,6 +79,7 @@ class NativeIngest:
             self._block_size,
             self._root_seed,
             self._index.max_entries,
+            self._max_event_blocks,
         )
         if counts is None:
             return None

@@ -6,6 +6,7 @@ slots (reusing released ones) and builds the ``PrefixMatch`` and ``SlotStats`` r
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from index import _native
@@ -55,6 +56,14 @@ class NativeBlockTable:
     def slot_entries(self, worker: WorkerKey) -> int:
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._core.slot_info(slot)[0]
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        slot = self._slot_of.get(worker)
+        return slot is not None and self._core.holds(slot, key)
+
+    def held_keys(self, worker: WorkerKey) -> array[int]:
+        slot = self._slot_of.get(worker)
+        return array("Q", b"" if slot is None else self._core.held_keys(slot))
 
     def stats(self) -> list[SlotStats]:
         out = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -85,12 +84,14 @@ class KvIndexService:
         self.metrics.watch_entries(self._entry_sources)
 
     async def stop(self) -> None:
-        for worker in list(self._workers):
-            await self.remove_worker(worker)
-        self.metrics.close()
-        if self._context is not None:
-            self._context.term()
-            self._context = None
+        try:
+            for worker in list(self._workers):
+                await self.remove_worker(worker)
+        finally:
+            self.metrics.close()
+            if self._context is not None:
+                self._context.term()
+                self._context = None
 
     def _entry_sources(self) -> list[tuple[str, list[SlotStats]]]:
         return [("events", self.events.stats()), ("approx", self.approx.stats())]
@@ -174,29 +175,63 @@ class KvIndexService:
         )
         subscriber = Subscriber(feed, endpoints, self.config, self._context, self.metrics)
         state.subscribers.append(subscriber)
-        task = asyncio.create_task(subscriber.run(), name=f"kv-events {worker} {endpoints}")
+        task = asyncio.create_task(
+            self._supervise(worker, subscriber), name=f"kv-events {worker} {endpoints}"
+        )
         task.add_done_callback(self._subscriber_done)
         state.tasks.append(task)
+
+    async def _supervise(self, worker: WorkerId, subscriber: Subscriber) -> None:
+        """Keep a subscriber running: whatever ends its task, its worker's entries are cleared
+        and it starts over after a backoff (``reconnect_backoff_s`` doubling up to
+        ``reconnect_backoff_max_s``, back to the start once it ran that long)."""
+        loop = asyncio.get_running_loop()
+        delay = self.config.reconnect_backoff_s
+        while True:
+            started = loop.time()
+            try:
+                await subscriber.run()
+                reason: BaseException = RuntimeError("the subscriber returned")
+            except Exception as error:  # noqa: BLE001 - the supervisor: logged, counted, restarted
+                reason = error
+            subscriber.forget("subscriber_failed")
+            self.metrics.subscriber_restarts.labels(worker).inc()
+            log.error(
+                "%s: event subscriber of %s failed; entries cleared, restarting in %.1f s",
+                worker,
+                subscriber.endpoints.events,
+                delay,
+                exc_info=reason,
+            )
+            if loop.time() - started >= self.config.reconnect_backoff_max_s:
+                delay = self.config.reconnect_backoff_s
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.reconnect_backoff_max_s)
 
     @staticmethod
     def _subscriber_done(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("event subscriber %s stopped", task.get_name(), exc_info=task.exception())
+            log.error("event task %s stopped", task.get_name(), exc_info=task.exception())
 
     async def remove_worker(self, worker: WorkerId) -> None:
+        """Stop a worker's event tasks and drop everything known of it. Always completes:
+        a task that failed does not stop the rest of the cleanup."""
         state = self._workers.pop(worker, None)
         if state is None:
             return
         for task in state.tasks:
             task.cancel()
-        for task in state.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for subscriber in state.subscribers:
-            subscriber.feed.close()
-        self.events.remove_worker(worker)
-        self.approx.remove_worker(worker)
-        self.metrics.resets.labels(worker, "removed").inc()
+        try:
+            outcomes = await asyncio.gather(*state.tasks, return_exceptions=True)
+            for task, outcome in zip(state.tasks, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    log.error("%s: task %s had failed", worker, task.get_name(), exc_info=outcome)
+        finally:
+            for subscriber in state.subscribers:
+                subscriber.feed.close()
+            self.events.remove_worker(worker)
+            self.approx.remove_worker(worker)
+            self.metrics.resets.labels(worker, "removed").inc()
 
     def workers(self) -> list[WorkerId]:
         return list(self._workers)

@@ -11,9 +11,18 @@ Frames are ``[topic, seq (u64 BE), payload]``. Sequence handling:
 * a stored block whose parent is unknown → with the full history it means events were lost:
   clear, as for a gap; with a partial history (joined late) the block cannot be keyed and is
   skipped and counted;
-* undecodable payloads are counted, logged once per burst, and skipped.
+* a payload that cannot be decoded or applied is counted, logged at most once per interval,
+  and its batch is lost: the worker is cleared as for a gap the replay cannot cover (a replay
+  would bring back the same payload).
 
-Reconnects are ZMQ's own, with exponential backoff (``RECONNECT_IVL`` .. ``RECONNECT_IVL_MAX``).
+Everything a publisher sends is bounded (docs/security-events.md): ZMQ refuses frames over
+``max_message_bytes`` and queues at most ``receive_hwm`` messages; a replay is applied as it
+streams in and given up (the worker cleared) past ``replay_max_batches``,
+``replay_max_bytes`` or ``replay_max_s``, so a replay socket that never ends holds neither
+memory nor live events for long.
+
+Reconnects are ZMQ's own, with exponential backoff (``RECONNECT_IVL`` .. ``RECONNECT_IVL_MAX``);
+a subscriber whose task fails anyway is restarted by ``KvIndexService``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import zmq
@@ -35,6 +46,18 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = 0xFFFFFFFFFFFFFFFF
 _DRAIN_MAX = 256
+_SLICE_S = 0.001
+"""Event work in one go: past it, a subscriber with more to do yields the event loop for as
+long again. A flooding publisher then gets at most about half of the loop, and a request
+waits at most about a slice (plus one payload, bounded by ``max_message_bytes``) per await."""
+
+
+class ReplayFailed(Exception):
+    """A replay that did not end with its end marker (``limit``: the bound it went past)."""
+
+    def __init__(self, reason: str, limit: str | None = None) -> None:
+        super().__init__(reason)
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +108,36 @@ class Subscriber:
         async with self._progress:
             self._progress.notify_all()
 
-    # -------------------------------------------------------------------- loop
-    async def run(self) -> None:
-        sock = self._context.socket(zmq.SUB)
+    def forget(self, reason: str) -> None:
+        """Clear the worker and start over as a fresh subscriber (the task failed)."""
+        self.feed.reset(reason)
+        self.next_seq = None
+        self.history_complete = False
+        self._duplicates_upto = -1
+        self.connected = False
+        self._metrics.connected.labels(*self._label).set(0)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        """A socket with the publisher's bounds: frame size, queued messages, no linger."""
+        sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 and IPv6-only pods; IPv4 still works
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, self._config.receive_hwm)
+        return sock
+
+    # -------------------------------------------------------------------- loop
+    async def run(self) -> None:
+        """Subscribe with one socket per connection: when a connection drops (the engine went
+        away, or broke the protocol, e.g. a frame over ``max_message_bytes``, after which ZMQ
+        would never reconnect that socket), it is closed and a fresh one connects after
+        ``reconnect_backoff_s`` (ZMQ's own backoff then covers an engine that is down)."""
+        while True:
+            await self._connection()
+            await asyncio.sleep(self._config.reconnect_backoff_s)
+
+    async def _connection(self) -> None:
+        sock = self._socket(zmq.SUB)
         sock.setsockopt(zmq.RECONNECT_IVL, int(self._config.reconnect_backoff_s * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._config.reconnect_backoff_max_s * 1000))
         sock.setsockopt(zmq.SUBSCRIBE, self._config.topic.encode())
@@ -102,8 +149,8 @@ class Subscriber:
         try:
             while True:
                 ready = dict(await poller.poll())
-                if monitor in ready:
-                    await self._on_monitor(monitor)
+                if monitor in ready and not await self._on_monitor(monitor):
+                    return
                 if sock in ready:
                     await self._drain(sock)
         finally:
@@ -113,12 +160,17 @@ class Subscriber:
             monitor.close(linger=0)
             sock.close(linger=0)
 
-    async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
+        """A connection event; False when the connection dropped."""
         frames = await monitor.recv_multipart()
         event = parse_monitor_message(frames)["event"]
         self.connected = event == zmq.EVENT_CONNECTED
         self._metrics.connected.labels(*self._label).set(1 if self.connected else 0)
-        if not self.connected and self.next_seq is not None:
+        if self.connected:
+            if self.next_seq is None and self.endpoints.replay:
+                await self._join()
+            return True
+        if self.next_seq is not None:
             # Most often the engine went away (its cache with it); a blip costs a rebuild
             # from the replay ring on reconnect, never a phantom hit.
             log.info("%s: event publisher %s disconnected: clearing", *self._label)
@@ -126,8 +178,7 @@ class Subscriber:
             self.next_seq = None
             self.history_complete = False
             self._duplicates_upto = -1
-        elif self.connected and self.next_seq is None and self.endpoints.replay:
-            await self._join()
+        return False
 
     async def _join(self) -> None:
         """Learn the engine's history from its replay ring before any live batch arrives.
@@ -139,6 +190,9 @@ class Subscriber:
         await self._notify()
 
     async def _drain(self, sock: zmq.asyncio.Socket) -> None:
+        """What is queued, up to ``_DRAIN_MAX`` messages or a ``_SLICE_S`` time slice."""
+        started = time.perf_counter()
+        busy = False
         for _ in range(_DRAIN_MAX):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -146,7 +200,12 @@ class Subscriber:
             except zmq.Again:
                 break
             await self.on_frames(message)
+            busy = time.perf_counter() - started > _SLICE_S
+            if busy:
+                break
         await self._notify()
+        if busy:
+            await asyncio.sleep(_SLICE_S)
 
     # --------------------------------------------------------------- sequence
     async def on_frames(self, frames: list[bytes]) -> None:
@@ -192,22 +251,49 @@ class Subscriber:
         result = self.feed.apply_payload(payload)
         self.next_seq = seq + 1
         self._metrics.last_seq.labels(*self._label).set(seq)
-        if result.status is BatchStatus.UNKNOWN_PARENT:
+        status = result.status
+        if status is BatchStatus.UNKNOWN_PARENT:
             self._metrics.gaps.labels(self.feed.worker, "unknown_parent").inc()
             if self.history_complete:
                 log.warning("%s: stored block with unknown parent: clearing", self.feed.worker)
                 self.feed.reset("unknown_parent")
                 self.history_complete = False
+        elif status is BatchStatus.UNDECODABLE or status is BatchStatus.FAILED:
+            # the batch is lost: a gap no replay covers (it would bring the same payload back)
+            self.feed.reset(status.value)
+            self.history_complete = False
 
     async def _replay(self, start: int, upto: int, *, joining: bool) -> None:
-        """Fetch and apply batches from ``start``; clear first if they cannot cover the gap."""
-        batches = await self._fetch_replay(start) if self.endpoints.replay else None
-        covered = batches is not None and bool(batches) and batches[0][0] == start
-        if batches is not None and not batches and upto == start:
-            covered = True
-        outcome = "covered" if covered else ("partial" if batches else "failed")
+        """Apply the batches from ``start`` as they stream in; clear first if they cannot
+        cover the gap up to ``upto``, and again if the replay breaks off or goes past a
+        bound (what came before stays: a prefix of the history)."""
+        settled = False
+        outcome = "failed"
+        try:
+            async with contextlib.aclosing(self._replay_batches(start)) as batches:
+                sliced = time.perf_counter()
+                async for seq, payload in batches:
+                    if time.perf_counter() - sliced > _SLICE_S:  # queued batches never yield
+                        await asyncio.sleep(_SLICE_S)
+                        sliced = time.perf_counter()
+                    if not settled:
+                        settled = True
+                        outcome = self._settle(start, upto, joining, covered=seq == start)
+                    if seq >= start:
+                        self._apply(seq, payload)
+                        self._duplicates_upto = max(self._duplicates_upto, seq)
+            if not settled:  # an empty replay: it covers only an empty gap
+                covered = self._settle(start, upto, joining, covered=upto == start) == "covered"
+                outcome = "covered" if covered else "failed"
+        except ReplayFailed as failure:
+            outcome = "aborted" if failure.limit else "failed"
+            self._replay_failed(failure, start, upto, joining=joining, settled=settled)
         if self.endpoints.replay:
             self._metrics.replays.labels(self.feed.worker, outcome).inc()
+
+    def _settle(self, start: int, upto: int, joining: bool, *, covered: bool) -> str:
+        """Before the first replayed batch (or at the end of an empty replay): does it cover
+        the gap? If not, the worker is cleared first."""
         if joining:
             self.history_complete = covered and start == 0
         elif not covered:
@@ -218,31 +304,84 @@ class Subscriber:
             self.history_complete = False
         if self._duplicates_upto < 0:
             self._duplicates_from = start
-        for seq, payload in batches or ():
-            if seq >= start:
-                self._apply(seq, payload)
-                self._duplicates_upto = max(self._duplicates_upto, seq)
+        return "covered" if covered else "partial"
 
-    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        assert self.endpoints.replay is not None
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        timeout_ms = int(self._config.replay_timeout_s * 1000)
-        batches: list[tuple[int, bytes]] = []
+    def _replay_failed(
+        self, failure: ReplayFailed, start: int, upto: int, *, joining: bool, settled: bool
+    ) -> None:
+        worker = self.feed.worker
+        log.warning("%s: replay from %s: %s", worker, self.endpoints.replay, failure)
+        if failure.limit is not None:
+            self._metrics.limits.labels(worker, failure.limit).inc()
+        if not settled and failure.limit is None:
+            self._settle(start, upto, joining, covered=False)
+            return
+        # cut short: the batches up to ``upto`` are missing; start over from the live stream
+        self.feed.reset("limit" if failure.limit else "gap")
+        self.history_complete = False
+        self.next_seq = None
+        self._duplicates_upto = -1
+
+    async def _replay_batches(self, start: int) -> AsyncGenerator[tuple[int, bytes]]:
+        """The replayed ``(seq, payload)`` batches from ``start`` until the end marker;
+        ``ReplayFailed`` when there is no replay socket, it times out, or it goes past a bound
+        (the time spent applying them counts)."""
+        if not self.endpoints.replay:
+            raise ReplayFailed("no replay socket")
+        budget = _ReplayBudget(self._config, asyncio.get_running_loop())
+        sock = self._socket(zmq.DEALER)
         try:
-            sock.connect(self.endpoints.replay)
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            try:
+                sock.connect(self.endpoints.replay)
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            except zmq.ZMQError as error:
+                raise ReplayFailed(f"cannot ask for it: {error}") from error
             while True:
-                if not await sock.poll(timeout_ms):
-                    log.warning("%s: replay from %s timed out", *self._label)
-                    return None
+                if not await sock.poll(budget.wait_ms()):
+                    budget.timed_out()
                 frames = await sock.recv_multipart()
+                budget.spend(frames)
                 if len(frames) != 4 or len(frames[2]) != 8:
                     continue
                 seq = int.from_bytes(frames[2], "big")
                 if seq == END_OF_REPLAY:
-                    return batches
-                batches.append((seq, frames[3]))
+                    return
+                yield seq, frames[3]
         finally:
             sock.close(linger=0)
+
+
+class _ReplayBudget:
+    """What one replay may take: ``replay_max_s`` in all, ``replay_timeout_s`` of silence,
+    ``replay_max_batches`` messages and ``replay_max_bytes``."""
+
+    def __init__(self, config: IndexConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self._config = config
+        self._loop = loop
+        self._deadline = loop.time() + config.replay_max_s
+        self._messages = 0
+        self._bytes = 0
+        self._capped = False  # the last wait was cut short by the deadline
+
+    def wait_ms(self) -> int:
+        """How long to wait for the next message (``ReplayFailed`` when the time is up)."""
+        left = self._deadline - self._loop.time()
+        if left <= 0:
+            raise ReplayFailed(f"longer than {self._config.replay_max_s} s", "replay_seconds")
+        self._capped = left < self._config.replay_timeout_s
+        return max(1, int(min(self._config.replay_timeout_s, left) * 1000))
+
+    def timed_out(self) -> None:
+        """Nothing came within ``wait_ms``: always raises ``ReplayFailed``."""
+        if self._capped:  # the whole replay's time is up: that bound
+            raise ReplayFailed(f"longer than {self._config.replay_max_s} s", "replay_seconds")
+        raise ReplayFailed(f"nothing for {self._config.replay_timeout_s} s")
+
+    def spend(self, frames: list[bytes]) -> None:
+        config = self._config
+        self._messages += 1
+        self._bytes += sum(len(frame) for frame in frames)
+        if self._messages > config.replay_max_batches:
+            raise ReplayFailed(f"over {config.replay_max_batches} batches", "replay_batches")
+        if self._bytes > config.replay_max_bytes:
+            raise ReplayFailed(f"over {config.replay_max_bytes} bytes", "replay_bytes")

@@ -2,15 +2,20 @@
 
 Layout (see docs/block-keys.md, "Index layout"):
 
-* per block key, in plain ``dict[int, int]`` maps (which the garbage collector does not track,
-  so a million entries add no GC pauses): a bit mask with 3 bits per cache-domain slot (one per
-  tier), the parent key (roots have none), the first child key and, for branch points only,
-  the other children. Keys nobody holds are kept while they have children (so depths and
-  links survive), then dropped.
-* per slot: an ``OrderedDict`` of its keys in LRU order (the tail is the most recent; chains are
-  touched leaf first so that roots are the most recent and leaves are pruned first), tier
-  counters, and the *orphans* of each presence class: held blocks whose parent is not held
-  in that class.
+* per held block key, in plain ``dict[int, int]`` maps (which the garbage collector does not
+  track, so a million entries add no GC pauses): a bit mask with 3 bits per cache-domain slot
+  (one per tier), the parent key (roots have none), the first child key and, for branch
+  points only, the other children. A key's record goes with its last holder (its children's
+  ancestry is unknown from then on).
+* per slot: an LRU log of its keys (the tail is the most recent; chains are touched leaf first
+  so that roots are the most recent and leaves are pruned first), each key's depth in the
+  slot's own chains, the keys it stored under another parent than the recorded one
+  (*contested*), tier counters, and the *orphans* of each presence class: held blocks whose
+  parent is not held in that class (plus markers for blocks with many children it lost).
+
+Publishers are not trusted (docs/security-events.md): table.h's header says how the links stay
+acyclic and every operation bounded whatever keys they send; this table follows the same rules,
+step for step (the tests compare the two).
 
 Exact matching in O(log n) lookups: a presence class (GPU; CPU-or-better; any) of a slot is
 prefix-closed along every chain unless one of the chain's blocks is an orphan of that class.
@@ -30,7 +35,8 @@ from itertools import repeat
 from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
 
 _UNKNOWN_PARENT = -1
-"""Parent of a record created only as some block's parent: its own ancestry is unknown."""
+"""Parent of a record whose ancestry is unknown (stored after a block nobody held, or whose
+parent's record went): an orphan wherever it is held."""
 
 _BITS = 3  # one bit per tier in each slot's group
 _GROUP = 0b111
@@ -40,7 +46,12 @@ _CLASSES = (0, 1, 2)
 _MAX_ORPHANS_CHECKED = 64
 _MASK_INTERN_LIMIT = 4096
 _MATCH_MEMO_LIMIT = 4096
+_NO_DEPTH = -1
 SECOND_CHANCES = 64
+MAX_CHILDREN_SCANNED = 64
+"""Per operation, at most this many children of a block are looked at (table.h)."""
+MAX_ANCESTRY_CHECKED = 64
+"""Links followed up from a new parent before giving a record of unknown ancestry one."""
 
 
 class _Lru:
@@ -88,8 +99,9 @@ class _Lru:
     def touch_all(self, keys: Sequence[int], stamp: float) -> None:
         """``touch`` each of ``keys`` in order (the last is the most recent)."""
         records = self._records
-        if records.keys().isdisjoint(keys):
-            records.update(dict.fromkeys(keys, 1))
+        fresh = dict.fromkeys(keys, 1)
+        if len(fresh) == len(keys) and records.keys().isdisjoint(fresh):
+            records.update(fresh)
             self._live += len(keys)
         else:
             for key in keys:
@@ -149,6 +161,8 @@ class _Slot:
     orphans: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
         default_factory=lambda: ({}, {}, {})
     )
+    depth: dict[int, int] = field(default_factory=dict)  # depths that cannot be derived
+    contested: set[int] = field(default_factory=set)  # stored under another parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +179,9 @@ class BlockTable:
     """Blocks held per cache domain, with LRU order per domain and exact prefix matching."""
 
     def __init__(self) -> None:
-        self._mask: dict[int, int] = {}  # key -> holders (3 bits per slot); 0 = kept for links
+        self._mask: dict[int, int] = {}  # held key -> holders (3 bits per slot)
         self._parent: dict[int, int] = {}  # key -> parent key (absent: a root)
+        self._marked: set[int] = set()  # keys some slot may hold a marker orphan of
         self._child: dict[int, int] = {}  # key -> its first child
         self._more: dict[int, set[int]] = {}  # key -> its other children (branch points)
         self._slots: list[_Slot | None] = []
@@ -227,6 +242,15 @@ class BlockTable:
             masks.clear()
         return masks.setdefault(mask, mask)
 
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        """Whether the cache domain holds ``key`` in any tier."""
+        slot = self._slot_of.get(worker)
+        return slot is not None and (self._mask.get(key, 0) >> (slot * _BITS)) & _GROUP != 0
+
+    def held_keys(self, worker: WorkerKey) -> list[int]:
+        slot = self._slot_of.get(worker)
+        return [] if slot is None else self._state(slot).lru.keys()
+
     # ----------------------------------------------------------------- store
     def store(
         self,
@@ -244,86 +268,177 @@ class BlockTable:
         slot = self._slot(worker)
         state = self._state(slot)
         shift = slot * _BITS
-        tier_bit = 1 << tier
-        fresh_mask = self._intern(tier_bit << shift)
-        fresh_classes = _CLASS_OF_TIERS[tier_bit]
-        masks = self._mask
-        counts = state.tier_counts
-        if masks.keys().isdisjoint(keys):
-            self._store_fresh(state, shift, keys, tier=tier, parent=parent, mask=fresh_mask)
-            state.lru.touch_all(keys[::-1], stamp)
-            return
-        prev: int | None = parent
-        for key in keys:
-            mask = masks.get(key)
-            if mask is None:
-                # Fast path: a block nobody holds yet (no children, no other holder).
-                masks[key] = fresh_mask
-                counts[tier] += 1
-                self._entries += 1
-                if prev is not None:
-                    self._parent[key] = prev
-                    held = self._link(key, prev)
-                    if fresh_classes & ~_CLASS_OF_TIERS[(held >> shift) & _GROUP]:
-                        self._on_gain(state, shift, key, fresh_classes)
-            else:
-                if self._parent.get(key) == _UNKNOWN_PARENT:
-                    if prev is None:
-                        del self._parent[key]  # known now: a root
-                    else:
-                        self._parent[key] = prev
-                        self._link(key, prev)
-                tiers = (mask >> shift) & _GROUP
-                if not tiers & tier_bit:
-                    masks[key] = self._intern(mask | (tier_bit << shift))
-                    counts[tier] += 1
-                    if not tiers:
-                        self._entries += 1
-                    gained = _CLASS_OF_TIERS[tiers | tier_bit] & ~_CLASS_OF_TIERS[tiers]
-                    if gained:
-                        self._on_gain(state, shift, key, gained)
-            prev = key
+        fresh: dict[int, int] = dict.fromkeys(keys, self._intern((1 << tier) << shift))
+        if len(fresh) == len(keys) and self._mask.keys().isdisjoint(fresh) and parent not in fresh:
+            self._store_fresh(state, shift, keys, fresh, tier=tier, parent=parent)
+        else:
+            depth = self._first_depth(state, shift, parent)
+            prev: int | None = parent
+            for i, key in enumerate(keys):
+                at = _NO_DEPTH if depth < 0 else depth + i
+                self._store_one(state, shift, key, prev=prev, depth=at, tier=tier)
+                prev = key
         state.lru.touch_all(keys[::-1], stamp)
+
+    def _first_depth(self, state: _Slot, shift: int, parent: int | None) -> int:
+        """Depth of the block after ``parent`` in the slot's own chain (-1: not known there)."""
+        if parent is None:
+            return 0
+        if not (self._mask.get(parent, 0) >> shift) & _GROUP:
+            return _NO_DEPTH
+        depth = self._depth(state, shift, parent)
+        return _NO_DEPTH if depth < 0 else depth + 1
+
+    def _depth(self, state: _Slot, shift: int, key: int) -> int:
+        """The depth of a key the slot holds, in its own chains (table.h's Node.depth).
+
+        Kept only where it cannot be derived: a key stored after the parent on its record,
+        which the slot holds, is one deeper than that parent. Derived depths are written down
+        as they are computed (each key once while held), and a parent the slot loses writes
+        its children's first (``_drop``), so this walk is linear over a slot's lifetime."""
+        explicit = state.depth
+        path: list[int] = []
+        while (found := explicit.get(key)) is None:
+            parent = self._parent.get(key)
+            if (
+                parent is None
+                or parent == _UNKNOWN_PARENT
+                or key in state.contested
+                or not (self._mask.get(parent, 0) >> shift) & _GROUP
+            ):
+                found = explicit[key] = _NO_DEPTH  # not derivable (> 64 children lost it)
+                break
+            path.append(key)
+            key = parent
+        for walked in reversed(path):
+            found = explicit[walked] = _NO_DEPTH if found < 0 else found + 1
+        return found
 
     def _store_fresh(
         self,
         state: _Slot,
         shift: int,
-        keys: Sequence[BlockKey],
+        keys: list[BlockKey],
+        fresh: dict[int, int],
         *,
         tier: Tier,
         parent: BlockKey | None,
-        mask: int,
     ) -> None:
-        """A chain of keys nobody holds yet: bulk inserts, no per-key Python work."""
+        """A chain of distinct keys nobody holds yet: bulk inserts, no per-key Python work
+        (depths are derived: only the first key's may have to be written down)."""
         n = len(keys)
-        self._mask.update(dict.fromkeys(keys, mask))
+        masks = self._mask
+        linked = parent is not None and parent in masks  # before the chain's keys exist
+        if parent is None:
+            state.depth[keys[0]] = 0
+        elif not linked or not (masks[parent] >> shift) & _GROUP:
+            state.depth[keys[0]] = self._first_depth(state, shift, parent)
+        masks.update(fresh)
         state.tier_counts[tier] += n
         self._entries += n
         if n > 1:
             tail = keys[1:]
             self._parent.update(zip(tail, keys, strict=False))
             self._child.update(zip(keys, tail, strict=False))
-        if parent is not None:
-            first = keys[0]
+        if parent is None:
+            return
+        first = keys[0]
+        classes = _CLASS_OF_TIERS[1 << tier]
+        if linked:
             self._parent[first] = parent
-            held = self._link(first, parent)
-            classes = _CLASS_OF_TIERS[1 << tier]
-            if classes & ~_CLASS_OF_TIERS[(held >> shift) & _GROUP]:
-                self._on_gain(state, shift, first, classes)
+            self._link(first, parent)
+            if not classes & ~_CLASS_OF_TIERS[(self._mask[parent] >> shift) & _GROUP]:
+                return  # its parent is held in its classes, it has no children: no orphan
+        else:
+            self._parent[first] = _UNKNOWN_PARENT
+            state.contested.add(first)
+        self._on_gain(state, shift, first, classes)
 
-    def _link(self, key: int, parent: int) -> int:
-        """Record ``key`` as a child of ``parent``; return the parent's holder mask."""
-        held = self._mask.get(parent)
-        if held is None:
-            held = self._mask[parent] = 0
-            self._parent[parent] = _UNKNOWN_PARENT
+    def _store_one(
+        self, state: _Slot, shift: int, key: int, *, prev: int | None, depth: int, tier: Tier
+    ) -> None:
+        """One block of a chain, after ``prev`` (None: the chain's root)."""
+        masks = self._mask
+        mask = masks.get(key)
+        contested = self._link_stored(key, mask is None, prev)
+        tiers = 0 if mask is None else (mask >> shift) & _GROUP
+        newly = changed = False
+        if tiers:
+            newly, changed = self._node_stored(state, shift, key, depth, contested)
+        elif contested:
+            state.contested.add(key)
+            state.depth[key] = depth
+        elif (
+            prev is None
+            or self._parent.get(key) != prev
+            or not (masks.get(prev, 0) >> shift) & _GROUP
+        ):
+            state.depth[key] = depth  # a root, or after a block the slot does not hold
+        tier_bit = 1 << tier
+        if not tiers & tier_bit:
+            masks[key] = self._intern((mask or 0) | (tier_bit << shift))
+            state.tier_counts[tier] += 1
+            if not tiers:
+                self._entries += 1
+            gained = _CLASS_OF_TIERS[tiers | tier_bit] & ~_CLASS_OF_TIERS[tiers]
+            if gained:
+                self._on_gain(state, shift, key, gained)
+        if changed:
+            self._refresh_orphan(state, shift, key, newly)
+
+    def _link_stored(self, key: int, created: bool, prev: int | None) -> bool:
+        """Set ``key``'s links if its record is new or of unknown ancestry and that cannot close
+        a cycle (table.h's link_stored); whether its parent on record differs from ``prev``."""
+        parents = self._parent
+        if created or parents.get(key) == _UNKNOWN_PARENT:
+            if prev is None:
+                parents.pop(key, None)  # known now: a root
+                return False
+            acyclic = prev != key if created else not self._may_descend(prev, key)
+            if acyclic and prev in self._mask:
+                parents[key] = prev
+                self._link(key, prev)
+                return False
+            parents[key] = _UNKNOWN_PARENT
+            return True
+        parent = parents.get(key)
+        return parent is not None if prev is None else parent != prev
+
+    def _may_descend(self, key: int, ancestor: int) -> bool:
+        """Whether ``ancestor`` lies on the chain up from ``key`` (only the first
+        MAX_ANCESTRY_CHECKED links are followed: past them, yes)."""
+        parents = self._parent
+        for _ in range(MAX_ANCESTRY_CHECKED + 1):
+            if key == ancestor:
+                return True
+            parent = parents.get(key)
+            if parent is None or parent == _UNKNOWN_PARENT:
+                return False
+            key = parent
+        return True
+
+    def _node_stored(
+        self, state: _Slot, shift: int, key: int, depth: int, contested: bool
+    ) -> tuple[bool, bool]:
+        """A held block stored again: contested if this store is, no depth if it gives
+        another; whether it became contested, and whether anything changed."""
+        known = self._depth(state, shift, key)  # written down: it may not be derivable now
+        newly = contested and key not in state.contested
+        if newly:
+            state.contested.add(key)
+        changed = newly
+        if depth not in (_NO_DEPTH, known):
+            state.depth[key] = depth if known == _NO_DEPTH else _NO_DEPTH
+            changed = True
+        return newly, changed
+
+    def _link(self, key: int, parent: int) -> None:
+        """Record ``key`` as a child of ``parent`` (an existing record)."""
         first = self._child.get(parent)
         if first is None:
             self._child[parent] = key
         elif first != key:
             self._more.setdefault(parent, set()).add(key)
-        return held
 
     def _unlink(self, key: int, parent: int) -> None:
         more = self._more.get(parent)
@@ -346,35 +461,55 @@ class BlockTable:
         more = self._more.get(key)
         return [first, *more] if more else [first]
 
-    def _on_gain(self, state: _Slot, shift: int, key: int, gained: int) -> None:
+    def _children_upto(self, key: int) -> list[int] | None:
+        """The children of ``key``, or None when there are more than MAX_CHILDREN_SCANNED."""
+        more = self._more.get(key)
+        if more is not None and len(more) >= MAX_CHILDREN_SCANNED:
+            return None
+        return self._children(key)
+
+    def _orphan_classes(self, state: _Slot, shift: int, key: int) -> int:
+        """The classes in which the held ``key`` is an orphan of the slot (bit per class)."""
+        if key in state.contested:
+            return 7
         parent = self._parent.get(key)
-        parent_classes = 7
-        if parent is not None:
-            parent_classes = _CLASS_OF_TIERS[(self._mask.get(parent, 0) >> shift) & _GROUP]
-        children: list[int] | None = None
+        if parent is None:
+            return 0
+        if parent == _UNKNOWN_PARENT:
+            return 7
+        return 7 & ~_CLASS_OF_TIERS[(self._mask.get(parent, 0) >> shift) & _GROUP]
+
+    def _on_gain(self, state: _Slot, shift: int, key: int, gained: int) -> None:
+        """``key`` is now held in ``gained``: its own orphan entry is set or cleared, its held
+        children are orphans no more (table.h's on_gain)."""
+        orphaned = self._orphan_classes(state, shift, key)
+        kids = self._children_upto(key)
+        masks = self._mask
         for cls in _CLASSES:
             if not gained >> cls & 1:
                 continue
             orphans = state.orphans[cls]
-            if not parent_classes >> cls & 1:
-                orphans[key] = self._depth(key)
-            if orphans:
-                if children is None:
-                    children = self._children(key)
-                for child in children:
-                    orphans.pop(child, None)
+            if orphaned >> cls & 1:
+                orphans[key] = self._depth(state, shift, key)
+            else:
+                orphans.pop(key, None)
+            if not kids or not orphans:
+                continue
+            for kid in kids:
+                held = _CLASS_OF_TIERS[(masks.get(kid, 0) >> shift) & _GROUP]
+                if held >> cls & 1 and kid not in state.contested:
+                    orphans.pop(kid, None)
 
-    def _depth(self, key: int) -> int:
-        """Position of ``key`` in its chain (0 = root), or -1 when its ancestry is unknown."""
-        depth = 0
-        parents = self._parent
-        parent = parents.get(key)
-        while parent is not None:
-            if parent == _UNKNOWN_PARENT:
-                return -1
-            depth += 1
-            parent = parents.get(parent)
-        return depth
+    def _refresh_orphan(self, state: _Slot, shift: int, key: int, contested: bool) -> None:
+        """A held key's node changed: contested now (an orphan in every class it is held in),
+        or only its depth (its orphan entries, if any, get the new one): which entries exist
+        never depends on a depth (table.h's refresh_orphan)."""
+        held = _CLASS_OF_TIERS[(self._mask[key] >> shift) & _GROUP]
+        depth = self._depth(state, shift, key)
+        for cls in _CLASSES:
+            orphans = state.orphans[cls]
+            if held >> cls & 1 and (contested or key in orphans):
+                orphans[key] = depth
 
     # ---------------------------------------------------------------- remove
     def remove(self, worker: WorkerKey, keys: Sequence[BlockKey], tier: Tier) -> None:
@@ -396,41 +531,84 @@ class BlockTable:
         if not dropped:
             return
         left = tiers & ~dropped
+        # a parent's depth (while the slot still holds it): its children derive theirs from it
+        depth = self._depth(state, shift, key) if key in self._child else _NO_DEPTH
         mask = self._mask[key] = self._intern(mask & ~(dropped << shift))
         for tier in Tier:
             if dropped >> tier & 1:
                 state.tier_counts[tier] -= 1
-        lost = _CLASS_OF_TIERS[tiers] & ~_CLASS_OF_TIERS[left]
-        if lost:
-            self._on_loss(state, shift, key, lost)
         if not left:
             self._entries -= 1
             state.lru.discard(key)
-            if not mask:
-                self._collect(key)
+            state.depth.pop(key, None)
+            if state.contested:
+                state.contested.discard(key)
+            if key in self._child:
+                self._write_down_children(state, shift, key, depth)
+        lost = _CLASS_OF_TIERS[tiers] & ~_CLASS_OF_TIERS[left]
+        if lost:
+            self._on_loss(state, shift, key, depth, lost)
+        if not mask:
+            self._drop_record(key)
 
-    def _on_loss(self, state: _Slot, shift: int, key: int, lost: int) -> None:
+    def _write_down_children(self, state: _Slot, shift: int, key: int, depth: int) -> None:
+        """The slot no longer holds ``key``: the depths of its children (up to
+        MAX_CHILDREN_SCANNED) can no longer be derived from it, so they are written down."""
+        kids = self._children_upto(key)
+        masks, explicit = self._mask, state.depth
+        for kid in kids or ():
+            if (masks.get(kid, 0) >> shift) & _GROUP and kid not in explicit:
+                explicit[kid] = _NO_DEPTH if depth < 0 else depth + 1
+
+    def _on_loss(self, state: _Slot, shift: int, key: int, depth: int, lost: int) -> None:
+        """``key`` left ``lost``: its held children there are orphans now, or past
+        MAX_CHILDREN_SCANNED children ``key`` stays as a marker orphan (table.h's on_loss)."""
+        kids = self._children_upto(key)
+        if kids is None:
+            self._marked.add(key)
         masks = self._mask
-        children = self._children(key)
         for cls in _CLASSES:
             if not lost >> cls & 1:
                 continue
             orphans = state.orphans[cls]
             orphans.pop(key, None)
-            for child in children:
-                if _CLASS_OF_TIERS[(masks.get(child, 0) >> shift) & _GROUP] >> cls & 1:
-                    orphans[child] = self._depth(child)
+            if kids is None:
+                orphans[key] = depth
+                continue
+            for kid in kids:
+                if _CLASS_OF_TIERS[(masks.get(kid, 0) >> shift) & _GROUP] >> cls & 1:
+                    orphans[kid] = self._depth(state, shift, kid)
 
-    def _collect(self, key: int) -> None:
-        """Drop keys nobody holds and nobody descends from, walking up the chain."""
-        masks = self._mask
-        while not masks.get(key, 1) and key not in self._child:
-            del masks[key]
-            parent = self._parent.pop(key, None)
-            if parent is None or parent == _UNKNOWN_PARENT:
-                return
+    def _drop_record(self, key: int) -> None:
+        """The last holder of ``key`` is gone: its record goes, its children lose their
+        parent (their ancestry is unknown from now on)."""
+        kids = self._children(key)
+        if key in self._marked:
+            self._marked.discard(key)
+            self._unmark(key, kids)
+        for kid in kids:
+            self._parent[kid] = _UNKNOWN_PARENT
+        self._child.pop(key, None)
+        self._more.pop(key, None)
+        del self._mask[key]
+        parent = self._parent.pop(key, None)
+        if parent is not None and parent != _UNKNOWN_PARENT:
             self._unlink(key, parent)
-            key = parent
+
+    def _unmark(self, key: int, kids: list[int]) -> None:
+        """Slots holding a marker of ``key``: orphans of the children they hold instead."""
+        masks = self._mask
+        for slot, state in enumerate(self._slots):
+            if state is None:
+                continue
+            shift = slot * _BITS
+            for cls in _CLASSES:
+                orphans = state.orphans[cls]
+                if orphans.pop(key, None) is None:
+                    continue
+                for kid in kids:
+                    if _CLASS_OF_TIERS[(masks.get(kid, 0) >> shift) & _GROUP] >> cls & 1:
+                        orphans[kid] = self._depth(state, shift, kid)
 
     # ----------------------------------------------------------------- clear
     def clear(self, worker: WorkerKey) -> None:
@@ -439,21 +617,18 @@ class BlockTable:
         if slot is None:
             return
         state = self._state(slot)
-        shift = slot * _BITS
-        group = _GROUP << shift
+        group = _GROUP << (slot * _BITS)
         masks = self._mask
         dead: list[int] = []
         for key in state.lru.keys():  # noqa: SIM118 - _Lru is not a dict
-            mask = masks.get(key)
-            if mask is not None:
-                mask = masks[key] = self._intern(mask & ~group)
-                if not mask:
-                    dead.append(key)
+            mask = masks[key] = self._intern(masks[key] & ~group)
+            if not mask:
+                dead.append(key)
         self._entries -= len(state.lru)
-        for key in dead:
-            self._collect(key)
         self._slots[slot] = None
         self._free_slots.append(slot)
+        for key in dead:
+            self._drop_record(key)
 
     # ----------------------------------------------------------------- prune
     def oldest(self, worker: WorkerKey) -> tuple[int, float] | None:
@@ -490,8 +665,11 @@ class BlockTable:
         return True
 
     def _has_held_child(self, key: int, shift: int) -> bool:
+        kids = self._children_upto(key)
+        if kids is None:
+            return True  # too many to look at: taken as held
         masks = self._mask
-        return any((masks.get(child, 0) >> shift) & _GROUP for child in self._children(key))
+        return any((masks.get(child, 0) >> shift) & _GROUP for child in kids)
 
     def largest(self) -> WorkerKey | None:
         best: tuple[int, WorkerKey] | None = None

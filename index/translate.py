@@ -3,7 +3,9 @@
 kvgate recomputes its own key for every stored block from the event's ``token_ids``, chained
 from the key of the parent block (looked up by the parent's engine hash), and remembers
 engine hash → key so that later ``BlockRemoved`` events (which carry only engine hashes) can be
-applied. The map shrinks with removals and clears.
+applied. The map shrinks with removals and clears, and with the table: once it maps more
+hashes than twice what the domain holds (the cap pruned them), the hashes of blocks the domain
+no longer holds are forgotten.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ class HashKeyMap(Protocol):
     def clear(self) -> None: ...
     def put_many(self, hashes: Sequence[int], keys: Sequence[int], /) -> None: ...
     def take_many(self, hashes: Sequence[int], /) -> Sequence[int]: ...
+    def retain(self, keys: Sequence[int], /) -> int: ...
 
 
 class _DictKeyMap(dict[int, int]):
+    def retain(self, keys: Sequence[int], /) -> int:
+        wanted = set(keys)
+        gone = [h for h, key in self.items() if key not in wanted]
+        for engine_hash in gone:
+            del self[engine_hash]
+        return len(gone)
+
     def put_many(self, hashes: Sequence[int], keys: Sequence[int], /) -> None:
         self.update(zip(hashes, keys, strict=True))
 
@@ -58,6 +68,7 @@ except ImportError:  # never built (pip install builds it): Python dict and per-
     _native_msgpack_keys = None
 
 _GPU_ONLY = 1 << Tier.GPU
+_MAPPED_SLACK = 1024  # hashes mapped beyond twice the domain's blocks before it is compacted
 
 
 class Outcome(enum.Enum):
@@ -67,6 +78,8 @@ class Outcome(enum.Enum):
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     MALFORMED = "malformed"
     IGNORED = "ignored"
+    PARENT_PRUNED = "parent_pruned"  # stored under a block the domain no longer holds: skipped
+    OVER_LIMIT = "over_limit"  # more blocks than max_event_blocks: the domain is cleared
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
@@ -106,6 +119,9 @@ class Translator:
         self._tiers: dict[EngineBlockHash, int] = {}  # only hashes held in tiers other than GPU
         self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.mismatched = False
+        self.trimmed = False  # hashes of pruned blocks were forgotten since the last clear
+        self._max_blocks = config.max_event_blocks
+        self._holds = index.holds
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -137,11 +153,28 @@ class Translator:
         After an engine restart a block-size mismatch is checked afresh."""
         if restarted:
             self.mismatched = False
+        self.trimmed = False
         self._keys.clear()
         self._tiers.clear()
         self._index.clear_worker(self.worker)
 
+    def shrink(self) -> bool:
+        """Once the map holds more than twice the domain's blocks plus some slack, forget the
+        hashes of blocks the domain no longer holds; False if it still does after that (a
+        publisher mapping many hashes to few blocks: the caller clears the domain)."""
+        keys = self._keys
+        bound = 2 * self._index.domain_entries(self.worker) + _MAPPED_SLACK
+        if len(keys) <= bound:
+            return True
+        if keys.retain(self._index.held_keys(self.worker)):
+            self.trimmed = True
+        if self._tiers:
+            self._tiers = {h: held for h, held in self._tiers.items() if h in keys}
+        return len(keys) <= bound
+
     def _stored(self, event: BlockStored) -> Translated:
+        if len(event.block_hashes) > self._max_blocks:
+            return Translated(Outcome.OVER_LIMIT)
         if event.block_size != self.block_size:
             if not self.mismatched:
                 log.warning(
@@ -159,8 +192,10 @@ class Translator:
         parent: BlockKey | None = None
         if parent_hash is not None:
             parent = cast("BlockKey | None", self._keys.get(parent_hash))
-            if parent is None:
-                return Translated(Outcome.UNKNOWN_PARENT)
+            if parent is None:  # once trimmed, it may be a pruned one
+                return Translated(Outcome.PARENT_PRUNED if self.trimmed else Outcome.UNKNOWN_PARENT)
+            if not self._holds(self.worker, parent):  # the cap pruned it
+                return Translated(Outcome.PARENT_PRUNED)
         seed = self._seed(lora_name_of(event), cache_salt_of(event))
         try:
             keys = self._keys_of(event, len(hashes), seed, parent)
@@ -209,6 +244,8 @@ class Translator:
         return block_keys(ids, self.block_size, seed, parent)
 
     def _removed(self, event: BlockRemoved) -> Translated:
+        if len(event.block_hashes) > self._max_blocks:
+            return Translated(Outcome.OVER_LIMIT)
         tier = self._config.tier_of(event.medium)
         if not self._tiers:  # every known block is held on GPU only: one native call
             if tier != Tier.GPU:

@@ -398,6 +398,40 @@ static PyObject *Table_memory_bytes(TableObject *self, PyObject *Py_UNUSED(ignor
     return PyLong_FromSize_t(total);
 }
 
+/* holds(slot, key) -> bool: the slot holds the key in some tier */
+static PyObject *Table_holds(TableObject *self, PyObject *args)
+{
+    PyObject *slot_obj, *key_obj;
+    if (!PyArg_ParseTuple(args, "OO", &slot_obj, &key_obj))
+        return NULL;
+    size_t slot;
+    uint64_t key;
+    if (as_size(slot_obj, &slot) < 0 || as_u64(key_obj, &key) < 0)
+        return NULL;
+    const Slot *s = table_slot_if(&self->t, slot);
+    return PyBool_FromLong(s != NULL && slot_tiers(s, key) != 0);
+}
+
+/* held_keys(slot) -> bytes: the keys the slot holds, as uint64 in native byte order */
+static PyObject *Table_held_keys(TableObject *self, PyObject *slot_obj)
+{
+    size_t slot;
+    if (as_size(slot_obj, &slot) < 0)
+        return NULL;
+    const Slot *s = table_slot_if(&self->t, slot);
+    size_t n = s == NULL ? 0 : s->nodes.len;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    if (out == NULL)
+        return NULL;
+    uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(out);
+    size_t k = 0;
+    for (size_t i = 0; s != NULL && i < s->nodes.cap && k < n; i++) {
+        if (s->nodes.cells[i].val.used)
+            memcpy(&keys[k++], &s->nodes.cells[i].key, 8);
+    }
+    return out;
+}
+
 static PyObject *Table_largest_slot(TableObject *self, PyObject *Py_UNUSED(ignored))
 {
     size_t slot;
@@ -423,6 +457,10 @@ static PyMethodDef Table_methods[] = {
     {"slot_info", (PyCFunction)Table_slot_info, METH_O,
      "(entries, gpu, cpu, disk, orphans) of a slot"},
     {"memory_bytes", (PyCFunction)Table_memory_bytes, METH_NOARGS, "bytes allocated"},
+    {"holds", (PyCFunction)Table_holds, METH_VARARGS,
+     "holds(slot, key) -> bool: the slot holds the key in some tier"},
+    {"held_keys", (PyCFunction)Table_held_keys, METH_O,
+     "held_keys(slot) -> bytes: the keys the slot holds (uint64, native byte order)"},
     {"largest_slot", (PyCFunction)Table_largest_slot, METH_NOARGS,
      "the slot with the most entries (the lowest on ties), or None"},
     {NULL, NULL, 0, NULL},
@@ -495,6 +533,7 @@ static PyObject *KeyMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     memset(&self->m, 0, sizeof(self->m));
+    self->m.seed = kv_random_seed();
     self->array_type = import_array_type();
     if (self->array_type == NULL) {
         Py_DECREF(self);
@@ -645,6 +684,46 @@ static PyObject *KeyMap_take_many(KeyMapObject *self, PyObject *hashes_obj)
     return out;
 }
 
+/* Keep the hashes that map to one of ``keys``; returns how many went. -1: no memory. */
+static Py_ssize_t map_retain(U64Map *m, const uint64_t *keys, size_t n, uint64_t seed)
+{
+    KeySet wanted = {.seed = seed};
+    U64Map kept = {.seed = m->seed};
+    int created, rc = 0;
+    for (size_t i = 0; i < n && rc == 0; i++)
+        rc = KeySet_insert(&wanted, keys[i], &created) ? 0 : -1;
+    for (size_t i = 0; i < m->cap && rc == 0; i++) {
+        const U64MapCell *cell = &m->cells[i];
+        if (!cell->used || KeySet_find(&wanted, cell->val) == NULL)
+            continue;
+        U64MapCell *copy = U64Map_insert(&kept, cell->key, &created);
+        if (copy == NULL)
+            rc = -1;
+        else
+            copy->val = cell->val;
+    }
+    KeySet_free(&wanted);
+    if (rc < 0) {
+        U64Map_free(&kept);
+        return -1;
+    }
+    Py_ssize_t gone = (Py_ssize_t)(m->len - kept.len);
+    U64Map_free(m);
+    *m = kept;
+    return gone;
+}
+
+/* retain(keys) -> int: forget every hash whose key is not in ``keys``; how many went. */
+static PyObject *KeyMap_retain(KeyMapObject *self, PyObject *keys_obj)
+{
+    KeyArray keys;
+    if (key_array_open(keys_obj, "keys must be a sequence", &keys) < 0)
+        return NULL;
+    Py_ssize_t gone = map_retain(&self->m, keys.items, (size_t)keys.n, self->m.seed);
+    key_array_close(&keys);
+    return gone < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(gone);
+}
+
 static PyObject *KeyMap_memory_bytes(KeyMapObject *self, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromSize_t(self->m.cap * sizeof(U64MapCell));
@@ -657,6 +736,8 @@ static PyMethodDef KeyMap_methods[] = {
     {"put_many", (PyCFunction)KeyMap_put_many, METH_VARARGS, "put_many(hashes, keys)"},
     {"take_many", (PyCFunction)KeyMap_take_many, METH_O,
      "take_many(hashes) -> array('Q') of the keys of the hashes present (they are removed)"},
+    {"retain", (PyCFunction)KeyMap_retain, METH_O,
+     "retain(keys) -> int: forget the hashes whose key is not in keys; how many went"},
     {"memory_bytes", (PyCFunction)KeyMap_memory_bytes, METH_NOARGS, "bytes allocated"},
     {NULL, NULL, 0, NULL},
 };
@@ -947,24 +1028,79 @@ static int read_field(Reader *r, WireEvent *ev, int f)
     return f < 0 ? mp_skip(r) : mp_span(r, &ev->field[f], &ev->len[f]);
 }
 
+/* The key of a map event's next pair: a field index, F_TYPE, or -1 (a key kvgate ignores).
+ * ``seen`` collects the keys read so far: a key met twice fails (both paths reject a batch
+ * with such an event: tests/test_native_ingest.py). */
+enum { F_TYPE = F_COUNT };
+
+static int map_key(Reader *r, unsigned *seen, int *key)
+{
+    const uint8_t *name;
+    size_t len;
+    if (mp_str(r, &name, &len) < 0)
+        return -1;
+    *key = mp_str_is(name, len, "type") ? F_TYPE : field_index(name, len);
+    if (*key < 0)
+        return 0;
+    if (*seen >> *key & 1)
+        return -1;
+    *seen |= 1u << *key;
+    return 0;
+}
+
 static int parse_map_event(Reader *r, WireEvent *ev)
 {
     size_t pairs;
+    unsigned seen = 0;
     if (mp_map(r, &pairs) < 0)
         return -1;
     for (size_t i = 0; i < pairs; i++) {
-        const uint8_t *name, *tag;
-        size_t len, tag_len;
-        if (mp_str(r, &name, &len) < 0)
+        const uint8_t *tag;
+        size_t tag_len;
+        int key;
+        if (map_key(r, &seen, &key) < 0)
             return -1;
-        if (mp_str_is(name, len, "type")) {
+        if (key == F_TYPE) {
             if (mp_str(r, &tag, &tag_len) < 0 || !(ev->kind = event_kind(tag, tag_len)))
                 return -1;
-        } else if (read_field(r, ev, field_index(name, len)) < 0) {
+        } else if (read_field(r, ev, key) < 0) {
             return -1;
         }
     }
     return ev->kind ? 0 : -1;
+}
+
+/* Does a map event of the batch hold a known key twice? 0 when none does or the batch cannot
+ * be read this far (the decoder then gives its own answer). */
+static int batch_repeats_a_key(const uint8_t *buf, size_t len)
+{
+    Reader r = {buf, buf + len};
+    size_t fields, count, pairs;
+    double ts;
+    if (mp_array(&r, &fields) < 0 || fields < 2 || mp_number(&r, &ts) < 0 ||
+        mp_array(&r, &count) < 0)
+        return 0;
+    for (size_t i = 0; i < count; i++) {
+        if (!mp_left(&r, 1) || !((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF)) {
+            if (mp_skip(&r) < 0)
+                return 0;
+            continue;
+        }
+        unsigned seen = 0;
+        if (mp_map(&r, &pairs) < 0)
+            return 0;
+        for (size_t j = 0; j < pairs; j++) {
+            int key;
+            const uint8_t *name;
+            size_t name_len;
+            Reader at = r;
+            if (map_key(&r, &seen, &key) < 0)
+                return mp_str(&at, &name, &name_len) == 0; /* a string read twice: repeated */
+            if (mp_skip(&r) < 0)
+                return 0;
+        }
+    }
+    return 0;
 }
 
 static int parse_array_event(Reader *r, WireEvent *ev)
@@ -989,13 +1125,13 @@ static int field_is_nil(const WireEvent *ev, int f)
     return ev->field[f] == NULL || (ev->len[f] == 1 && ev->field[f][0] == 0xC0);
 }
 
-static int valid_hashes(const uint8_t *buf, size_t len)
+static int valid_hashes(const uint8_t *buf, size_t len, size_t max_blocks)
 {
     Reader r = {buf, buf + len};
     size_t count;
     uint64_t h;
-    if (mp_array(&r, &count) < 0)
-        return 0;
+    if (mp_array(&r, &count) < 0 || count > max_blocks)
+        return 0; /* past the bound: the general path clears the domain */
     for (size_t i = 0; i < count; i++) {
         if (read_hash(&r, &h) < 0)
             return 0;
@@ -1005,9 +1141,10 @@ static int valid_hashes(const uint8_t *buf, size_t len)
 
 /* Is the event in the shape this path takes (and well-formed where the general path would
  * reject the whole batch)? */
-static int event_supported(const WireEvent *ev, uint64_t block_size)
+static int event_supported(const WireEvent *ev, uint64_t block_size, size_t max_blocks)
 {
-    if (ev->field[F_HASHES] == NULL || !valid_hashes(ev->field[F_HASHES], ev->len[F_HASHES]))
+    if (ev->field[F_HASHES] == NULL ||
+        !valid_hashes(ev->field[F_HASHES], ev->len[F_HASHES], max_blocks))
         return 0;
     if (!field_is_nil(ev, F_MEDIUM)) {
         Reader r = {ev->field[F_MEDIUM], ev->field[F_MEDIUM] + ev->len[F_MEDIUM]};
@@ -1055,8 +1192,9 @@ typedef struct {
     U64Map *known;
     uint64_t block_size, root_seed;
     int64_t max_entries;
+    size_t max_blocks;
     Py_ssize_t stored_events, stored_blocks, removed_events, removed_blocks;
-    Py_ssize_t malformed, unknown_parent, pruned;
+    Py_ssize_t malformed, unknown_parent, pruned, pruned_parent;
 } Batch;
 
 /* EventIndex's cap: prune least recently stored leaves of the largest domain. */
@@ -1088,6 +1226,11 @@ static int apply_stored(Batch *b, const WireEvent *ev)
             return 0;
         }
         prev = cell->val;
+        const Slot *s = table_slot_if(b->table, b->slot);
+        if (s == NULL || !slot_tiers(s, prev)) { /* the cap pruned it: skipped, counted */
+            b->pruned_parent++;
+            return 0;
+        }
     }
     rc = read_hashes(ev->field[F_HASHES], ev->len[F_HASHES], &hashes, &n);
     if (rc == WIRE_OK)
@@ -1171,7 +1314,7 @@ static void prefetch_blocks(const Batch *b, const WireEvent *ev)
 }
 
 /* Parse and check a payload; the events go to ``*events`` (malloc'd). 0: supported. */
-static int parse_batch(const uint8_t *buf, size_t len, int64_t rank, uint64_t block_size,
+static int parse_batch(const uint8_t *buf, size_t len, int64_t rank, const Batch *b,
                        double *ts, WireEvent **events, size_t *count)
 {
     Reader r = {buf, buf + len};
@@ -1188,7 +1331,7 @@ static int parse_batch(const uint8_t *buf, size_t len, int64_t rank, uint64_t bl
         int is_map = mp_left(&r, 1) && ((*r.p & 0xF0) == 0x80 || *r.p == 0xDE || *r.p == 0xDF);
         if ((form >= 0 && form != is_map) ||
             (is_map ? parse_map_event(&r, &evs[i]) : parse_array_event(&r, &evs[i])) < 0 ||
-            !event_supported(&evs[i], block_size)) {
+            !event_supported(&evs[i], b->block_size, b->max_blocks)) {
             free(evs);
             return -1;
         }
@@ -1212,17 +1355,19 @@ static int parse_batch(const uint8_t *buf, size_t len, int64_t rank, uint64_t bl
     return 0;
 }
 
-/* ingest_batch(payload, table, slot, keymap, rank, block_size, root_seed, max_entries)
+/* ingest_batch(payload, table, slot, keymap, rank, block_size, root_seed, max_entries,
+ *              max_blocks)
  *   -> (ts, events, stored_events, stored_blocks, removed_events, removed_blocks, malformed,
- *       unknown_parent, pruned), or None when the payload is not for this path. */
+ *       unknown_parent, pruned, pruned_parent), or None when the payload is not for this
+ *   path. */
 static PyObject *ingest_batch(PyObject *Py_UNUSED(module), PyObject *args)
 {
     Py_buffer view;
     PyObject *table_obj, *keymap_obj, *seed_obj;
-    Py_ssize_t slot, rank, block_size, max_entries;
-    if (!PyArg_ParseTuple(args, "y*O!nO!nnOn", &view, &TableType, &table_obj, &slot,
+    Py_ssize_t slot, rank, block_size, max_entries, max_blocks;
+    if (!PyArg_ParseTuple(args, "y*O!nO!nnOnn", &view, &TableType, &table_obj, &slot,
                           &KeyMapType, &keymap_obj, &rank, &block_size, &seed_obj,
-                          &max_entries))
+                          &max_entries, &max_blocks))
         return NULL;
     Batch b = {0};
     b.table = &((TableObject *)table_obj)->t;
@@ -1230,14 +1375,15 @@ static PyObject *ingest_batch(PyObject *Py_UNUSED(module), PyObject *args)
     b.slot = (size_t)slot;
     b.block_size = (uint64_t)block_size;
     b.max_entries = max_entries;
+    b.max_blocks = max_blocks < 0 ? 0 : (size_t)max_blocks;
     PyObject *out = NULL;
     WireEvent *events = NULL;
     size_t count = 0;
     double ts = 0;
     if (slot < 0 || block_size_arg(block_size) < 0 || as_u64(seed_obj, &b.root_seed) < 0)
         goto done;
-    if (parse_batch((const uint8_t *)view.buf, (size_t)view.len, rank, b.block_size, &ts,
-                    &events, &count) < 0) {
+    if (parse_batch((const uint8_t *)view.buf, (size_t)view.len, rank, &b, &ts, &events,
+                    &count) < 0) {
         out = Py_NewRef(Py_None);
         goto done;
     }
@@ -1253,13 +1399,24 @@ static PyObject *ingest_batch(PyObject *Py_UNUSED(module), PyObject *args)
             goto done;
         }
     }
-    out = Py_BuildValue("(dnnnnnnnn)", ts, (Py_ssize_t)count, b.stored_events, b.stored_blocks,
-                        b.removed_events, b.removed_blocks, b.malformed, b.unknown_parent,
-                        b.pruned);
+    out = Py_BuildValue("(dnnnnnnnnn)", ts, (Py_ssize_t)count, b.stored_events,
+                        b.stored_blocks, b.removed_events, b.removed_blocks, b.malformed,
+                        b.unknown_parent, b.pruned, b.pruned_parent);
 done:
     free(events);
     PyBuffer_Release(&view);
     return out;
+}
+
+/* repeats_a_key(payload) -> bool: a map event of the batch holds a known key twice */
+static PyObject *repeats_a_key(PyObject *Py_UNUSED(module), PyObject *payload)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int found = batch_repeats_a_key((const uint8_t *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(found);
 }
 
 static PyObject *xxh3_64(PyObject *Py_UNUSED(module), PyObject *args)
@@ -1286,8 +1443,10 @@ static PyMethodDef module_methods[] = {
     {"fold_hashes", fold_hashes, METH_O,
      "fold_hashes(raw) -> array('Q'): a msgpack array of block hashes folded to uint64"},
     {"ingest_batch", ingest_batch, METH_VARARGS,
-     "ingest_batch(payload, table, slot, keymap, rank, block_size, root_seed, max_entries) -> "
-     "counts, or None when the payload needs the general path"},
+     "ingest_batch(payload, table, slot, keymap, rank, block_size, root_seed, max_entries, "
+     "max_blocks) -> counts, or None when the payload needs the general path"},
+    {"repeats_a_key", repeats_a_key, METH_O,
+     "repeats_a_key(payload) -> bool: a map event of the KV-event batch holds a key twice"},
     {"xxh3_64", xxh3_64, METH_VARARGS, "xxh3_64(data, seed) -> int"},
     {NULL, NULL, 0, NULL},
 };
