@@ -100,7 +100,7 @@ async def test_slow_request_body_is_408() -> None:
 async def test_unread_body_dribbling_after_the_answer_is_cut() -> None:
     """A route that does not read the body answers; the rest of the body, dribbled (each
     byte resets uvicorn's idle timer), cannot hold the connection past the body timeout."""
-    async with kvgate([], client={"body_timeout_s": 0.3}) as gw:
+    async with kvgate([], client={"body_timeout_s": 2.0}) as gw:  # /health answers first
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(gw.url))
         try:
             writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
@@ -138,8 +138,8 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
 async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
     """Chunks keep coming (the per-chunk read timeout never fires); the whole-response
     deadline ends the stream with an error event and frees the worker."""
-    upstream = {"response_timeout_s": 0.5, "read_timeout_s": 60}
-    async with fleet(FakeEngine()) as f, kvgate(f.urls, upstream=upstream) as gw:
+    upstream = {"response_timeout_s": 3.0, "read_timeout_s": 60}  # the first chunk is sent
+    async with fleet(FakeEngine()) as f, kvgate(f.urls, upstream=upstream) as gw:  # at once
         body = {**CHAT, "stream": True, "fake": {"trickle": True}}
         r = await gw.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
