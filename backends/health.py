@@ -172,18 +172,24 @@ class HealthChecker:
             worker.scraped = ScrapedLoad()
 
     async def _get(self, worker: Worker, path: str) -> _Answer:
-        """``GET`` one of the worker's paths, its body read up to ``_MAX_ANSWER_BYTES``."""
-        headers = _headers(worker)
+        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
+        trickling worker cannot stall the probe round), up to ``_MAX_ANSWER_BYTES``."""
         timeout = self._config.timeout_s
-        async with self._client.stream(
-            "GET", worker.url + path, headers=headers, timeout=timeout
-        ) as response:
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._read(worker.url + path, _headers(worker))
+        except TimeoutError as exc:
+            raise _ProbeFailed(f"GET {path}: no whole answer within {timeout:g} s") from exc
+
+    async def _read(self, url: str, headers: dict[str, str]) -> _Answer:
+        timeout = self._config.timeout_s  # also httpx's, for its own pool and connect waits
+        async with self._client.stream("GET", url, headers=headers, timeout=timeout) as response:
             chunks: list[bytes] = []
             size = 0
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
                 if size > _MAX_ANSWER_BYTES:
-                    raise _ProbeFailed(f"GET {path}: answer over {_MAX_ANSWER_BYTES} bytes")
+                    raise _ProbeFailed(f"answer over {_MAX_ANSWER_BYTES} bytes")
                 chunks.append(chunk)
         return _Answer(response.status_code, b"".join(chunks))
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, parse_response, request_bytes
 from fakes.server import wait_for
+
+from backends import health
 
 pytestmark = pytest.mark.anyio
 
@@ -197,3 +200,45 @@ async def test_limit_defaults_are_set_and_long() -> None:
             "upstream_response_bytes", "request_bytes",
         ):  # fmt: skip
             assert f'kvgate_limits_exceeded_total{{limit="{limit}"}} 0.0' in text
+
+
+class HostileMetricsEngine(FakeEngine):
+    """A fake engine whose /metrics page is huge, or trickles without end."""
+
+    def __init__(self, *, trickle: bool = False, size: int = 0) -> None:
+        super().__init__()
+        self.trickle = trickle
+        self.size = size
+
+    async def _route(self, method: str, path: str, body: Any, receive: Any, send: Any) -> None:
+        if path != "/metrics":
+            await super()._route(method, path, body, receive, send)
+            return
+        head = [(b"content-type", b"text/plain")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        if not self.trickle:
+            await send({"type": "http.response.body", "body": b"#" * self.size})
+            return
+        gone = asyncio.ensure_future(receive())  # the disconnect
+        while not gone.done():
+            await send({"type": "http.response.body", "body": b"# x\n", "more_body": True})
+            await asyncio.wait({gone}, timeout=0.01)
+
+
+@pytest.mark.parametrize("engine", [{"trickle": True}, {"size": 4096}], ids=["trickle", "huge"])
+async def test_worker_answers_to_probes_are_bounded(
+    engine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape gets its whole answer within the probe timeout and up to a size cap: a
+    trickling or huge /metrics page fails that scrape, it does not stall the probe round."""
+    monkeypatch.setattr(health, "_MAX_ANSWER_BYTES", 1024, raising=False)  # (before: none)
+    health_settings = {"interval_s": 3600, "metrics_interval_s": 0, "timeout_s": 0.3}
+    async with (
+        fleet(HostileMetricsEngine(**engine)) as f,
+        kvgate(f.urls, health=health_settings) as gw,
+    ):
+        async with asyncio.timeout(30):  # a "no hang" guard only
+            await gw.gateway.health.scrape_all()
+        labels = {"worker": f.urls[0]}
+        assert gw.metric("kvgate_metrics_scrape_failures_total", labels) == 1
+        assert gw.gateway.registry.get(f.urls[0]).healthy  # /health itself is fine
