@@ -140,12 +140,23 @@ def test_worker_allow_is_validated_at_start_up() -> None:
 
 
 async def test_discovered_hosts_are_allowed_by_default() -> None:
-    """A worker found by --discover makes its host eligible for POST /admin/workers."""
-    async with kvgate([]) as gw:
-        allow = gw.gateway.allowlist
-        assert not await allow.permits_host("10.4.5.6")
-        gw.gateway.allowlist.add_known_hosts(lambda: ["10.4.5.6"])
-        assert await allow.permits_host("10.4.5.6")
+    """A worker found by --discover makes its address eligible for POST /admin/workers,
+    while discovery knows it; explicit --worker-allow rules are left as given."""
+    async with kvgate([], discover=["dns://localhost:1?interval=3600"]) as gw:
+        assert gw.gateway.discovery is not None
+        assert gw.gateway.discovery.hosts() == ["127.0.0.1"]
+        assert "discovered" in gw.gateway.allowlist.describe()  # wired to the fleet
+    known: list[str] = []
+    allow = WorkerAllowlist()
+    allow.add_known_hosts(lambda: known)
+    assert not await allow.permits_host("10.4.5.6")
+    known.append("10.4.5.6")
+    assert await allow.permits_host("10.4.5.6")
+    known.clear()  # discovery forgot it
+    assert not await allow.permits_host("10.4.5.6")
+    explicit = WorkerAllowlist(["192.168.0.0/16"])
+    explicit.add_known_hosts(lambda: ["10.4.5.6"])
+    assert not await explicit.permits_host("10.4.5.6")
 
 
 async def test_upstream_failures_tell_clients_no_network_detail() -> None:
