@@ -21,12 +21,12 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.config import Settings
-from router.errors import KvgateError, NotFound
+from router.errors import InvalidRequest, KvgateError, NotFound
 from router.gateway import Gateway, error_response, json_response
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, register_worker_gauges
 from router.proxy import Proxy
-from router.requests import ChatBody, CompletionBody, decode_json
+from router.requests import ChatBody, CompletionBody, check_path, decode_json
 from router.routing import Router
 from router.upstream import UpstreamPool
 from scoring.api import Policy
@@ -135,6 +135,11 @@ class KvgateApp(FastAPI):
                 scope["app"] = self
                 response = await handler(Request(scope, receive, send))
                 await response(scope, receive, send)
+                return
+            try:  # before routing: a path with CR or LF would match no route (a 404)
+                check_path(scope["path"])
+            except InvalidRequest as exc:
+                await error_response(exc)(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 

@@ -205,12 +205,17 @@ def raw_with_usage_requested(raw: bytes, data: dict[str, Any]) -> bytes:
     return raw[:start] + _USAGE_OPTION + raw[start:]
 
 
+def check_path(path: str) -> None:
+    """A decoded request path with control characters (NUL, CR, LF, ...) is a 400."""
+    if _CONTROL.search(path):
+        raise InvalidRequest("the request path holds control characters")
+
+
 def upstream_target(path: str, query: bytes) -> str:
     """The request target a pass-through sends upstream, from the decoded ``path`` and the
     raw ``query``: a ``/v1/...`` path without control characters or dot segments (else a
     400), slashes collapsed, re-encoded; the query as sent, printable ASCII only."""
-    if _CONTROL.search(path):
-        raise InvalidRequest("the request path holds control characters")
+    check_path(path)
     path = _SLASHES.sub("/", path)
     segments = path.split("/")
     if "." in segments or ".." in segments:
