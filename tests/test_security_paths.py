@@ -54,8 +54,10 @@ async def test_hostile_pass_through_paths_are_400() -> None:
 async def test_dot_segment_paths_do_not_reach_other_routes() -> None:
     """``/v1/../admin/workers`` never becomes an admin call nor an upstream one."""
     async with fleet(FakeEngine()) as f, kvgate(f.urls) as gw:
-        r = await exchange(port_of(gw.url), request_bytes("GET", "/v1/../admin/workers"))
+        target = "/v1/../admin/workers?model=fake-model"  # a model: worth forwarding
+        r = await exchange(port_of(gw.url), request_bytes("GET", target))
         assert r.status == 400 and "workers" not in r.json()
+        assert all(s.path != "/v1/../admin/workers" for s in f.engines[0].seen)
 
 
 async def test_normal_pass_through_paths_are_forwarded_canonically() -> None:
