@@ -531,6 +531,10 @@ class DiscoveredFleet:
         for target in self.targets:
             await target.stop()
 
+    def hosts(self) -> list[str]:
+        """The addresses of every worker the targets currently know."""
+        return [worker.address for target in self.targets for worker in target.workers]
+
     async def _on_added(self, worker: DiscoveredWorker) -> None:
         if self._exists(worker.url):
             logger.info("discovery: %s is already registered; left as configured", worker.url)

@@ -4,14 +4,21 @@ Precedence, highest first: command-line flags, environment (``KVGATE_PORT``, nes
 ``__`` as in ``KVGATE_HEALTH__INTERVAL_S``), the ``--config`` YAML file, defaults.
 A worker can be written as a mapping or in the compact CLI form
 ``URL[,engine=vllm][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+
+Secrets (client keys, the admin token, engine keys, URL credentials) live in ``SecretStr``
+fields only: they are refused when empty and never echoed in errors; a worker URL's
+``user:password@`` becomes its HTTP Basic credentials and leaves the URL (the worker's id,
+shown everywhere), so it cannot be displayed.
 """
 
 from __future__ import annotations
 
+import re
+from base64 import b64encode
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import pydantic
@@ -26,6 +33,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from backends.allowlist import parse_allow_rule
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
 from index.types import WorkerId
@@ -35,32 +43,87 @@ from scoring.policies import POLICY_NAMES
 EngineKind = Literal["vllm", "sglang", "openai"]
 
 _WORKER_KEYS = {"engine", "models", "events", "replay", "api_key"}
-_SECRET_FIELDS = {"api_key", "api_keys", "admin_token"}
+_SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
+_USERINFO = re.compile(r"(?<=://)[^/@\s'\"]*@")
+_KEY_VALUE = re.compile(r"(?i)((?:api_?key|token|password|secret)\w*\s*[=:]\s*)[^,\s'\"}]+")
+_URL_PATH_OK = re.compile(r"[!-~]*")  # printable ASCII, no space: it goes in a request line
+
+
+def strip_userinfo(url: str) -> str:
+    """``url`` without its ``user:password@`` part (what kvgate may show of any URL)."""
+    return _USERINFO.sub("", url)
+
+
+def redact(text: str) -> str:
+    """``text`` with URL credentials and ``api_key=...``-style values masked."""
+    return _KEY_VALUE.sub(r"\1***", _USERINFO.sub("***@", text))
 
 
 def normalise_url(url: str) -> str:
-    """A worker's base URL in canonical form (its ``WorkerId``): no trailing slash."""
+    """A worker's base URL in canonical form (its ``WorkerId``): no credentials, no
+    trailing slash, lower-case host. Errors show the URL without its credentials."""
     url = url.strip().rstrip("/")
     parts = urlsplit(url)
+    shown = strip_userinfo(url)
     if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ValueError(f"expected an http(s)://host[:port] URL, got {url!r}")
+        raise ValueError(f"expected an http(s)://host[:port] URL, got {shown!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"a worker URL takes no query or fragment: {url!r}")
-    return f"{parts.scheme}://{parts.netloc.lower()}{parts.path}"
+        raise ValueError(f"a worker URL takes no query or fragment: {shown!r}")
+    if not _URL_PATH_OK.fullmatch(parts.path):
+        raise ValueError(f"a worker URL path must be printable ASCII without spaces: {shown!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"invalid port in {shown!r}") from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = host if port is None else f"{host}:{port}"
+    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """Parse ``URL,key=value,...`` (``models`` separated by ``;``) into WorkerConfig fields."""
+    """Parse ``URL,key=value,...`` (``models`` separated by ``;``) into WorkerConfig fields.
+
+    Errors name the offending option by its key or position, never by its value (it may
+    be a key)."""
     url, *options = (part.strip() for part in spec.split(","))
     fields: dict[str, Any] = {"url": url}
-    for option in options:
+    allowed = ", ".join(sorted(_WORKER_KEYS))
+    for position, option in enumerate(options, start=1):
         key, sep, value = option.partition("=")
         key = key.strip()
-        if not sep or key not in _WORKER_KEYS:
-            allowed = ", ".join(sorted(_WORKER_KEYS))
-            raise ValueError(f"worker option {option!r}: expected KEY=VALUE with KEY in {allowed}")
+        if not sep:
+            raise ValueError(f"worker option {position} is not KEY=VALUE (KEY in {allowed})")
+        if key not in _WORKER_KEYS:
+            shown = key if key.isidentifier() and len(key) <= 32 else f"number {position}"
+            raise ValueError(f"unknown worker option {shown!r}: expected KEY in {allowed}")
         fields[key] = [m for m in value.split(";") if m] if key == "models" else value
     return fields
+
+
+def _split_userinfo(fields: dict[str, Any]) -> dict[str, Any]:
+    """Move a URL's ``user:password@`` into ``basic_auth``: the URL is shown, never it."""
+    url = fields.get("url")
+    if not isinstance(url, str):
+        return fields
+    parts = urlsplit(url.strip())
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if not at:
+        return fields
+    if fields.get("basic_auth") is not None:
+        raise ValueError("give the worker's credentials once: in the URL or in basic_auth")
+    return {**fields, "url": strip_userinfo(url), "basic_auth": userinfo}
+
+
+def check_secret(value: SecretStr, what: str) -> SecretStr:
+    """A usable secret: not empty or blank, no surrounding spaces nor control characters.
+
+    The message names ``what``, never the value."""
+    text = value.get_secret_value()
+    if not text.strip():
+        raise ValueError(f"{what} is empty: set a real value, or leave it out entirely")
+    if text != text.strip() or not text.isprintable():
+        raise ValueError(f"{what} has surrounding spaces or control characters")
+    return value
 
 
 class WorkerConfig(BaseModel):
@@ -80,11 +143,37 @@ class WorkerConfig(BaseModel):
     api_key: SecretStr | None = Field(
         default=None, description="bearer key kvgate sends to this engine"
     )
+    basic_auth: SecretStr | None = Field(
+        default=None,
+        description="user:password kvgate sends to this engine as HTTP Basic credentials "
+        "(a URL's user:password@ lands here)",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _from_spec(cls, value: Any) -> Any:
-        return parse_worker_spec(value) if isinstance(value, str) else value
+        fields = parse_worker_spec(value) if isinstance(value, str) else value
+        return _split_userinfo(fields) if isinstance(fields, dict) else fields
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
+        return None if key is None else check_secret(key, "api_key")
+
+    @field_validator("basic_auth")
+    @classmethod
+    def _usable_credentials(cls, credentials: SecretStr | None) -> SecretStr | None:
+        if credentials is None:
+            return None
+        if ":" not in credentials.get_secret_value():
+            raise ValueError("basic_auth: expected user:password")
+        return check_secret(credentials, "basic_auth")
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> WorkerConfig:
+        if self.api_key is not None and self.basic_auth is not None:
+            raise ValueError("give the engine either an api_key or URL credentials, not both")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -103,6 +192,16 @@ class WorkerConfig(BaseModel):
     @property
     def id(self) -> WorkerId:
         return WorkerId(self.url)
+
+    def authorization(self) -> str | None:
+        """The ``Authorization`` header value kvgate sends this engine, if any."""
+        if self.api_key is not None:
+            return "Bearer " + self.api_key.get_secret_value()
+        if self.basic_auth is not None:
+            user, _, password = self.basic_auth.get_secret_value().partition(":")
+            pair = f"{unquote(user)}:{unquote(password)}".encode()
+            return "Basic " + b64encode(pair).decode("ascii")
+        return None
 
 
 class HealthConfig(BaseModel):
@@ -140,6 +239,40 @@ class UpstreamConfig(BaseModel):
     )
     max_failover: int = Field(
         default=2, ge=0, description="further workers tried when one fails before answering"
+    )
+    response_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="longest one request's whole exchange with engines may take, streamed or "
+        "not (504 before the answer starts, an error event inside a stream after)",
+    )
+    max_response_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1,
+        description="largest non-streamed engine answer kvgate buffers (502 beyond; streams "
+        "are relayed, not buffered)",
+    )
+
+
+class ClientConfig(BaseModel):
+    """Limits on client connections (408, 503)."""
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="longest a new connection may go without a request head, and a head "
+        "begun may take to complete (408; an idle or blank-line-only connection is closed)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="longest a request body may take to arrive once the bytes read so far "
+        "leave it incomplete (408)",
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="client connections served at once; requests on any further one get 503",
     )
 
 
@@ -198,7 +331,15 @@ class Settings(BaseSettings):
         default_factory=list, description="client API keys (Bearer); none: no client auth"
     )
     admin_token: SecretStr | None = Field(
-        default=None, description="token protecting /admin and /debug (Bearer); none: open"
+        default=None,
+        description="token protecting /admin and /debug (Bearer); none: those answer only "
+        "when kvgate listens on loopback alone",
+    )
+    worker_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts workers added at run time (POST /admin/workers) and their event "
+        "endpoints may be on: CIDRs and host patterns; none given: loopback and the hosts "
+        "of configured and discovered workers",
     )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
@@ -229,13 +370,33 @@ class Settings(BaseSettings):
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 
-    @field_validator("workers", "api_keys", mode="before")
+    @field_validator("workers", "api_keys", "worker_allow", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_words(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _usable_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for position, key in enumerate(keys):
+            check_secret(key, f"API key {position + 1}")
+        return keys
+
+    @field_validator("admin_token")
+    @classmethod
+    def _usable_token(cls, token: SecretStr | None) -> SecretStr | None:
+        return None if token is None else check_secret(token, "the admin token")
+
+    @field_validator("worker_allow")
+    @classmethod
+    def _valid_rules(cls, rules: list[str]) -> list[str]:
+        for rule in rules:
+            parse_allow_rule(rule)  # a ValueError naming the problem
+        return rules
 
     @field_validator("discover", mode="before")
     @classmethod
@@ -306,14 +467,22 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names every offending field."""
 
 
-def format_validation_error(exc: pydantic.ValidationError) -> str:
+def validation_problems(exc: pydantic.ValidationError, root: str = "(settings)") -> list[str]:
+    """One ``field: message (got input)`` line per problem, secrets left out: inputs of
+    secret fields and of workers (a spec string may hold a key anywhere) are not shown."""
     lines = []
-    for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "(settings)"
-        secret = any(str(part) in _SECRET_FIELDS for part in err["loc"])
-        shown = "input" in err and not isinstance(err["input"], dict) and not secret
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in err["loc"]) or root
+        hidden = any(str(part) in _SECRET_FIELDS for part in err["loc"])
+        hidden = hidden or (bool(err["loc"]) and err["loc"][0] in ("workers", "url"))
+        shown = "input" in err and not isinstance(err["input"], dict | list) and not hidden
         got = f" (got {err['input']!r})" if shown else ""
-        lines.append(f"  {field}: {err['msg']}{got}")
+        lines.append(redact(f"{field}: {err['msg']}{got}"))
+    return lines
+
+
+def format_validation_error(exc: pydantic.ValidationError) -> str:
+    lines = (f"  {line}" for line in validation_problems(exc))
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -336,4 +505,4 @@ def load_settings(
     except pydantic.ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
     except (msgspec.DecodeError, yaml.YAMLError, SettingsError, ValueError) as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from exc
+        raise ConfigError(redact(f"invalid configuration: {exc}")) from exc

@@ -5,6 +5,10 @@ OpenAI error ``type``, a machine ``code`` and the offending ``param``. Upstream 
 failures raised by httpx are mapped to the most specific subclass by ``from_httpx``.
 Before a response has started the error becomes a JSON response; once a stream has
 started it goes inside the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
+
+What a client reads of an upstream failure is its kind (cannot connect, timed out, broke
+the connection) and the worker, never the network detail (errno text, addresses, status of
+a probe): that stays in ``UpstreamError.detail`` for logs and the admin view.
 """
 
 from __future__ import annotations
@@ -82,6 +86,64 @@ class Unauthorized(KvgateError):
         super().__init__(message, code=code, headers={"www-authenticate": "Bearer"})
 
 
+class Forbidden(KvgateError):
+    """Authenticated or not, this caller may not do this (403)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class AdminDisabled(Forbidden):
+    """No admin token is set and kvgate listens beyond loopback: admin and debug are off."""
+
+    code = "admin_disabled"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the admin API is disabled: kvgate listens beyond loopback and no admin token is "
+            "set (--admin-token or KVGATE_ADMIN_TOKEN)"
+        )
+
+
+class WorkerNotAllowed(Forbidden):
+    """A worker added at run time is on a host outside ``--worker-allow``."""
+
+    code = "worker_not_allowed"
+
+    def __init__(self, host: str, *, param: str, rules: str) -> None:
+        super().__init__(
+            f"host {host!r} is not allowed for workers added at run time (allowed: {rules}; "
+            "see --worker-allow)",
+            param=param,
+        )
+
+
+class RequestTimeout(KvgateError):
+    """The client did not send its request (head or body) in time (408; connection closed)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"connection": "close"})
+
+
+class TooManyConnections(KvgateError):
+    """Every client connection slot is taken (503 + Retry-After; connection closed)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "too_many_connections"
+
+    def __init__(self, limit: int, *, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"kvgate serves at most {limit} client connections at once; retry later",
+            headers={"retry-after": str(retry_after_s), "connection": "close"},
+        )
+
+
 class ClientClosed(KvgateError):
     """The client went away before its request was read (nginx's 499; nobody sees it)."""
 
@@ -149,15 +211,17 @@ class NoHealthyWorker(KvgateError):
 
 
 class UpstreamError(KvgateError):
-    """The chosen engine failed; ``worker`` is its URL."""
+    """The chosen engine failed; ``worker`` is its URL, ``detail`` what exactly happened
+    (for logs and the admin view; the client reads ``message``)."""
 
     status = 502
     type = "upstream_error"
     code = "upstream_error"
 
-    def __init__(self, message: str, *, worker: str) -> None:
+    def __init__(self, message: str, *, worker: str, detail: str | None = None) -> None:
         super().__init__(f"{message} (worker {worker})")
         self.worker = worker
+        self.detail = f"{message}: {detail}" if detail else message
 
 
 class UpstreamConnectError(UpstreamError):
@@ -175,10 +239,19 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
-    """The engine did not answer (or send the next chunk) in time (504)."""
+    """The engine did not answer (or send the next chunk, or finish) in time (504)."""
 
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamResponseTooLarge(UpstreamError):
+    """A non-streamed answer larger than ``upstream.max_response_bytes`` (502)."""
+
+    code = "upstream_response_too_large"
+
+    def __init__(self, limit: int, *, worker: str) -> None:
+        super().__init__(f"the engine's answer exceeds the limit of {limit} bytes", worker=worker)
 
 
 class UpstreamHTTPError(KvgateError):
@@ -219,9 +292,11 @@ def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
     """Map an httpx failure talking to ``worker`` to the most specific ``UpstreamError``."""
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-        return UpstreamConnectError(f"cannot connect to the engine: {detail}", worker=worker)
+        return UpstreamConnectError("cannot connect to the engine", worker=worker, detail=detail)
     if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout(f"the engine timed out: {detail}", worker=worker)
+        return UpstreamTimeout("the engine timed out", worker=worker, detail=detail)
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
-        return UpstreamProtocolError(f"the engine broke the connection: {detail}", worker=worker)
-    return UpstreamError(f"upstream failure: {detail}", worker=worker)
+        return UpstreamProtocolError(
+            "the engine broke the connection", worker=worker, detail=detail
+        )
+    return UpstreamError("upstream failure", worker=worker, detail=detail)

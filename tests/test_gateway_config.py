@@ -144,12 +144,17 @@ def test_help_documents_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
     for name, info in Settings.model_fields.items():
         assert (
             f"KVGATE_{name.upper()}" in text
-            or name in {"health", "upstream"}
+            or name in {"health", "upstream", "client"}
             or (info.annotation is not None and "KVGATE_" in text)
         )
-    for prefix, model in (("health", "HealthConfig"), ("upstream", "UpstreamConfig")):
+    for prefix, model in (
+        ("health", "HealthConfig"),
+        ("upstream", "UpstreamConfig"),
+        ("client", "ClientConfig"),
+    ):
         nested = Settings.model_fields[prefix].annotation
         assert nested is not None and nested.__name__ == model
         for name in nested.model_fields:
             assert f"--{prefix}-{name.replace('_', '-')}" in text
     assert "--worker" in text and "--sim" in text and "--config" in text
+    assert "--worker-allow" in text

@@ -6,7 +6,10 @@ A request body may carry ``"fake": {...}`` (kvgate forwards unknown fields untou
 * ``"hold": "before_headers" | "after_first_chunk"``: stop there until the connection
   goes away (the engine records the cancel) or ``FakeEngine.release`` is set;
 * ``"status": CODE``: answer with this HTTP status and an OpenAI error body;
-* ``"break_stream": true``: send one chunk, then break the connection.
+* ``"break_stream": true``: send one chunk, then break the connection;
+* ``"trickle": true``: stream one chunk every few milliseconds until the client goes away
+  (a response that never ends, though no single wait is long);
+* ``"pad": N``: add a field of N bytes to the (non-streamed) JSON body.
 
 Every request is recorded in ``FakeEngine.seen`` (path, headers, parsed body).
 """
@@ -27,6 +30,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: Any
+    raw_path: bytes = b""
 
 
 @dataclass
@@ -50,7 +54,8 @@ class FakeEngine:
         body = await _read_body(receive)
         parsed = json.loads(body) if body.strip() else None
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        self.seen.append(Seen(scope["method"], scope["path"], headers, parsed))
+        raw_path = scope.get("raw_path") or b""
+        self.seen.append(Seen(scope["method"], scope["path"], headers, parsed, raw_path))
         await self._route(scope["method"], scope["path"], parsed, receive, send)
 
     async def _route(self, method: str, path: str, body: Any, receive: Receive, send: Send) -> None:
@@ -115,7 +120,10 @@ class FakeEngine:
         tokens = int(fake.get("tokens", 3))
         usage = self._usage(body, tokens)
         if not body.get("stream"):
-            await _json(send, _completion(body, chat, tokens, usage, self.name))
+            answer = _completion(body, chat, tokens, usage, self.name)
+            if "pad" in fake:
+                answer["pad"] = "x" * int(fake["pad"])
+            await _json(send, answer)
             return
         await send(
             {
@@ -127,6 +135,9 @@ class FakeEngine:
                 ],
             }
         )
+        if fake.get("trickle"):
+            await self._trickle(body, chat, receive, send)
+            return
         for i in range(tokens):
             await _event(send, _chunk(body, chat, i))
             if i == 0 and fake.get("hold") == "after_first_chunk":
@@ -146,6 +157,23 @@ class FakeEngine:
                 },
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _trickle(
+        self, body: dict[str, Any], chat: bool, receive: Receive, send: Send
+    ) -> None:
+        """One chunk every few milliseconds until the connection goes."""
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            i = 0
+            while not gone.done():
+                await _event(send, _chunk(body, chat, i))
+                i += 1
+                await asyncio.wait({gone}, timeout=0.005)
+            self.cancels += 1
+            self.cancel_seen.set()
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
 
     async def _hold(self, receive: Receive) -> None:
         """Wait until the client disconnects (counted as a cancel) or the test releases us."""

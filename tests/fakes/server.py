@@ -65,19 +65,25 @@ class RunningServer:
 
 @asynccontextmanager
 async def serve(
-    app: Any, *, lifespan: Literal["on", "off"] = "off", port: int = 0
+    app: Any,
+    *,
+    lifespan: Literal["on", "off"] = "off",
+    port: int = 0,
+    config: uvicorn.Config | None = None,
 ) -> AsyncIterator[RunningServer]:
-    """Serve ``app`` on 127.0.0.1:``port`` (0: a free one) until the block exits."""
+    """Serve ``app`` on 127.0.0.1:``port`` (0: a free one) until the block exits; with
+    ``config`` (its host and port unused: the socket is bound here), under that config."""
     sock = bound_socket(port)
-    config = uvicorn.Config(
-        app,
-        lifespan=lifespan,
-        log_level="warning",
-        access_log=False,
-        ws="none",
-        http="httptools",
-        timeout_graceful_shutdown=2,
-    )
+    if config is None:
+        config = uvicorn.Config(
+            app,
+            lifespan=lifespan,
+            log_level="warning",
+            access_log=False,
+            ws="none",
+            http="httptools",
+            timeout_graceful_shutdown=2,
+        )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, sock.getsockname()[1])
