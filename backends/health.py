@@ -22,9 +22,9 @@ import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from backends.config import HealthConfig
 from backends.engines import ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
-from router.config import HealthConfig
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe, model list or /metrics page

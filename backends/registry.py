@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.config import HealthConfig, WorkerConfig, normalise_url
 from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
+from backends.errors import WorkerExists, WorkerNotFound
 from index.types import NO_MATCH, PrefixMatch, WorkerId
-from router.config import HealthConfig, WorkerConfig, normalise_url
-from router.errors import WorkerExists, WorkerNotFound
 from scoring.api import Candidate, WorkerLoad
 
 HealthListener = Callable[["Worker"], None]

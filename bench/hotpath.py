@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
+from backends.config import WorkerConfig
 from backends.registry import WorkerRegistry
 from backends.sim.tokenizer import tokenizer_dir
 from backends.sim.vocab import generated_word
@@ -58,7 +59,6 @@ from index.config import IndexConfig
 from index.service import KvIndexService
 from index.tokenize import ModelTokenizer
 from index.types import BlockKey, WorkerId, WorkerKey
-from router.config import WorkerConfig
 from router.requests import ChatBody, CompletionBody, decode_json_object, validate
 from router.routing import Router
 from scoring.api import Policy

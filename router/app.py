@@ -21,7 +21,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.config import Settings
-from router.errors import InvalidRequest, KvgateError, NotFound
+from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, register_worker_gauges
@@ -252,13 +252,15 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     async def add_worker(request: Request) -> Response:
         gateway.check_admin(request)
         spec: Any = _json_or_text(await gateway.read_body(request))
-        worker = await gateway.admit_worker(spec)
+        with backend_errors():
+            worker = await gateway.admit_worker(spec)
         return json_response(worker.describe(), 201)
 
     @app.delete("/admin/workers/{worker_id:path}", tags=["admin"])
     async def remove_worker(request: Request, worker_id: str) -> Response:
         gateway.check_admin(request)
-        worker = await gateway.remove_worker(worker_id)
+        with backend_errors():
+            worker = await gateway.remove_worker(worker_id)
         return json_response(worker.describe())
 
     @app.post("/debug/route", tags=["admin"])

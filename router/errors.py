@@ -1,10 +1,40 @@
 """kvgate's one error hierarchy and its OpenAI-style wire form.
 
-Every failure the gateway reports is a ``KvgateError``: it knows its HTTP status, the
-OpenAI error ``type``, a machine ``code`` and the offending ``param``. Upstream (engine)
-failures raised by httpx are mapped to the most specific subclass by ``from_httpx``.
-Before a response has started the error becomes a JSON response; once a stream has
-started it goes inside the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
+Every failure the gateway reports to a client is a ``KvgateError``: it knows its HTTP status,
+the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
+
+    KvgateError                      500 server_error
+    ├── InvalidRequest               400 invalid_request_error
+    │   └── InvalidJSON              400
+    ├── Unauthorized                 401 authentication_error (WWW-Authenticate: Bearer)
+    ├── Forbidden                    403 permission_error
+    │   ├── AdminDisabled            403 (no admin token, kvgate listens beyond loopback)
+    │   └── WorkerNotAllowed         403 (a run-time worker outside --worker-allow)
+    ├── RequestTimeout               408 (head or body too slow; connection closed)
+    ├── NotFound                     404 (and 405 for a known path, another method)
+    │   ├── ModelNotFound            404
+    │   └── WorkerNotFound           404 <- backends.errors.WorkerNotFound
+    ├── WorkerExists                 409 <- backends.errors.WorkerExists
+    ├── PayloadTooLarge              413
+    ├── ClientClosed                 499 (nobody reads it: the client is gone)
+    ├── TooManyConnections           503 + Retry-After (connection closed)
+    ├── NoHealthyWorker              503 + Retry-After
+    ├── UpstreamError                502 upstream_error <- httpx.HTTPError
+    │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
+    │   ├── UpstreamProtocolError    502 (retryable while no response byte arrived)
+    │   ├── UpstreamTimeout          504
+    │   └── UpstreamResponseTooLarge 502
+    └── UpstreamHTTPError            the engine's own 4xx/5xx, status and body passed through
+
+Errors of the layers below are mapped here, where HTTP is known, with ``raise ... from exc``:
+``from_httpx`` for engine failures, ``from_backend`` (and the ``backend_errors`` block) for
+the worker registry's refusals. Before a response has started the error becomes a JSON
+response; once a stream has started it goes inside the stream as an SSE
+``data: {"error": ...}`` event (``sse_bytes``).
+
+Not client errors, and so outside the tree: ``router.config.ConfigError`` (invalid settings
+at start-up), ``router.simfleet.SimFleetError`` (``--sim`` replicas did not come up) and
+``router.upstream.BodyTooLarge`` (internal, becomes ``UpstreamResponseTooLarge``).
 
 What a client reads of an upstream failure is its kind (cannot connect, timed out, broke
 the connection) and the worker, never the network detail (errno text, addresses, status of
@@ -13,10 +43,13 @@ a probe): that stays in ``UpstreamError.detail`` for logs and the admin view.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import httpx
 import msgspec
+
+from backends import errors as backend
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -300,3 +333,21 @@ def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
             "the engine broke the connection", worker=worker, detail=detail
         )
     return UpstreamError("upstream failure", worker=worker, detail=detail)
+
+
+def from_backend(exc: backend.BackendError) -> KvgateError:
+    """Map a refusal of the backends layer (the worker registry's) to its client error."""
+    if isinstance(exc, backend.WorkerNotFound):
+        return WorkerNotFound(exc.worker)
+    if isinstance(exc, backend.WorkerExists):
+        return WorkerExists(exc.worker)
+    return KvgateError(str(exc))
+
+
+@contextmanager
+def backend_errors() -> Iterator[None]:
+    """A block whose backend errors reach the client as kvgate errors (``from_backend``)."""
+    try:
+        yield
+    except backend.BackendError as exc:
+        raise from_backend(exc) from exc

@@ -24,11 +24,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
+from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
 from index.types import WorkerId
-from router.config import Settings, WorkerConfig, validation_problems
+from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
     ClientClosed,

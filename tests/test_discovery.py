@@ -9,17 +9,17 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
+from backends.config import WorkerConfig
 from backends.discovery import (
     DiscoveredWorker,
     DiscoveryMetrics,
-    DiscoveryUrlError,
     DnsDiscovery,
     DnsDiscoveryConfig,
     loop_resolver,
     parse_discovery_url,
     worker_for_address,
 )
-from router.config import WorkerConfig
+from backends.errors import DiscoveryUrlError
 
 TARGET = "vllm.ns.svc.cluster.local:8000"
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from backends.config import parse_worker_spec
 from router import serve
-from router.config import ConfigError, Settings, load_settings, parse_worker_spec
+from router.config import ConfigError, Settings, load_settings
 from router.flags import given_settings
 
 
