@@ -4,9 +4,8 @@
     ├── WorkerExists        registry: a worker with this id (its normalised URL) is registered
     ├── WorkerNotFound      registry: no worker has this id
     ├── DiscoveryUrlError   a ``--discover`` URL that cannot be used (also a ValueError)
-    └── ProcessError        a child process started by ``backends.process``
-        ├── ProcessExited   it exited before it was ready (also a RuntimeError)
-        └── ProcessNotReady it was not ready by the deadline (also a TimeoutError)
+    └── ProcessExited       a child process (``backends.process``) exited before it was
+                            ready (also a RuntimeError; not ready in time is a TimeoutError)
 
 None of them knows HTTP: the router maps the registry's to its own client errors
 (``router.errors.from_backend``). Messages name workers by their id, never a credential.
@@ -39,21 +38,10 @@ class DiscoveryUrlError(BackendError, ValueError):
     """A ``--discover`` URL that cannot be used; the message says what to fix."""
 
 
-class ProcessError(BackendError):
-    """A supervised child process failed to come up; ``name`` names it."""
-
-    def __init__(self, message: str, *, name: str) -> None:
-        super().__init__(message)
-        self.name = name
-
-
-class ProcessExited(ProcessError, RuntimeError):
-    """The process exited while we waited for it to become ready."""
+class ProcessExited(BackendError, RuntimeError):
+    """A supervised child process exited while we waited for it to become ready."""
 
     def __init__(self, message: str, *, name: str, returncode: int | None) -> None:
-        super().__init__(message, name=name)
+        super().__init__(message)
+        self.name = name
         self.returncode = returncode
-
-
-class ProcessNotReady(ProcessError, TimeoutError):
-    """The process still runs but was not ready by the deadline."""

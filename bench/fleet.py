@@ -1,31 +1,25 @@
 """Processes a benchmark starts on 127.0.0.1: the simulated fleet and the router under test.
 
-Every process gets its own log file and is stopped by its own pid (SIGTERM, then SIGKILL).
+Every process gets its own log file and process group, and is stopped by its pid (SIGTERM,
+then SIGKILL: ``backends.process``).
 CPU use is read from /proc/<pid>/stat (utime + stime of the process and its live
 descendants, plus what exited children left in cutime/cstime), so no psutil is needed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http
 from backends.sim import cli as sim_cli
 from backends.sim.config import SimConfig
 from backends.sim.tokenizer import tokenizer_dir
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-LOOPBACK = "127.0.0.1"
 SIM_MODEL = "kvgate-sim"
 
 
@@ -87,98 +81,19 @@ def system_cpu_times() -> tuple[float, float]:
     return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
-# --- ports and readiness ------------------------------------------------------------------
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(count: int, start: int = 20000, stride: int = 1, end: int = 60000) -> int:
-    """First port p >= start such that p, p+stride, ... (count ports) are all free."""
-    p = start
-    while p + count * stride < end:
-        if all(port_free(p + i * stride) for i in range(count)):
-            return p
-        p += count * stride
-    raise RuntimeError("no free port range on 127.0.0.1")
-
-
-def wait_http(url: str, timeout_s: float = 60.0, proc: ManagedProcess | None = None) -> None:
-    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` died."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and not proc.alive():
-                raise RuntimeError(f"{proc.name} exited early; see {proc.log_path}")
-            try:
-                resp = client.get(url)
-                if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                last = type(exc).__name__
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last})")
-
-
 # --- managed processes --------------------------------------------------------------------
 
 
-@dataclass
-class ManagedProcess:
-    """A child process with a log file, stopped by pid."""
+class ManagedProcess(ChildProcess):
+    """A benchmark's child: its own log file and process group, ``env`` added to ours."""
 
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] | None = None
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    def start(self) -> ManagedProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **(self.env or {})},
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        if self.popen is None:
-            raise RuntimeError(f"{self.name} not started")
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(argv, name=name, log_path=log_path, env={**os.environ, **(env or {})})
 
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.pid) if self.alive() else 0.0
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group we created, then SIGKILL if it lingers."""
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=timeout_s)
 
 
 def kvgate_argv(*args: str) -> list[str]:

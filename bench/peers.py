@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fleet import LOOPBACK, ManagedProcess, SimFleet, free_port_range, wait_http
+from backends.process import LOOPBACK, free_port_range, wait_http
+from bench.fleet import ManagedProcess, SimFleet
 
 ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
 

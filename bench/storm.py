@@ -46,16 +46,8 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from bench.fleet import (
-    LOOPBACK,
-    SIM_MODEL,
-    FleetSpec,
-    ManagedProcess,
-    free_port_range,
-    kvgate_argv,
-    start_fleet,
-    wait_http,
-)
+from backends.process import LOOPBACK, free_port_range, wait_http
+from bench.fleet import SIM_MODEL, FleetSpec, ManagedProcess, kvgate_argv, start_fleet
 from bench.hostile import BLOCK, Attacker, payload, stored
 from bench.traces import block_words
 

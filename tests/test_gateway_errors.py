@@ -9,9 +9,10 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import closed_port, unresponsive_port, wait_for
+from fakes.server import unresponsive_port, wait_for
 
 from backends import errors as backend
+from backends.process import free_port
 from router import errors
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +136,7 @@ async def test_error_after_stream_started_goes_inside_the_stream() -> None:
 
 
 async def test_every_worker_refusing_is_502() -> None:
-    dead = f"http://127.0.0.1:{closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     async with kvgate([{"url": dead, "models": ["fake-model"]}]) as gw:
         gw.gateway.registry.get(dead).healthy = True  # as if it died after its last probe
         r = await gw.client.post("/v1/chat/completions", json=CHAT)

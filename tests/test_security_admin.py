@@ -8,9 +8,10 @@ from urllib.parse import quote
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import closed_port, unresponsive_port
+from fakes.server import unresponsive_port
 
 from backends.allowlist import WorkerAllowlist
+from backends.process import free_port
 from router.config import ConfigError, load_settings
 from router.simfleet import SimFleet
 
@@ -160,7 +161,7 @@ async def test_discovered_hosts_are_allowed_by_default() -> None:
 async def test_upstream_failures_tell_clients_no_network_detail() -> None:
     """A refused connection and a connect timeout read the same to a client: no errno, no
     address, no timing; the detail stays in the admin view."""
-    dead = f"http://127.0.0.1:{closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with unresponsive_port() as port:
         slow = f"http://127.0.0.1:{port}"
         workers = [{"url": u, "models": [m]} for u, m in ((dead, "m-dead"), (slow, "m-slow"))]

@@ -16,12 +16,12 @@ import pytest
 import zmq
 from kvgate_server import KvgateServer
 
+from backends.process import PortAllocator
 from backends.vllm_cpu.install import InstallError, ensure_installed
 from backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
-    PortAllocator,
     plan_free_replicas,
     socket_dir,
 )
