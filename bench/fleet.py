@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,9 +234,3 @@ def start_kvgate(
         proc.stop()
         raise
     return proc, url
-
-
-def stop_all(processes: Sequence[ManagedProcess | SimFleet | None]) -> None:
-    for p in processes:
-        if p is not None:
-            p.stop()

@@ -262,9 +262,6 @@ class Settings(BaseSettings):
         self.index = self.index.model_copy(update=update)
         return self
 
-    def tokenizer_for(self, model: str) -> str | None:
-        return self.tokenizers.get(model, self.tokenizers.get("*"))
-
     @classmethod
     def settings_customise_sources(
         cls,

@@ -280,15 +280,6 @@ def worker_cost(
     )
 
 
-def worker_costs(
-    request: RouteRequest, candidates: Sequence[Candidate], config: KvPolicyConfig
-) -> list[WorkerCost]:
-    """Every candidate's cost for ``request``, in candidate order."""
-    size = request_size(request)
-    ratios = footprint_ratios(candidates)
-    return [worker_cost(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)]
-
-
 class CostQuote:
     """One worker's cost and what ranking needs, without the terms: the routing hot path.
 

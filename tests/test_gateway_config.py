@@ -61,6 +61,10 @@ def test_yaml_env_and_flags_with_precedence(
     assert len(settings.workers) == 2
 
 
+def tokenizer_for(settings: Settings, model: str) -> str | None:
+    return settings.tokenizers.get(model, settings.tokenizers.get("*"))
+
+
 def test_cli_worker_form_and_repeatable_flags() -> None:
     overrides = flags(
         "--worker", "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558",
@@ -73,8 +77,8 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
     settings = load_settings(None, overrides)
     assert [w.url for w in settings.workers] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert settings.workers[1].models == ["a", "b"] and settings.workers[1].engine == "sglang"
-    assert settings.tokenizer_for("m1") == "/tok/m1"
-    assert settings.tokenizer_for("other") == "/tok/default"
+    assert tokenizer_for(settings, "m1") == "/tok/m1"
+    assert tokenizer_for(settings, "other") == "/tok/default"
     assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
     assert settings.capture_usage is False
     assert parse_worker_spec("http://h:1,models=x") == {"url": "http://h:1", "models": ["x"]}

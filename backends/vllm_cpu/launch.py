@@ -24,7 +24,6 @@ import httpx
 from backends.process import (
     LOOPBACK,
     ChildProcess,
-    PortAllocator,
     http_ready,
     port_free,
     wait_until,
@@ -101,15 +100,6 @@ def plan_replicas(
         bind = f"tcp://*:{events_tcp}" if transport == "tcp" else f"ipc://{run_dir}/r{i}.events"
         specs.append(ReplicaSpec(i, port + i, events_tcp + 1, bind))
     return specs
-
-
-def plan_free_replicas(count: int, run_dir: Path, ports: PortAllocator) -> list[ReplicaSpec]:
-    """Replicas on free ports with ipc publishers (for tests)."""
-    taken = ports.take(2 * count)
-    return [
-        ReplicaSpec(i, taken[2 * i], taken[2 * i + 1], f"ipc://{run_dir}/r{i}-{os.getpid()}.events")
-        for i in range(count)
-    ]
 
 
 def engine_command(options: EngineOptions, spec: ReplicaSpec) -> list[str]:

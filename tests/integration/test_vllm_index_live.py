@@ -22,7 +22,8 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.vllm_cpu.launch import Fleet, PortAllocator, ReplicaSpec
+from backends.process import PortAllocator
+from backends.vllm_cpu.launch import Fleet, ReplicaSpec
 from index.api import PromptInput
 from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
