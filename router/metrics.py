@@ -68,7 +68,15 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "kvgate_upstream_retries",
-            "Attempts that failed before any response byte and were retried on another worker",
+            "Attempts that failed before the first token and were retried on another worker, "
+            "by the failed worker and reason",
+            ["worker", "reason"],
+            registry=registry,
+        )
+        self.stream_errors = Counter(
+            "kvgate_stream_errors",
+            "Streams that ended with an error event after their first token (the client must "
+            "retry), by worker and reason",
             ["worker", "reason"],
             registry=registry,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,10 +102,6 @@ class Router:
             keys = await index.keys_for(model, prompt)
             if keys.block_keys:
                 matches = index.match(keys.block_keys)
-        # After the await: the freshest load.
-        candidates = self.registry.candidates(model, matches)
-        if not candidates:
-            raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -114,6 +110,29 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
+        return self._rank(request, keys, matches)  # after the await: the freshest load
+
+    def reroute(self, routed: Routed, exclude: Collection[WorkerId]) -> Routed:
+        """Rank again for a retry after failed attempts: the same request and keys, fresh
+        index matches and load, the workers in ``exclude`` left out (``NoHealthyWorker``
+        when nobody is left). A prefix cached on a failed worker counts for nothing."""
+        matches = None
+        if self.block_index is not None and routed.request.block_keys:
+            matches = self.block_index.match(routed.request.block_keys)
+        return self._rank(routed.request, routed.keys, matches, exclude)
+
+    def _rank(
+        self,
+        request: RouteRequest,
+        keys: PromptKeys | None,
+        matches: Mapping[WorkerId, PrefixMatch] | None,
+        exclude: Collection[WorkerId] = (),
+    ) -> Routed:
+        candidates = self.registry.candidates(request.model, matches)
+        if exclude:
+            candidates = [c for c in candidates if c.worker not in exclude]
+        if not candidates:
+            raise NoHealthyWorker(request.model, retry_after_s=self.retry_after_s)
         decision = self.policy.rank(request, candidates)
         routed = Routed(
             request=request,
