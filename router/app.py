@@ -23,6 +23,7 @@ from index.service import KvIndexService
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
+from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, register_worker_gauges
 from router.proxy import Proxy
@@ -101,6 +102,15 @@ def build_gateway(
         index=index,
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
     )
+    if index is not None:
+        watch_metrics = IndexWatchMetrics(metrics_registry)
+        watch = IndexWatch(
+            settings.index_watch, gateway.event_progress, gateway.resubscribe, watch_metrics
+        )
+        registry.on_health_change(watch.on_health_change)
+        proxy.served_listeners.append(watch.on_served)
+        gateway.index_watch = watch
+        gateway.worker_series.append(watch_metrics)
     if settings.discover:
         discovery = DiscoveredFleet(
             settings.discover,

@@ -41,6 +41,7 @@ from router.errors import (
     Unauthorized,
     WorkerNotAllowed,
 )
+from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
 from router.metrics import GatewayMetrics, forget_series
 from router.proxy import Exchange, Proxy, UsageMode, forwardable_headers
@@ -82,6 +83,10 @@ class IndexLifecycle(Protocol):
     async def remove_worker(self, worker: WorkerId) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def applied_seq(self, worker: WorkerId, dp_rank: int = 0) -> int | None: ...
+
+    def connected(self, worker: WorkerId, dp_rank: int = 0) -> bool: ...
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -160,6 +165,7 @@ class Gateway:
     listener: ListenerLimits  # the client connection limits, shared with the listener
     index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
+    index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
     request_ids: RequestIds = field(default_factory=RequestIds)
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
@@ -356,6 +362,8 @@ class Gateway:
         self.proxy.upstream.close_origin(self.proxy.origin(worker))
         if self.index is not None:
             await self.index.remove_worker(worker.id)
+        if self.index_watch is not None:
+            self.index_watch.forget(worker.id)
         self.metrics.forget_worker(worker.url)
         for holder in self.worker_series:
             forget_series(vars(holder).values(), worker.url)
@@ -392,6 +400,41 @@ class Gateway:
             model=model,
         )
 
+    async def resubscribe(self, worker: Worker, replay: bool) -> None:
+        """Drop a worker's index entries and subscribe to its events again: as configured
+        (``replay``), or to its current event endpoint with no replay (live events only)."""
+        index = self.index
+        if index is None or worker.removed or self.registry.find(worker.id) is not worker:
+            return
+        if replay:
+            await self._index_worker(worker)
+            return
+        events = worker.config.events or _event_endpoint(index.stats(), worker.id)
+        if events is None:
+            return
+        model = next(iter(worker.models)) if len(worker.models) == 1 else None
+        await index.add_worker(
+            worker.id,
+            worker.url,
+            engine=worker.config.engine,
+            events=events,
+            replay=None,
+            discover=False,
+            model=model,
+        )
+
+    def event_progress(self, worker: WorkerId) -> int | None:
+        """The seq of the worker's last applied event batch; ``LookupError`` unless it has
+        exactly one event source, connected (``router.index_watch.EventProgress``)."""
+        index = self.index
+        if index is None or not index.connected(worker):  # KeyError: no event source
+            raise LookupError(worker)
+        try:
+            index.applied_seq(worker, 1)
+        except KeyError:
+            return index.applied_seq(worker)
+        raise LookupError(f"{worker} has several data-parallel event sources")
+
     async def start(self) -> None:
         if self.index is not None:
             await self.index.start()
@@ -405,10 +448,21 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        if self.index_watch is not None:
+            await self.index_watch.stop()
         if self.index is not None:
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()
+
+
+def _event_endpoint(stats: dict[str, Any], worker: WorkerId) -> str | None:
+    """The event endpoint of a worker's only subscriber, from the index's stats."""
+    subscribers = stats.get("workers", {}).get(worker, {}).get("subscribers", [])
+    if len(subscribers) != 1:
+        return None
+    events = subscribers[0].get("events")
+    return events if isinstance(events, str) else None
 
 
 def _worker_config(spec: Any) -> WorkerConfig:
