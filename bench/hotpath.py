@@ -55,8 +55,8 @@ from backends.sim.tokenizer import tokenizer_dir
 from backends.sim.vocab import generated_word
 from index.api import PromptInput, StoreBlocks
 from index.config import IndexConfig
+from index.keys import ModelTokenizer
 from index.service import KvIndexService
-from index.tokenize import ModelTokenizer
 from index.types import BlockKey, WorkerId, WorkerKey
 from router.config import WorkerConfig
 from router.requests import ChatBody, CompletionBody, decode_json_object, validate

@@ -36,16 +36,26 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from index import _native
 from index.api import PromptInput, StoreBlocks
-from index.blocks import block_keys
 from index.config import IndexConfig
-from index.events import BlockRemoved, BlockStored, EventBatch, KvEvent, encode_event_batch
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventFeed,
+    KvEvent,
+    encode_event_batch,
+)
+from index.keys import block_keys
 from index.metrics import IndexMetrics
-from index.native_table import NativeBlockTable
 from index.service import KvIndexService
-from index.table import BlockTable
-from index.tables import TableKind, native_available, new_table
+from index.table import (
+    BlockTable,
+    EventIndex,
+    NativeBlockTable,
+    TableKind,
+    native_available,
+    new_table,
+)
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BLOCK = 16

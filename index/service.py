@@ -15,17 +15,26 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from index.api import PromptInput, PromptKeys, TokenizeMode
-from index.blocks import block_keys, text_block_keys
 from index.config import IndexConfig
-from index.indexers import ApproxIndex, EventIndex
-from index.ingest import EventFeed
+from index.events import (
+    DiscoveryError,
+    DiscoveryUnreachable,
+    Endpoints,
+    EventFeed,
+    Subscriber,
+    discover,
+)
+from index.keys import (
+    ModelTokenizer,
+    TokenizeError,
+    block_keys,
+    plain_render,
+    prompt_seed,
+    text_block_keys,
+)
 from index.metrics import IndexMetrics
-from index.sources import DiscoveryError, DiscoveryUnreachable, discover
-from index.subscriber import Endpoints, Subscriber
-from index.table import SlotStats
-from index.tables import new_table
-from index.tokenize import ModelTokenizer, TokenizeError, plain_render, prompt_seed
-from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+from index.table import ApproxIndex, EventIndex, new_table
+from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
 _TEXT_OR_NONE = (str, type(None))

@@ -8,11 +8,17 @@ import pytest
 import xxhash
 
 from index.api import ClearAll, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed, text_block_keys
 from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from index.indexers import EventIndex
-from index.translate import Outcome, Translator, cache_salt_of
+from index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Outcome,
+    Translator,
+    cache_salt_of,
+)
+from index.keys import block_keys, cache_seed, text_block_keys
+from index.table import EventIndex
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)

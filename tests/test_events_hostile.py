@@ -27,14 +27,12 @@ from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, payload, removed, stored
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchStatus, EventFeed
+from index.events import BatchStatus, EventFeed, Subscriber
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
 from index.service import KvIndexService
-from index.subscriber import Subscriber
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 HERE = Path(__file__).resolve().parent

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed
-from index.indexers import ApproxIndex, EventIndex
-from index.table import _Lru
-from index.tables import TableKind, native_available, new_table
+from index.keys import block_keys, cache_seed
+from index.table import ApproxIndex, EventIndex, TableKind, native_available, new_table
+from index.table._table import _Lru
 from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)

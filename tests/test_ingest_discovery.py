@@ -20,12 +20,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.events import BlockStored
+from index.events import BlockStored, Endpoints, parse_sources, parse_worker_spec, resolve_endpoint
+from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
-from index.sources import parse_sources, parse_worker_spec, resolve_endpoint
-from index.subscriber import Endpoints
 from index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio

@@ -8,19 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
 from index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventFeed,
     KvEvent,
     encode_event_batch,
 )
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
+from index.table import EventIndex
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 BS = 2

@@ -15,11 +15,10 @@ from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from index.events import AllBlocksCleared, BlockRemoved, BlockStored, Endpoints
+from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
-from index.subscriber import Endpoints
 from index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio

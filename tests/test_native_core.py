@@ -14,12 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index import _native
-from index.blocks import _python_chain_keys, block_keys, cache_seed, pack_tokens
 from index.config import IndexConfig
 from index.events import fold_hash
-from index.native_table import NativeBlockTable
-from index.table import BlockTable
-from index.tables import new_table
+from index.keys import block_keys, cache_seed, pack_tokens
+from index.keys._blocks import _python_chain_keys
+from index.table import BlockTable, NativeBlockTable, new_table
 from index.types import WorkerId, WorkerKey
 
 U64 = st.integers(0, 2**64 - 1)

@@ -20,12 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchResult, EventFeed
+from index.events import BatchResult, EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BS = 4

@@ -7,11 +7,11 @@ from prometheus_client import CollectorRegistry
 from backends.sim.cache import BlockCache
 from backends.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder
 from backends.sim.lora import Adapter
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
+from index.table import EventIndex
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 

@@ -24,8 +24,8 @@ from vllm_helpers import (
 
 from backends.vllm_cpu.launch import Fleet, PortAllocator, ReplicaSpec
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
+from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
 from index.types import WorkerId
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from index.api import Indexer
 from index.config import IndexConfig
-from index.events import (
+from index.events._translate import Outcome, Translator
+from index.events._wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,12 +21,11 @@ from index.events import (
     EventDecoder,
 )
 from index.metrics import IndexMetrics
-from index.tables import native_available
-from index.translate import Outcome, Translator
+from index.table._protocol import native_available
 from index.types import WorkerId, WorkerKey
 
 if TYPE_CHECKING:
-    from index.native_ingest import NativeCounts, NativeIngest
+    from index.events._native_ingest import NativeCounts, NativeIngest
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class EventFeed:
     ) -> NativeIngest | None:
         if not native_available():
             return None
-        from index.native_ingest import NativeIngest  # noqa: PLC0415 - needs the built core
+        from index.events._native_ingest import NativeIngest  # noqa: PLC0415 - needs the built core
 
         return NativeIngest.create(index, config, worker, block_size)
 

@@ -11,8 +11,8 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from index.table import BlockTable, SlotStats
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.table._table import BlockTable
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 TableKind = Literal["native", "python"]
 
@@ -58,6 +58,6 @@ def new_table(kind: TableKind | None = None) -> BlockTableApi:
     """A fresh block table of ``kind`` (default: ``default_kind()``)."""
     if (kind or default_kind()) == "python":
         return BlockTable()
-    from index.native_table import NativeBlockTable  # noqa: PLC0415 - needs the built core
+    from index.table._native_table import NativeBlockTable  # noqa: PLC0415 - needs the built core
 
     return NativeBlockTable()

@@ -19,9 +19,15 @@ from typing import Protocol, cast
 import msgspec
 
 from index.api import Indexer, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, KvEvent
+from index.events._wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    KvEvent,
+)
+from index.keys import block_keys, cache_seed
 from index.types import BlockKey, EngineBlockHash, Tier, WorkerKey
 
 log = logging.getLogger(__name__)

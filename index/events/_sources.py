@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from index.subscriber import Endpoints
+from index.events._subscriber import Endpoints
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from typing import Any
 from tokenizers import Encoding, Tokenizer
 
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
-from index.chat_template import ChatTemplate, TemplateError, load_template_source
-from index.prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
+from index.keys._blocks import block_keys, cache_seed
+from index.keys._chat_template import ChatTemplate, TemplateError, load_template_source
+from index.keys._prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
 from index.types import BlockKey
 
 log = logging.getLogger(__name__)

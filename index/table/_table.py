@@ -28,11 +28,11 @@ walked block by block instead. Either way the result equals a sequential walk.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 _UNKNOWN_PARENT = -1
 """Parent of a record whose ancestry is unknown (stored after a block nobody held, or whose
@@ -163,16 +163,6 @@ class _Slot:
     )
     depth: dict[int, int] = field(default_factory=dict)  # depths that cannot be derived
     contested: set[int] = field(default_factory=set)  # stored under another parent
-
-
-@dataclass(frozen=True, slots=True)
-class SlotStats:
-    """Entries of one cache domain (a block counts once per tier it is held in)."""
-
-    worker: WorkerKey
-    entries: int
-    by_tier: Mapping[Tier, int]
-    orphans: int
 
 
 class BlockTable:

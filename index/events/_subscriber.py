@@ -39,7 +39,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from index.config import IndexConfig
-from index.ingest import BatchStatus, EventFeed
+from index.events._feed import BatchStatus, EventFeed
 from index.metrics import IndexMetrics
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from index import _native
-from index.blocks import cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.native_table import NativeBlockTable
-from index.translate import Translator
+from index.events._translate import Translator
+from index.keys._blocks import cache_seed
+from index.table import EventIndex, NativeBlockTable
 from index.types import Tier, WorkerKey
 
 

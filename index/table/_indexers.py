@@ -12,9 +12,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from index.api import ClearAll, IndexOp, RemoveBlocks, StoreBlocks
-from index.table import SlotStats
-from index.tables import BlockTableApi, new_table
-from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+from index.table._protocol import BlockTableApi, new_table
+from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 Clock = Callable[[], float]
 

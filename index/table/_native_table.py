@@ -10,8 +10,8 @@ from array import array
 from collections.abc import Sequence
 
 from index import _native
-from index.table import SECOND_CHANCES, SlotStats
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.table._table import SECOND_CHANCES
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 _ALL_TIERS = 0b111
 _MATCH_MEMO_LIMIT = 4096

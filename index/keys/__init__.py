@@ -1,0 +1,35 @@
+"""Prompt → tokens → block keys.
+
+A prompt becomes tokens exactly as the engine makes them when the model's tokenizer is
+configured (``ModelTokenizer``: tokenizer.json, the chat template, a rendered-prefix cache),
+and tokens become kvgate's chained block keys (``block_keys``, docs/block-keys.md).
+"""
+
+from index.keys._blocks import block_keys, cache_seed, pack_tokens, text_block_keys
+from index.keys._chat_template import ChatTemplate, TemplateError, load_template_source
+from index.keys._prefix_cache import PrefixTokenCache
+from index.keys._tokenize import (
+    ModelTokenizer,
+    TokenizedPrompt,
+    TokenizeError,
+    plain_render,
+    prompt_seed,
+    space_cuts_provable,
+)
+
+__all__ = [
+    "ChatTemplate",
+    "ModelTokenizer",
+    "PrefixTokenCache",
+    "TemplateError",
+    "TokenizeError",
+    "TokenizedPrompt",
+    "block_keys",
+    "cache_seed",
+    "load_template_source",
+    "pack_tokens",
+    "plain_render",
+    "prompt_seed",
+    "space_cuts_provable",
+    "text_block_keys",
+]
