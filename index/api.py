@@ -78,6 +78,37 @@ class Indexer(Protocol):
         ...
 
 
+Refusal = Literal["undecodable", "failed", "dropped"]
+"""Why a payload was not applied: not a KV-event batch; it raised while applied (what it did is
+unknown: the worker is cleared); past a bound before anything was applied (a rank too many)."""
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What one KV-event payload did, on either ingestion path (the native one fills it in C):
+    the one result of ingestion, counted into the metrics as it is.
+
+    A stored event is *seen* when applied, skipped for an unknown parent or skipped because
+    its parent was pruned by the cap (``pruned_parent``); ``malformed``, ``mismatched`` (another
+    block size) and ``over_limit`` (past ``max_event_blocks``: the domain is cleared) events are
+    not. ``pruned`` counts the entries the cap evicted meanwhile."""
+
+    ts: float = 0.0
+    events: int = 0
+    stored_events: int = 0
+    stored_blocks: int = 0
+    removed_events: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    unknown_parent: int = 0
+    pruned_parent: int = 0
+    malformed: int = 0
+    mismatched: int = 0
+    over_limit: int = 0
+    pruned: int = 0
+    refused: Refusal | None = None
+
+
 TokenizeMode = Literal["tokenizer", "engine", "approx", "token_ids"]
 """How a prompt became tokens: the model's own tokenizer + chat template, the engine's
 ``/tokenize`` endpoint, approximate character chunks, or token ids given by the client."""

@@ -105,9 +105,6 @@ class IndexConfig(BaseModel):
         description="Data-parallel ranks one event endpoint may publish for; batches for more "
         "are dropped.",
     )
-    silence_probe_s: float = Field(
-        10.0, gt=0, description="Without events for this long, check the publisher is alive."
-    )
     discovery_timeout_s: float = Field(2.0, gt=0, description="GET /kv_event_sources timeout.")
     decode_error_log_interval_s: float = Field(
         10.0, gt=0, description="At most one log line per burst of undecodable payloads."

@@ -16,9 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from index.api import PromptInput, PromptKeys, TokenizeMode
 from index.config import IndexConfig
+from index.errors import DiscoveryError, DiscoveryUnreachable, TokenizeError
 from index.events import (
-    DiscoveryError,
-    DiscoveryUnreachable,
     Endpoints,
     EventFeed,
     Subscriber,
@@ -26,7 +25,6 @@ from index.events import (
 )
 from index.keys import (
     ModelTokenizer,
-    TokenizeError,
     block_keys,
     plain_render,
     prompt_seed,

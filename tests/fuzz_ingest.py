@@ -41,8 +41,9 @@ if __name__ == "__main__":  # run as a script: find the repository (after PYTHON
 from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, Attacker, engine_hash, payload, removed, stored
+from index.api import BatchResult
 from index.config import IndexConfig
-from index.events import BatchResult, EventFeed
+from index.events import EventFeed
 from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
 from index.table import EventIndex, NativeBlockTable, TableKind, new_table

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, payload, removed, stored
 from index.config import IndexConfig
-from index.events import BatchStatus, EventFeed, Subscriber
+from index.events import EventFeed, Subscriber
 from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
 from index.service import KvIndexService
@@ -103,7 +103,7 @@ def test_a_child_of_a_pruned_block_is_skipped(native: bool) -> None:
     feed.apply_payload(payload([stored([3], None, tokens_of(BLOCK, 300))]))  # prunes block 1
     assert held(index, first) == 0
     result = feed.apply_payload(payload([stored([4], 1, tokens_of(BLOCK, 400))]))
-    assert result.status is BatchStatus.APPLIED
+    assert result.refused is None and not result.unknown_parent  # applied
     assert held(index, first + tokens_of(BLOCK, 400)) == 0
     assert index.entry_count() == 2
     skipped = "kvgate_index_skipped_events_total"
@@ -183,9 +183,9 @@ def test_duplicate_keys_get_one_answer_on_both_paths(extra: str) -> None:
     results = []
     for native in (True, False):
         feed, index, registry = make_feed(native)
-        results.append((feed.apply_payload(raw).status, index.entry_count()))
+        results.append((feed.apply_payload(raw).refused, index.entry_count()))
         assert metric(registry, "kvgate_index_decode_errors_total", worker=WORKER) == 1
-    assert results == [(BatchStatus.UNDECODABLE, 0)] * 2
+    assert results == [("undecodable", 0)] * 2
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -193,7 +193,7 @@ def test_deep_nesting_is_undecodable_not_fatal(native: bool) -> None:
     feed, index, registry = make_feed(native)
     event = nested(stored([1], None, tokens_of(BLOCK)), 5000)
     raw = b"\x93" + msgspec.msgpack.encode(1.0) + b"\x91" + event + b"\x00"
-    assert feed.apply_payload(raw).status is BatchStatus.UNDECODABLE
+    assert feed.apply_payload(raw).refused == "undecodable"
     assert index.entry_count() == 0
     assert metric(registry, "kvgate_index_decode_errors_total", worker=WORKER) == 1
     feed.apply_payload(payload([stored([1], None, tokens_of(BLOCK))]))

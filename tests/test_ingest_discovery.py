@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from index.api import PromptInput
 from index.config import IndexConfig
-from index.events import BlockStored, Endpoints, parse_sources, parse_worker_spec, resolve_endpoint
+from index.events import BlockStored, Endpoints, parse_sources, resolve_endpoint
 from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
 from index.types import PrefixMatch, WorkerId
@@ -99,14 +99,6 @@ def test_parse_sources_and_wildcards() -> None:
     ]
     assert resolve_endpoint("tcp://10.1.1.1:5", "http://h:1") == "tcp://10.1.1.1:5"
     assert resolve_endpoint("tcp://*:5", "http://[::1]:1") == "tcp://[::1]:5"
-    assert parse_worker_spec(
-        "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
-    ) == (
-        "http://127.0.0.1:9001",
-        {"events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"},
-    )
-    with pytest.raises(ValueError, match="NAME=VALUE"):
-        parse_worker_spec("http://h:1,events")
 
 
 async def test_discovered_events_are_ingested(http: httpx.AsyncClient) -> None:

@@ -14,9 +14,9 @@ from index.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventEncoder,
     EventFeed,
     KvEvent,
-    encode_event_batch,
 )
 from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
@@ -112,7 +112,7 @@ def test_translated_index_equals_engine_cache(
             events = engine.evict(path, n)
         else:
             events = engine.reset()
-        payload = encode_event_batch(EventBatch(0.0, events), array_tagged=array_tagged)
+        payload = EventEncoder(array_tagged=array_tagged).encode(EventBatch(0.0, events))
         feed.apply_payload(payload)
         for p, query in enumerate(queries):
             expected = engine.held(p)

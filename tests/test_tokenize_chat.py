@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from index.api import PromptInput
 from index.config import IndexConfig
-from index.keys import ChatTemplate, ModelTokenizer, TemplateError, block_keys, cache_seed
+from index.errors import TemplateError
+from index.keys import ChatTemplate, ModelTokenizer, block_keys, cache_seed
 from index.service import KvIndexService
 
 CHATML = (

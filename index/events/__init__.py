@@ -1,53 +1,52 @@
-"""KV events from the engines into the index: wire decoding, translation to kvgate's keys,
-ingestion (native when the payload's shape allows), subscribers and event-source discovery."""
+"""KV events from the engines into the index.
 
-from index.events._feed import BatchResult, BatchStatus, EventFeed
-from index.events._sources import (
-    DiscoveryError,
-    DiscoveryUnreachable,
-    discover,
-    parse_sources,
-    parse_worker_spec,
-    resolve_endpoint,
-)
+* wire: the msgpack format of vLLM and SGLang publishers, decoded (``EventDecoder``) and
+  encoded (``EventEncoder``: the simulator, tests and benchmarks publish with it);
+* ``EventFeed``: one endpoint's payloads into the ``EventIndex``, the one door of ingestion
+  (natively in C when the payload's shape allows, else decoded and translated event by event
+  by a ``Translator`` per data-parallel rank), counted into the metrics;
+* ``Subscriber``: one endpoint's ZMQ stream (sequence numbers, gaps, replays, bounds);
+* ``discover``: where a vLLM worker publishes (``GET /kv_event_sources``).
+"""
+
+from index.events._feed import EventFeed
+from index.events._sources import discover, parse_sources, resolve_endpoint
 from index.events._subscriber import Endpoints, Subscriber
-from index.events._translate import Outcome, Translator, cache_salt_of
+from index.events._translate import Translator, cache_salt_of
 from index.events._wire import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    EventDecodeError,
     EventDecoder,
+    EventEncoder,
     KvEvent,
     decode_event_batch,
-    encode_event_batch,
     fold_hash,
+    hash_bytes,
 )
 
 __all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
     "AllBlocksCleared",
-    "BatchResult",
-    "BatchStatus",
     "BlockRemoved",
     "BlockStored",
-    "DiscoveryError",
-    "DiscoveryUnreachable",
     "Endpoints",
     "EventBatch",
-    "EventDecodeError",
     "EventDecoder",
+    "EventEncoder",
     "EventFeed",
     "KvEvent",
-    "Outcome",
     "Subscriber",
     "Translator",
     "cache_salt_of",
     "decode_event_batch",
     "discover",
-    "encode_event_batch",
     "fold_hash",
+    "hash_bytes",
     "parse_sources",
-    "parse_worker_spec",
     "resolve_endpoint",
 ]

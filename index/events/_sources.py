@@ -9,19 +9,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from index.errors import DiscoveryError, DiscoveryUnreachable
 from index.events._subscriber import Endpoints
 
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]"}
-
-
-class DiscoveryError(RuntimeError):
-    """The worker does not publish KV events (or answered something else)."""
-
-
-class DiscoveryUnreachable(DiscoveryError):
-    """The worker did not answer (yet): worth asking again later."""
 
 
 def resolve_endpoint(endpoint: str, worker_url: str) -> str:
@@ -89,15 +82,3 @@ async def discover(
     if not endpoints:
         raise DiscoveryError(f"GET {url}: no ZMQ KV-event source enabled")
     return endpoints
-
-
-def parse_worker_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``http://h:9001,events=tcp://h:5557,replay=tcp://h:5558`` → (url, options)."""
-    url, *options = (part.strip() for part in spec.split(","))
-    parsed: dict[str, str] = {}
-    for option in options:
-        name, eq, value = option.partition("=")
-        if not eq or not name:
-            raise ValueError(f"worker option {option!r} is not NAME=VALUE")
-        parsed[name.strip()] = value.strip()
-    return url, parsed

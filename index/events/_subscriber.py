@@ -39,7 +39,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from index.config import IndexConfig
-from index.events._feed import BatchStatus, EventFeed
+from index.events._feed import EventFeed
 from index.metrics import IndexMetrics
 
 log = logging.getLogger(__name__)
@@ -251,16 +251,15 @@ class Subscriber:
         result = self.feed.apply_payload(payload)
         self.next_seq = seq + 1
         self._metrics.last_seq.labels(*self._label).set(seq)
-        status = result.status
-        if status is BatchStatus.UNKNOWN_PARENT:
+        if result.unknown_parent:
             self._metrics.gaps.labels(self.feed.worker, "unknown_parent").inc()
             if self.history_complete:
                 log.warning("%s: stored block with unknown parent: clearing", self.feed.worker)
                 self.feed.reset("unknown_parent")
                 self.history_complete = False
-        elif status is BatchStatus.UNDECODABLE or status is BatchStatus.FAILED:
+        elif result.refused in ("undecodable", "failed"):
             # the batch is lost: a gap no replay covers (it would bring the same payload back)
-            self.feed.reset(status.value)
+            self.feed.reset(result.refused)
             self.history_complete = False
 
     async def _replay(self, start: int, upto: int, *, joining: bool) -> None:

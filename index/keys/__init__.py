@@ -6,12 +6,11 @@ and tokens become kvgate's chained block keys (``block_keys``, docs/block-keys.m
 """
 
 from index.keys._blocks import block_keys, cache_seed, pack_tokens, text_block_keys
-from index.keys._chat_template import ChatTemplate, TemplateError, load_template_source
+from index.keys._chat_template import ChatTemplate, load_template_source
 from index.keys._prefix_cache import PrefixTokenCache
 from index.keys._tokenize import (
     ModelTokenizer,
     TokenizedPrompt,
-    TokenizeError,
     plain_render,
     prompt_seed,
     space_cuts_provable,
@@ -21,8 +20,6 @@ __all__ = [
     "ChatTemplate",
     "ModelTokenizer",
     "PrefixTokenCache",
-    "TemplateError",
-    "TokenizeError",
     "TokenizedPrompt",
     "block_keys",
     "cache_seed",

@@ -1,7 +1,8 @@
 """The two ``Indexer`` implementations.
 
-* ``EventIndex``: fed by the engines' KV events (translated to kvgate keys); bounded by a cap
-  on entries, pruning least recently stored leaves of the largest cache domain first.
+* ``EventIndex``: fed by the engines' KV events (translated to kvgate keys, or whole payloads
+  applied in C over the native table); bounded by a cap on entries, kept by the table's
+  pruning rule (least recently stored leaves of the largest cache domain first) on both paths.
 * ``ApproxIndex``: for engines without events; kvgate's own routing decisions, each assumed
   cached for ``ttl_s`` and at most ``capacity`` blocks per cache domain.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from index.api import ClearAll, IndexOp, RemoveBlocks, StoreBlocks
+from index import _native
+from index.api import BatchResult, ClearAll, IndexOp, RemoveBlocks, StoreBlocks
+from index.table._native_table import NativeBlockTable
 from index.table._protocol import BlockTableApi, new_table
 from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
@@ -42,19 +45,40 @@ class EventIndex:
         if isinstance(op, StoreBlocks):
             self._table.store(worker, op.keys, op.tier, op.parent)
             if self._table.entry_count() > self._max_entries:
-                self._prune()
+                self.pruned += self._table.prune_to(self._max_entries)
         elif isinstance(op, RemoveBlocks):
             self._table.remove(worker, op.keys, op.tier)
         elif isinstance(op, ClearAll):
             self._table.clear(worker)
 
-    def _prune(self) -> None:
+    def ingest(
+        self,
+        worker: WorkerKey,
+        payload: bytes,
+        keys: _native.KeyMap,
+        *,
+        block_size: int,
+        root_seed: int,
+        max_blocks: int,
+    ) -> BatchResult | None:
+        """A whole payload of ``worker``'s events applied in C, the cap kept as ``apply`` keeps
+        it; None (nothing applied) over the Python table or when the payload is not in the
+        shape the C side takes (the caller then decodes it and applies its events)."""
         table = self._table
-        while table.entry_count() > self._max_entries:
-            largest = table.largest()
-            if largest is None or not table.prune_leaf(largest):
-                return
-            self.pruned += 1
+        if not isinstance(table, NativeBlockTable):
+            return None
+        result = table.ingest(
+            worker,
+            payload,
+            keys,
+            block_size=block_size,
+            root_seed=root_seed,
+            max_entries=self._max_entries,
+            max_blocks=max_blocks,
+        )
+        if result is not None:
+            self.pruned += result.pruned
+        return result
 
     def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
         return self._table.find_matches(keys)
