@@ -114,8 +114,11 @@ class IndexConfig(BaseModel):
         """The block table asked for (None: the default, native when built)."""
         return None if self.table == "auto" else self.table
 
-    def block_size_for(self, model: str) -> int:
-        return self.model_block_sizes.get(model, self.block_size)
+    def block_size_for(self, model: str | None) -> int:
+        """The block size of ``model``'s engines (None: a model not known, the default)."""
+        return (
+            self.block_size if model is None else self.model_block_sizes.get(model, self.block_size)
+        )
 
     def tokenizer_dir(self, model: str) -> Path | None:
         return self.tokenizers.get(model, self.default_tokenizer)

@@ -7,6 +7,8 @@
     │                                  ids out of range...): the next keying mode is used
     ├── TemplateError (ValueError)     a chat template that raised or could not be rendered
     ├── EventDecodeError (ValueError)  a payload that is not a KV-event batch
+    ├── EngineCallError                an engine call without a whole answer (unreachable,
+    │                                  too slow, too large)
     └── DiscoveryError (RuntimeError)  a worker that does not say where it publishes events
         └── DiscoveryUnreachable       ... because it did not answer (yet): asked again later
 
@@ -31,6 +33,11 @@ class TemplateError(KvIndexError, ValueError):
 
 class EventDecodeError(KvIndexError, ValueError):
     """A payload that is not a KV-event batch."""
+
+
+class EngineCallError(KvIndexError):
+    """A call to an engine (``/kv_event_sources``, ``/tokenize``) got no whole answer: it could
+    not be reached, took longer than its timeout, or answered more than its byte cap."""
 
 
 class DiscoveryError(KvIndexError, RuntimeError):

@@ -27,6 +27,7 @@ from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, payload, removed, stored
+from index.api import Endpoints, EngineWorker
 from index.config import IndexConfig
 from index.events import EventFeed, Subscriber
 from index.keys import block_keys, cache_seed
@@ -256,7 +257,7 @@ def matched(service: KvIndexService) -> PrefixMatch | None:
 
 
 async def connect(service: KvIndexService, events: str, replay: str | None) -> None:
-    await service.add_worker(WORKER, str(WORKER), engine="vllm", events=events, replay=replay)
+    service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=(Endpoints(events, replay),)))
 
 
 @pytest.mark.anyio
@@ -283,7 +284,8 @@ async def test_a_deeply_nested_payload_costs_one_payload(
             assert matched(service) is None
             decode_errors = "kvgate_index_decode_errors_total"
             assert metric(registry, decode_errors, worker=WORKER) == 1
-            await service.remove_worker(WORKER)
+            service.worker_removed(WORKER)
+            await service.settled()
     finally:
         await pub.close()
 
@@ -322,8 +324,9 @@ async def test_a_subscriber_that_dies_is_restarted_and_its_entries_cleared(
             seq = await pub.send_raw(batch(event_stored(4, 6)))
             await service.wait_applied(WORKER, seq)
             assert matched(service) == PrefixMatch(gpu=6)
-            await service.remove_worker(WORKER)
+            service.worker_removed(WORKER)
             assert service.events.entry_count() == 0
+            await service.settled()
     finally:
         await pub.close()
 

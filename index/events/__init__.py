@@ -6,12 +6,14 @@
   (natively in C when the payload's shape allows, else decoded and translated event by event
   by a ``Translator`` per data-parallel rank), counted into the metrics;
 * ``Subscriber``: one endpoint's ZMQ stream (sequence numbers, gaps, replays, bounds);
-* ``discover``: where a vLLM worker publishes (``GET /kv_event_sources``).
+* ``Subscriptions``: every worker's subscribers, joined and left with the fleet, supervised;
+* ``Discovery``: where a vLLM worker publishes (``GET /kv_event_sources``), checked.
 """
 
 from index.events._feed import EventFeed
-from index.events._sources import discover, parse_sources, resolve_endpoint
-from index.events._subscriber import Endpoints, Subscriber
+from index.events._sources import Discovery, EndpointCheck, parse_sources, resolve_endpoint
+from index.events._subscriber import Subscriber
+from index.events._subscriptions import Subscriptions
 from index.events._translate import Translator, cache_salt_of
 from index.events._wire import (
     MEDIUM_CPU,
@@ -34,17 +36,18 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
-    "Endpoints",
+    "Discovery",
+    "EndpointCheck",
     "EventBatch",
     "EventDecoder",
     "EventEncoder",
     "EventFeed",
     "KvEvent",
     "Subscriber",
+    "Subscriptions",
     "Translator",
     "cache_salt_of",
     "decode_event_batch",
-    "discover",
     "fold_hash",
     "hash_bytes",
     "parse_sources",

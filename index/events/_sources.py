@@ -1,20 +1,34 @@
-"""Discovery of a vLLM worker's KV-event endpoints from ``GET /kv_event_sources``."""
+"""Discovery of a vLLM worker's KV-event endpoints from ``GET /kv_event_sources``.
+
+What a worker declares is untrusted: the call sends the worker's credentials and reads a
+bounded answer, and a declared endpoint is subscribed only if it is on the worker's own host
+(a ``*`` or ``0.0.0.0`` bind means that host) or the router's allowlist admits it (the
+``endpoint_allowed`` check, the one run-time workers' configured endpoints pass). Anything else
+would let a worker point kvgate's subscribers at any host it likes.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
-from index.errors import DiscoveryError, DiscoveryUnreachable
-from index.events._subscriber import Endpoints
+from index._http import call_engine
+from index.api import Endpoints, EngineWorker
+from index.errors import DiscoveryError, DiscoveryUnreachable, EngineCallError
 
 log = logging.getLogger(__name__)
 
+EndpointCheck = Callable[[str], Awaitable[bool]]
+"""Whether kvgate may connect to a ZMQ endpoint a worker declared (the router's allowlist)."""
+
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]"}
+_MAX_ANSWER_BYTES = 1 << 20  # a JSON object with one entry per data-parallel rank
+_MAX_SOURCES = 256  # data-parallel ranks subscribed per worker (a socket and a task each)
 
 
 def resolve_endpoint(endpoint: str, worker_url: str) -> str:
@@ -61,24 +75,69 @@ def parse_sources(body: Any, worker_url: str) -> list[Endpoints]:
     return sorted(out, key=lambda e: e.dp_rank)
 
 
-async def discover(
-    http: httpx.AsyncClient, worker_url: str, *, timeout_s: float
-) -> list[Endpoints]:
-    """Ask a vLLM worker where it publishes; ``DiscoveryError`` when it does not."""
-    url = worker_url.rstrip("/") + "/kv_event_sources"
-    try:
-        response = await http.get(url, timeout=timeout_s)
-    except httpx.HTTPError as error:
-        raise DiscoveryUnreachable(f"GET {url}: {error!r}") from error
-    if response.status_code >= 500:
-        raise DiscoveryUnreachable(f"GET {url}: HTTP {response.status_code}")
-    if response.status_code != 200:
-        raise DiscoveryError(f"GET {url}: HTTP {response.status_code}")
-    try:
-        body = response.json()
-    except ValueError as error:
-        raise DiscoveryError(f"GET {url}: not JSON") from error
-    endpoints = parse_sources(body, worker_url)
-    if not endpoints:
-        raise DiscoveryError(f"GET {url}: no ZMQ KV-event source enabled")
-    return endpoints
+def on_worker_host(endpoint: str, worker_url: str) -> bool:
+    """A ``tcp://`` endpoint on the worker's own host (as its URL names it)."""
+    scheme, _, rest = endpoint.partition("://")
+    host = rest.rpartition(":")[0].strip("[]").lower()
+    return scheme == "tcp" and bool(host) and host == (urlsplit(worker_url).hostname or "")
+
+
+class Discovery:
+    """Asks vLLM workers where they publish (``discover``), within the given bounds."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        timeout_s: float,
+        endpoint_allowed: EndpointCheck | None = None,
+    ) -> None:
+        self._http = http
+        self._timeout_s = timeout_s
+        self._allowed = endpoint_allowed
+
+    async def discover(self, worker: EngineWorker) -> list[Endpoints]:
+        """The worker's allowed endpoints; ``DiscoveryUnreachable`` when it did not answer
+        (yet), ``DiscoveryError`` when it publishes nothing kvgate may subscribe to."""
+        path = "/kv_event_sources"
+        try:
+            status, body = await call_engine(
+                self._http,
+                worker,
+                "GET",
+                path,
+                timeout_s=self._timeout_s,
+                max_bytes=_MAX_ANSWER_BYTES,
+            )
+        except EngineCallError as error:
+            raise DiscoveryUnreachable(str(error)) from error
+        if status >= 500:
+            raise DiscoveryUnreachable(f"GET {path}: HTTP {status}")
+        if status != 200:
+            raise DiscoveryError(f"GET {path}: HTTP {status}")
+        try:
+            sources = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError) as error:
+            raise DiscoveryError(f"GET {path}: not JSON") from error
+        declared = parse_sources(sources, worker.url)
+        if len(declared) > _MAX_SOURCES:
+            log.warning(
+                "%s: declares %d ranks: the first %d", worker.id, len(declared), _MAX_SOURCES
+            )
+        endpoints = [e for e in declared[:_MAX_SOURCES] if await self._admits(worker, e)]
+        if not endpoints:
+            raise DiscoveryError(f"GET {path}: no ZMQ KV-event source kvgate may subscribe to")
+        return endpoints
+
+    async def _admits(self, worker: EngineWorker, endpoints: Endpoints) -> bool:
+        for endpoint in (endpoints.events, endpoints.replay):
+            if endpoint is None or on_worker_host(endpoint, worker.url):
+                continue
+            if self._allowed is None or not await self._allowed(endpoint):
+                log.warning(
+                    "%s: declares KV events at %s, not on its host nor allowed: not subscribed",
+                    worker.id,
+                    endpoint,
+                )
+                return False
+        return True

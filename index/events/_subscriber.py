@@ -32,12 +32,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from index.api import Endpoints
 from index.config import IndexConfig
 from index.events._feed import EventFeed
 from index.metrics import IndexMetrics
@@ -58,15 +58,6 @@ class ReplayFailed(Exception):
     def __init__(self, reason: str, limit: str | None = None) -> None:
         super().__init__(reason)
         self.limit = limit
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    """Where one data-parallel rank of a worker publishes."""
-
-    events: str
-    replay: str | None = None
-    dp_rank: int = 0
 
 
 class Subscriber:

@@ -21,21 +21,45 @@ from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 Clock = Callable[[], float]
 
 
-class EventIndex:
+class _OverTable:
+    """What both indexers answer straight from their table."""
+
+    def __init__(self, table: BlockTableApi | None) -> None:
+        self._table = new_table() if table is None else table
+
+    @property
+    def table(self) -> BlockTableApi:
+        return self._table
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        self._table.clear(worker)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        for key in self._table.workers():
+            if key.worker == worker:
+                self._table.clear(key)
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        return self._table.holds(worker, key)
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
+
+
+class EventIndex(_OverTable):
     """Exact block → cache-domain index fed by engine events, capped at ``max_entries``."""
 
     def __init__(self, max_entries: int = 2_000_000, table: BlockTableApi | None = None) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
-        self._table = new_table() if table is None else table
+        super().__init__(table)
         self._max_entries = max_entries
         self.pruned = 0
         # the table's own method: asked for every stored event on the general path
-        self.holds: Callable[[WorkerKey, BlockKey], bool] = self._table.holds
-
-    @property
-    def table(self) -> BlockTableApi:
-        return self._table
+        self.holds = self._table.holds  # type: ignore[method-assign]
 
     @property
     def max_entries(self) -> int:
@@ -83,22 +107,8 @@ class EventIndex:
     def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
         return self._table.find_matches(keys)
 
-    def clear_worker(self, worker: WorkerKey) -> None:
-        self._table.clear(worker)
-
-    def remove_worker(self, worker: WorkerId) -> None:
-        for key in self._table.workers():
-            if key.worker == worker:
-                self._table.clear(key)
-
     def entry_count(self) -> int:
         return self._table.entry_count()
-
-    def domain_entries(self, worker: WorkerKey) -> int:
-        return self._table.slot_entries(worker)
-
-    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
-        return self._table.held_keys(worker)
 
     def block_count(self) -> int:
         return self._table.block_count()
@@ -107,7 +117,7 @@ class EventIndex:
         return self._table.stats()
 
 
-class ApproxIndex:
+class ApproxIndex(_OverTable):
     """Index of kvgate's own routing decisions: TTL-bounded and capacity-bounded per domain."""
 
     def __init__(
@@ -119,7 +129,7 @@ class ApproxIndex:
     ) -> None:
         if ttl_s <= 0 or capacity <= 0:
             raise ValueError("ttl_s and capacity must be positive")
-        self._table = new_table() if table is None else table
+        super().__init__(table)
         self._ttl_s = ttl_s
         self._capacity = capacity
         self._clock = clock
@@ -160,26 +170,9 @@ class ApproxIndex:
         self.expire()
         return self._table.find_matches(keys)
 
-    def clear_worker(self, worker: WorkerKey) -> None:
-        self._table.clear(worker)
-
-    def remove_worker(self, worker: WorkerId) -> None:
-        for key in self._table.workers():
-            if key.worker == worker:
-                self._table.clear(key)
-
     def entry_count(self) -> int:
         self.expire()
         return self._table.entry_count()
-
-    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
-        return self._table.holds(worker, key)
-
-    def domain_entries(self, worker: WorkerKey) -> int:
-        return self._table.slot_entries(worker)
-
-    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
-        return self._table.held_keys(worker)
 
     def stats(self) -> list[SlotStats]:
         self.expire()
