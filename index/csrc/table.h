@@ -327,7 +327,7 @@ static KV_UNUSED uint8_t orphan_classes(const Slot *s, const Link *link, const N
  * marker of it goes either way), and its children held in those classes are orphans no more
  * (up to KV_MAX_CHILDREN_SCANNED children: past that they stay, which only costs walks). */
 static KV_UNUSED int on_gain(Table *t, Slot *s, uint64_t key, const Link *link, const Node *node,
-                   uint8_t gained)
+                             uint8_t gained)
 {
     uint8_t orphaned = orphan_classes(s, link, node);
     int32_t depth = node->depth;
@@ -472,7 +472,7 @@ static KV_UNUSED int may_descend(const Table *t, uint64_t key, uint64_t ancestor
  * its record is new or of unknown ancestry and that cannot close a cycle. *contested tells
  * whether the record's parent differs from ``prev`` after that. */
 static KV_UNUSED int link_stored(Table *t, uint64_t key, Link *link, int created, int has_prev,
-                       uint64_t prev, int prev_exists, int *contested)
+                                 uint64_t prev, int prev_exists, int *contested)
 {
     if (created || link->flags & L_UNKNOWN) {
         *contested = 0;
@@ -592,7 +592,7 @@ static KV_UNUSED int32_t first_depth(const Slot *s, int has_parent, uint64_t par
 /* Hold ``keys`` (a chain after ``parent`` when has_parent) in ``tier``; LRU-stamp them leaf
  * first so the chain's root is the most recent. Returns -1 on memory failure. */
 static KV_UNUSED int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, int tier,
-                       int has_parent, uint64_t parent, double stamp)
+                                 int has_parent, uint64_t parent, double stamp)
 {
     if (n == 0)
         return 0;
@@ -682,7 +682,8 @@ static KV_UNUSED int table_drop(Table *t, Slot *s, uint64_t key, uint8_t tier_bi
 }
 
 /* ``keys`` leave ``tier_bits`` of the slot (cells of later keys are fetched ahead). */
-static KV_UNUSED int table_remove(Table *t, Slot *s, const uint64_t *keys, size_t n, uint8_t tier_bits)
+static KV_UNUSED int table_remove(Table *t, Slot *s, const uint64_t *keys, size_t n,
+                                  uint8_t tier_bits)
 {
     for (size_t i = 0; i < n; i++) {
         if (i + KV_PREFETCH_AHEAD < n) {
