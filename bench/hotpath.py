@@ -288,7 +288,7 @@ class Bench:
             "kv": make_policy("kv", seed=1),
             "round_robin": make_policy("round_robin", seed=1),
         }
-        tokenizer = await service._tokenizer(MODEL)  # bench-only: the loaded ModelTokenizer
+        tokenizer = await service._keyer._tokenizer(MODEL)  # bench-only: the loaded tokenizer
         if tokenizer is None:
             raise RuntimeError("the simulator tokenizer did not load")
         bench = cls(service, registry, policies, tokenizer, http, rng)

@@ -90,7 +90,7 @@ class EventFeed:
             return BatchResult(refused="failed")
 
     def _apply_payload(self, payload: bytes) -> BatchResult:
-        translator = self._translators[self.dp_rank]
+        translator = self.translator(self.dp_rank)
         result = translator.ingest(payload) if self._native else None
         if result is None:
             try:

@@ -158,12 +158,13 @@ class NativeBlockTable:
     def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]:
         """Per cache domain holding ``keys[0]``: its contiguous matched prefix by tier."""
         worker_at, memo = self._worker_at, self._matches
+        remembered = memo.get  # once per call: every holder is a lookup
         result: dict[WorkerKey, PrefixMatch] = {}
         for slot, gpu, cpu, any_ in self._core.find_matches(keys):
             worker = worker_at.get(slot)
             if worker is None:  # only if a native ingest failed (out of memory) mid-store
                 continue
             runs = (gpu, cpu - gpu, any_ - cpu)
-            match = memo.get(runs)
+            match = remembered(runs)
             result[worker] = memo.put(runs, PrefixMatch(*runs)) if match is None else match
         return result
