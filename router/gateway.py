@@ -7,7 +7,6 @@ be on hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` onl
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import logging
@@ -28,6 +27,7 @@ from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
+from index.api import WorkerListener
 from index.types import WorkerId
 from router.config import Settings, validation_problems
 from router.errors import (
@@ -60,26 +60,17 @@ _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
 
 
-class IndexLifecycle(Protocol):
-    """What the gateway drives on the KV index service (``index.service.KvIndexService``)."""
+class IndexLifecycle(WorkerListener, Protocol):
+    """What the gateway drives on the KV index service (``index.service.KvIndexService``): its
+    lifecycle; it follows the registry's workers as a subscriber (``WorkerListener``)."""
 
     async def start(self) -> None: ...
 
+    async def settled(self) -> None:
+        """Until the index has caught up with the workers it was told of."""
+        ...
+
     async def stop(self) -> None: ...
-
-    async def add_worker(
-        self,
-        worker: WorkerId,
-        url: str,
-        *,
-        engine: str,
-        events: str | None,
-        replay: str | None,
-        discover: bool = True,
-        model: str | None = None,
-    ) -> None: ...
-
-    async def remove_worker(self, worker: WorkerId) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -158,7 +149,7 @@ class Gateway:
     client: httpx.AsyncClient
     allowlist: WorkerAllowlist
     listener: ListenerLimits  # the client connection limits, shared with the listener
-    index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
+    index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     request_ids: RequestIds = field(default_factory=RequestIds)
     # metric holders whose series labelled with a worker go when it is removed
@@ -347,15 +338,14 @@ class Gateway:
         config = spec if isinstance(spec, WorkerConfig) else _worker_config(spec)
         worker = self.registry.add(config)
         await self.health.probe(worker)
-        await self._index_worker(worker)
+        if self.index is not None:
+            await self.index.settled()
         log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
         return worker
 
     async def remove_worker(self, worker_id: str) -> Worker:
         worker = self.registry.remove(worker_id)
         self.proxy.upstream.close_origin(self.proxy.origin(worker))
-        if self.index is not None:
-            await self.index.remove_worker(worker.id)
         self.metrics.forget_worker(worker.url)
         for holder in self.worker_series:
             forget_series(vars(holder).values(), worker.url)
@@ -378,25 +368,13 @@ class Gateway:
     def index_stats(self) -> dict[str, Any]:
         return self.index.stats() if self.index is not None else {"index": None}
 
-    async def _index_worker(self, worker: Worker) -> None:
-        if self.index is None:
-            return
-        config = worker.config
-        model = next(iter(worker.models)) if len(worker.models) == 1 else None
-        await self.index.add_worker(
-            worker.id,
-            worker.url,
-            engine=config.engine,
-            events=config.events,
-            replay=config.replay,
-            model=model,
-        )
-
     async def start(self) -> None:
         if self.index is not None:
             await self.index.start()
         await self.health.probe_all()
-        await asyncio.gather(*(self._index_worker(w) for w in self.registry))
+        if self.index is not None:  # from now on the index follows the registry's workers
+            self.registry.subscribe(self.index)
+            await self.index.settled()
         self.health.start()
         if self.discovery is not None:
             await self.discovery.start()
@@ -406,6 +384,7 @@ class Gateway:
             await self.discovery.stop()
         await self.health.stop()
         if self.index is not None:
+            self.registry.unsubscribe(self.index)
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()
