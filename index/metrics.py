@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from index.table import SlotStats
+from index.types import SlotStats
 
 
 class _EntriesCollector(Collector):

@@ -70,9 +70,17 @@ def build_gateway(
     if policy is None:
         policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
     client = _http_client(settings)
+    allowlist = WorkerAllowlist(
+        settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
+    )
     index: KvIndexService | None = None
     if block_index is None and settings.kv_index:
-        index = KvIndexService(settings.index, metrics_registry, client)
+        index = KvIndexService(
+            settings.index,
+            metrics_registry,
+            client,
+            endpoint_allowed=allowlist.permits_endpoint,  # what workers declare at run time
+        )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
     metrics = GatewayMetrics(metrics_registry)
@@ -85,9 +93,6 @@ def build_gateway(
         max_idle_per_origin=settings.upstream.max_keepalive,
     )
     proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
-    allowlist = WorkerAllowlist(
-        settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
-    )
     gateway = Gateway(
         settings=settings,
         registry=registry,
@@ -105,9 +110,8 @@ def build_gateway(
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
         watch = IndexWatch(
-            settings.index_watch, gateway.event_progress, gateway.resubscribe, watch_metrics
+            settings.index_watch, gateway.event_progress, gateway.resync, watch_metrics
         )
-        registry.on_health_change(watch.on_health_change)
         proxy.served_listeners.append(watch.on_served)
         gateway.index_watch = watch
         gateway.worker_series.append(watch_metrics)

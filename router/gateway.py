@@ -7,7 +7,6 @@ be on hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` onl
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import logging
@@ -28,6 +27,7 @@ from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
+from index.api import WorkerListener
 from index.types import WorkerId
 from router.config import Settings, validation_problems
 from router.errors import (
@@ -61,32 +61,25 @@ _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
 
 
-class IndexLifecycle(Protocol):
-    """What the gateway drives on the KV index service (``index.service.KvIndexService``)."""
+class IndexLifecycle(WorkerListener, Protocol):
+    """What the gateway drives on the KV index service (``index.service.KvIndexService``): its
+    lifecycle; it follows the registry's workers as a subscriber (``WorkerListener``)."""
 
     async def start(self) -> None: ...
 
+    async def settled(self) -> None:
+        """Until the index has caught up with the workers it was told of."""
+        ...
+
     async def stop(self) -> None: ...
-
-    async def add_worker(
-        self,
-        worker: WorkerId,
-        url: str,
-        *,
-        engine: str,
-        events: str | None,
-        replay: str | None,
-        discover: bool = True,
-        model: str | None = None,
-    ) -> None: ...
-
-    async def remove_worker(self, worker: WorkerId) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
     def applied_seq(self, worker: WorkerId, dp_rank: int = 0) -> int | None: ...
 
     def connected(self, worker: WorkerId, dp_rank: int = 0) -> bool: ...
+
+    def resync(self, worker: WorkerId, *, replay: bool) -> bool: ...
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -163,7 +156,7 @@ class Gateway:
     client: httpx.AsyncClient
     allowlist: WorkerAllowlist
     listener: ListenerLimits  # the client connection limits, shared with the listener
-    index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
+    index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
     request_ids: RequestIds = field(default_factory=RequestIds)
@@ -353,17 +346,14 @@ class Gateway:
         config = spec if isinstance(spec, WorkerConfig) else _worker_config(spec)
         worker = self.registry.add(config)
         await self.health.probe(worker)
-        await self._index_worker(worker)
+        if self.index is not None:
+            await self.index.settled()
         log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
         return worker
 
     async def remove_worker(self, worker_id: str) -> Worker:
         worker = self.registry.remove(worker_id)
         self.proxy.upstream.close_origin(self.proxy.origin(worker))
-        if self.index is not None:
-            await self.index.remove_worker(worker.id)
-        if self.index_watch is not None:
-            self.index_watch.forget(worker.id)
         self.metrics.forget_worker(worker.url)
         for holder in self.worker_series:
             forget_series(vars(holder).values(), worker.url)
@@ -386,42 +376,10 @@ class Gateway:
     def index_stats(self) -> dict[str, Any]:
         return self.index.stats() if self.index is not None else {"index": None}
 
-    async def _index_worker(self, worker: Worker) -> None:
-        if self.index is None:
-            return
-        config = worker.config
-        model = next(iter(worker.models)) if len(worker.models) == 1 else None
-        await self.index.add_worker(
-            worker.id,
-            worker.url,
-            engine=config.engine,
-            events=config.events,
-            replay=config.replay,
-            model=model,
-        )
-
-    async def resubscribe(self, worker: Worker, replay: bool) -> None:
-        """Drop a worker's index entries and subscribe to its events again: as configured
-        (``replay``), or to its current event endpoint with no replay (live events only)."""
-        index = self.index
-        if index is None or worker.removed or self.registry.find(worker.id) is not worker:
-            return
-        if replay:
-            await self._index_worker(worker)
-            return
-        events = worker.config.events or _event_endpoint(index.stats(), worker.id)
-        if events is None:
-            return
-        model = next(iter(worker.models)) if len(worker.models) == 1 else None
-        await index.add_worker(
-            worker.id,
-            worker.url,
-            engine=worker.config.engine,
-            events=events,
-            replay=None,
-            discover=False,
-            model=model,
-        )
+    def resync(self, worker: WorkerId, replay: bool) -> bool:
+        """Drop a worker's index entries and subscribe to its events again
+        (``router.index_watch.Resync``)."""
+        return self.index is not None and self.index.resync(worker, replay=replay)
 
     def event_progress(self, worker: WorkerId) -> int | None:
         """The seq of the worker's last applied event batch; ``LookupError`` unless it has
@@ -439,7 +397,11 @@ class Gateway:
         if self.index is not None:
             await self.index.start()
         await self.health.probe_all()
-        await asyncio.gather(*(self._index_worker(w) for w in self.registry))
+        if self.index is not None:  # from now on the index follows the registry's workers
+            self.registry.subscribe(self.index)
+            if self.index_watch is not None:  # after the index: it resyncs what it follows
+                self.registry.subscribe(self.index_watch)
+            await self.index.settled()
         self.health.start()
         if self.discovery is not None:
             await self.discovery.start()
@@ -449,20 +411,12 @@ class Gateway:
             await self.discovery.stop()
         await self.health.stop()
         if self.index_watch is not None:
-            await self.index_watch.stop()
+            self.registry.unsubscribe(self.index_watch)
         if self.index is not None:
+            self.registry.unsubscribe(self.index)
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()
-
-
-def _event_endpoint(stats: dict[str, Any], worker: WorkerId) -> str | None:
-    """The event endpoint of a worker's only subscriber, from the index's stats."""
-    subscribers = stats.get("workers", {}).get(worker, {}).get("subscribers", [])
-    if len(subscribers) != 1:
-        return None
-    events = subscribers[0].get("events")
-    return events if isinstance(events, str) else None
 
 
 def _worker_config(spec: Any) -> WorkerConfig:

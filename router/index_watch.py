@@ -26,24 +26,24 @@ multi-rank engine go to one rank, whose silence another rank's batches would hid
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
 from backends.registry import Worker
+from index.api import EngineWorker
 from index.types import WorkerId
 from router.config import IndexWatchConfig
 from router.usage import Usage
 
 log = logging.getLogger("kvgate.index_watch")
 
-Resubscribe = Callable[[Worker, bool], Coroutine[Any, Any, None]]
-"""Drop a worker's entries and subscribe again (``True``: with replay)."""
+Resync = Callable[[WorkerId, bool], bool]
+"""Drop a worker's entries and subscribe again (``True``: with replay); False when it has no
+event subscription (``index.service.KvIndexService.resync``)."""
 EventProgress = Callable[[WorkerId], int | None]
 """The seq of the last event batch applied for a worker (None before the first);
 ``LookupError`` when it has not exactly one connected event source (nothing to watch)."""
@@ -72,30 +72,39 @@ class _Silence:
 
 
 class IndexWatch:
-    """Resyncs a worker's index entries when it goes down or its events fall silent."""
+    """Resyncs a worker's index entries when it goes down or its events fall silent; a
+    ``WorkerListener`` of the registry (subscribed after the index, so it resyncs workers the
+    index already follows)."""
 
     def __init__(
         self,
         config: IndexWatchConfig,
         progress: EventProgress,
-        resubscribe: Resubscribe,
+        resync: Resync,
         metrics: IndexWatchMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._progress = progress
-        self._resubscribe = resubscribe
+        self._resync_index = resync
         self._metrics = metrics
         self._clock = clock
         self._silences: dict[WorkerId, _Silence] = {}
-        self._tasks: dict[WorkerId, asyncio.Task[None]] = {}
 
-    # -- signals ------------------------------------------------------------------------
-    def on_health_change(self, worker: Worker) -> None:
-        """A registry listener: a worker that went down is resynced (with replay)."""
-        if not worker.healthy and not worker.removed and self._config.resync_on_down:
-            self._resync(worker, "worker_down", replay=True)
+    # -- the registry's changes (WorkerListener) ----------------------------------------
+    def worker_added(self, worker: EngineWorker) -> None:
+        self._silences.pop(worker.id, None)
+
+    def worker_removed(self, worker: WorkerId) -> None:
+        self._silences.pop(worker, None)
+
+    def worker_health_changed(self, worker: EngineWorker) -> None:
+        """A worker that went down is resynced (with replay)."""
+        if not worker.healthy and self._config.resync_on_down:
+            self._resync(worker.id, worker.url, "worker_down", replay=True)
+
+    # -- the proxy's answers ------------------------------------------------------------
 
     def on_served(self, worker: Worker, usage: Usage, block_size: int, sent_at: float) -> None:
         """A proxy listener: a request answered by ``worker`` with engine usage."""
@@ -126,40 +135,12 @@ class IndexWatch:
                 state.silent,
                 silent_for,
             )
-            self._resync(worker, "events_silent", replay=False)
+            self._resync(worker.id, worker.url, "events_silent", replay=False)
 
     # -- resyncs ------------------------------------------------------------------------
-    def _resync(self, worker: Worker, reason: str, *, replay: bool) -> None:
-        running = self._tasks.get(worker.id)
-        if running is not None and not running.done():
-            return  # one at a time; the one running started after the cause
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a registry driven outside the gateway's loop (tooling)
-            return
-        self._metrics.resyncs.labels(worker.url, reason).inc()
-        task = loop.create_task(
-            self._resubscribe(worker, replay), name=f"index resync {worker.url}"
-        )
-        task.add_done_callback(self._done)
-        self._tasks[worker.id] = task
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        for worker, known in list(self._tasks.items()):
-            if known is task:
-                del self._tasks[worker]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
-
-    def forget(self, worker: WorkerId) -> None:
-        """The worker was removed."""
-        self._silences.pop(worker, None)
-
-    async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _resync(self, worker: WorkerId, url: str, reason: str, *, replay: bool) -> None:
+        if self._resync_index(worker, replay):
+            self._metrics.resyncs.labels(url, reason).inc()
 
 
 def _stored_blocks(usage: Usage, block_size: int) -> bool:

@@ -3,7 +3,6 @@ in front of simulated replicas whose event stream stops or who crash (real HTTP 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,7 +20,6 @@ from router.config import IndexWatchConfig
 from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.usage import Usage
 
-pytestmark = pytest.mark.anyio
 BLOCK = 16
 
 
@@ -39,7 +37,7 @@ class Harness:
         return IndexWatch(
             IndexWatchConfig.model_validate({"silence_s": 10, "silent_requests": 3, **config}),
             self.progress,
-            self.resubscribe,
+            self.resync,
             IndexWatchMetrics(self.registry),
             clock=lambda: self.now,
         )
@@ -49,8 +47,9 @@ class Harness:
             raise LookupError(worker)
         return self.seq
 
-    async def resubscribe(self, worker: Worker, replay: bool) -> None:
-        self.resubscribed.append((worker.url, replay))
+    def resync(self, worker: WorkerId, replay: bool) -> bool:
+        self.resubscribed.append((worker, replay))
+        return True
 
     def resyncs(self, worker: Worker, reason: str) -> float:
         value = self.registry.get_sample_value(
@@ -68,58 +67,56 @@ STORED = Usage(prompt_tokens=100, cached_tokens=32)  # 6 full blocks, 2 cached: 
 ALL_CACHED = Usage(prompt_tokens=100, cached_tokens=96)
 
 
-async def served(watch: IndexWatch, h: Harness, worker: Worker, usage: Usage = STORED) -> None:
+def served(watch: IndexWatch, h: Harness, worker: Worker, usage: Usage = STORED) -> None:
     watch.on_served(worker, usage, BLOCK, h.now)
-    await asyncio.sleep(0)  # let a resync task run
 
 
-async def test_silence_while_serving_drops_the_entries_once() -> None:
+def test_silence_while_serving_drops_the_entries_once() -> None:
     h = Harness()
     watch, worker = h.watch(), a_worker()
-    await served(watch, h, worker)  # first sight of seq 5
+    served(watch, h, worker)  # first sight of seq 5
     for _ in range(3):
         h.now += 4
-        await served(watch, h, worker)
+        served(watch, h, worker)
     assert h.resubscribed == []  # 3 silent requests, but only 8 s of silence
     h.now += 4
-    await served(watch, h, worker)
-    assert h.resubscribed == [(worker.url, False)]  # without replay
+    served(watch, h, worker)
+    assert h.resubscribed == [(worker.id, False)]  # without replay
     assert h.resyncs(worker, "events_silent") == 1
     for _ in range(5):  # still silent: once is enough
         h.now += 20
-        await served(watch, h, worker)
+        served(watch, h, worker)
     assert len(h.resubscribed) == 1
     h.seq = 0  # the new subscription got a live batch: watched again from there
-    await served(watch, h, worker)
+    served(watch, h, worker)
     for _ in range(4):
         h.now += 5
-        await served(watch, h, worker)
+        served(watch, h, worker)
     assert len(h.resubscribed) == 2
-    await watch.stop()
 
 
-async def test_late_events_and_cached_prompts_are_not_silence() -> None:
+def test_late_events_and_cached_prompts_are_not_silence() -> None:
     h = Harness()
     watch, worker = h.watch(), a_worker()
-    await served(watch, h, worker)
+    served(watch, h, worker)
     for _ in range(10):
         h.now += 5
-        await served(watch, h, worker, ALL_CACHED)  # nothing new stored: no event expected
+        served(watch, h, worker, ALL_CACHED)  # nothing new stored: no event expected
     assert h.resubscribed == []
     for _ in range(10):  # events a few seconds late: each batch restarts the count
         h.now += 5
-        await served(watch, h, worker)
+        served(watch, h, worker)
         h.seq = (h.seq or 0) + 1
     assert h.resubscribed == []
     h.watched = False  # several sources, or disconnected: not watched
     for _ in range(10):
         h.now += 5
-        await served(watch, h, worker)
+        served(watch, h, worker)
     assert h.resubscribed == []
     assert watch._config.silence_s == 10
 
 
-async def test_requests_sent_before_the_last_batch_do_not_count() -> None:
+def test_requests_sent_before_the_last_batch_do_not_count() -> None:
     h = Harness()
     watch, worker = h.watch(silent_requests=1, silence_s=1), a_worker()
     watch.on_served(worker, STORED, BLOCK, h.now)
@@ -129,33 +126,28 @@ async def test_requests_sent_before_the_last_batch_do_not_count() -> None:
     for _ in range(3):  # sent before batch 6 was seen, answered after: they prove nothing
         h.now += 5
         watch.on_served(worker, STORED, BLOCK, h.now - 20)
-    await asyncio.sleep(0)
     assert h.resubscribed == []
     h.now += 5
     watch.on_served(worker, STORED, BLOCK, h.now - 2)
-    await asyncio.sleep(0)
-    assert h.resubscribed == [(worker.url, False)]
+    assert h.resubscribed == [(worker.id, False)]
 
 
-async def test_a_worker_going_down_is_resynced_with_replay() -> None:
+def test_a_worker_going_down_is_resynced_with_replay() -> None:
     h = Harness()
     watch = h.watch()
     registry = WorkerRegistry()
-    registry.on_health_change(watch.on_health_change)
+    registry.subscribe(watch)
     worker = a_worker(registry)
     registry.record_success(worker)  # up: nothing to do
     registry.record_failure(worker, "refused", immediate=True)
-    await asyncio.sleep(0)
-    assert h.resubscribed == [(worker.url, True)]
+    assert h.resubscribed == [(worker.id, True)]
     assert h.resyncs(worker, "worker_down") == 1
     off = Harness()
     quiet = off.watch(resync_on_down=False)
-    registry.on_health_change(quiet.on_health_change)
+    registry.subscribe(quiet)
     registry.record_success(worker)
     registry.record_failure(worker, "refused", immediate=True)
-    await asyncio.sleep(0)
     assert off.resubscribed == []
-    await watch.stop()
 
 
 # -- kvgate in front of simulated replicas ------------------------------------------------
@@ -169,6 +161,7 @@ def chat(text: str) -> dict[str, object]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
 
 
+@pytest.mark.anyio
 @pytest.mark.slow
 async def test_a_replica_whose_events_stop_is_dropped_then_learns_live() -> None:
     watch = {"silence_s": 0.3, "silent_requests": 2}
@@ -193,6 +186,7 @@ async def test_a_replica_whose_events_stop_is_dropped_then_learns_live() -> None
         assert await overlap(gw, url, CHAT) == 0
 
 
+@pytest.mark.anyio
 @pytest.mark.slow
 async def test_a_crashed_replica_comes_back_without_its_old_entries() -> None:
     async with sim_gateway(replicas=2, policy="kv") as (fleet, gw):
