@@ -51,13 +51,12 @@ def long_prompt(client: httpx.Client, url: str, seed: int, tokens: int = PROMPT_
     return text
 
 
-def in_engine(client: httpx.Client, url: str) -> float:
-    """Requests the engine holds (running or waiting), from its ``/metrics``."""
-    total = 0.0
-    for line in client.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def accepted(log_path: Path) -> int:
+    """Streams the replica has answered ``200`` to so far: uvicorn logs a request's access
+    line when its response starts, which vLLM does as soon as it accepts a streaming request
+    (before queueing and prefill)."""
+    text = log_path.read_text(errors="replace")
+    return text.count('"POST /v1/completions HTTP/1.1" 200')
 
 
 def _stream_directly(url: str, prompt: str) -> None:
@@ -93,13 +92,17 @@ def test_a_replica_killed_while_a_long_prompt_prefills_loses_no_request(
             httpx.Client(timeout=60.0) as client,
         ):
             url = victim.spec.url
-            for i in range(BURST):
-                prompt = long_prompt(client, url, seed=14_000 + i)
+            # the prompts first (each takes a few /tokenize calls): the burst then arrives at
+            # once and queues several seconds of prefill ahead of ours
+            prompts = [long_prompt(client, url, seed=14_000 + i) for i in range(BURST)]
+            ours = long_prompt(client, url, seed=14_100)
+            before = accepted(victim.log_path)
+            for prompt in prompts:
                 burst.append(threading.Thread(target=_stream_directly, args=(url, prompt)))
                 burst[-1].start()
-            wait_until(lambda: in_engine(client, url) >= BURST, 60.0, "the burst accepted")
-
-            ours = long_prompt(client, url, seed=14_100)
+            wait_until(
+                lambda: accepted(victim.log_path) >= before + BURST, 60.0, "the burst accepted"
+            )
             result: dict[str, Any] = {}
 
             def call() -> None:
@@ -120,9 +123,11 @@ def test_a_replica_killed_while_a_long_prompt_prefills_loses_no_request(
 
             caller = threading.Thread(target=call)
             caller.start()
-            # ours is accepted by the victim (its 200 already sent to kvgate) and waits
+            # ours is accepted by the victim (its 200 and headers sent to kvgate) and waits
             # behind the burst's prefill: kill the engine now
-            wait_until(lambda: in_engine(client, url) >= BURST + 1, 60.0, "ours accepted")
+            wait_until(
+                lambda: accepted(victim.log_path) >= before + BURST + 1, 60.0, "ours accepted"
+            )
             assert caller.is_alive() and not result  # nothing has reached the client
             victim_pid = victim.pid
             assert victim_pid is not None
