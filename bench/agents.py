@@ -186,9 +186,12 @@ class AgentRun:
             await self._turn(client, sid, turn, history, rng.randint(*load.output_tokens))
             history += [next(own) for _ in range(rng.randint(*load.growth_blocks))]
             if rng.random() < load.tool_share:
-                await asyncio.sleep(rng.uniform(*load.tool_s))
+                pause = rng.uniform(*load.tool_s)
             else:
-                await asyncio.sleep(rng.expovariate(1.0 / load.think_s))
+                pause = rng.expovariate(1.0 / load.think_s)
+            # the draw is made either way (the session's choices do not depend on timing);
+            # no turn starts after the duration, so no pause waits past it
+            await asyncio.sleep(min(pause, max(0.0, self.duration_s - self.now())))
 
     async def _turn(
         self, client: httpx.AsyncClient, sid: str, turn: int, history: list[int], max_tokens: int

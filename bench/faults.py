@@ -30,13 +30,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from backends.errors import ProcessExited
 from backends.process import LOOPBACK, free_port_range, wait_http
 from bench.agents import AgentLoad, AgentRun, Gateways, Record, Tally
 from bench.fleet import (
@@ -49,9 +50,12 @@ from bench.fleet import (
 )
 from bench.report import percentile
 
+T = TypeVar("T")
+
 COUNTED = (
     "kvgate_upstream_retries_total",
     "kvgate_stream_errors_total",
+    "kvgate_index_resyncs_total",
     "kvgate_index_resets_total",
     "kvgate_index_replays_total",
 )
@@ -184,7 +188,7 @@ class Gateway:
     log_dir: Path
     process: ManagedProcess | None = None
     counters: dict[str, float] = field(default_factory=dict)
-    restarts: list[dict[str, float]] = field(default_factory=list)
+    restarts: list[dict[str, float | None]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -210,13 +214,43 @@ class Gateway:
         stopped = time.perf_counter()
         await asyncio.to_thread(self.start)
         ready = time.perf_counter()
+        indexed = await index_rebuilt(self.url)
         self.restarts.append(
-            {"at_s": began - t0, "drain_s": stopped - began, "start_s": ready - stopped}
+            {
+                "at_s": began - t0,
+                "drain_s": stopped - began,
+                "start_s": ready - stopped,
+                "index_s": None if indexed is None else indexed - began,
+            }
         )
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
+
+
+async def index_rebuilt(url: str, timeout_s: float = 30.0) -> float | None:
+    """When (``perf_counter``) every worker's event subscriber of a started kvgate is
+    connected and has applied a batch (the replay of the engine's ring comes first): its
+    index rebuilt. None when that did not happen within ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.perf_counter() < deadline:
+            try:
+                workers = (await client.get(f"{url}/debug/index")).json()["workers"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                workers = {}
+            subscribers = [s for w in workers.values() for s in w.get("subscribers", [])]
+            if (
+                workers
+                and all(
+                    s.get("connected") and s.get("applied_seq") is not None for s in subscribers
+                )
+                and len(subscribers) >= len(workers)
+            ):
+                return time.perf_counter()
+            await asyncio.sleep(0.05)
+    return None
 
 
 async def scrape_counters(url: str) -> dict[str, float]:
@@ -262,6 +296,9 @@ async def drive(
     done: list[dict[str, Any]] = []
     await run.started.wait()
     for step in sorted(scenario.steps, key=lambda s: s.at_s):
+        if fault_at + step.at_s >= run.duration_s:
+            done.append({"at_s": fault_at + step.at_s, "skipped": "after the load ended"})
+            continue
         await asyncio.sleep(max(0.0, fault_at + step.at_s - run.now()))
         at = run.now()
         if step.restart is not None:
@@ -294,14 +331,10 @@ async def run_scenario(
 ) -> dict[str, Any]:
     log_dir = out_dir / f"{scenario.name}-{run_index}"
     load_before = os.getloadavg()
-    fleet = await asyncio.to_thread(start_fleet, _fleet_spec(cfg), log_dir)
+    fleet = await _on_free_ports(lambda: start_fleet(_fleet_spec(cfg), log_dir))
     gateways: list[Gateway] = []
     try:
-        ports = free_port_range(scenario.gateways, start=18500)
-        for i in range(scenario.gateways):
-            argv = kvgate_serve_argv(KvgateSpec("kv", extra_args=cfg.serve_args), fleet, ports + i)
-            gateways.append(Gateway(i, ports + i, argv, log_dir))
-            await asyncio.to_thread(gateways[-1].start)
+        gateways = await _on_free_ports(lambda: start_gateways(scenario, cfg, fleet, log_dir))
         run = AgentRun(Gateways([g.url for g in gateways]), cfg.load, cfg.seconds)
         driver = asyncio.create_task(drive(scenario, fleet, gateways, run, cfg.fault_at))
         try:
@@ -321,16 +354,47 @@ async def run_scenario(
     }
 
 
+def start_gateways(
+    scenario: Scenario, cfg: BenchConfig, fleet: SimFleet, log_dir: Path
+) -> list[Gateway]:
+    """The scenario's kvgates on consecutive free ports, started (all or none)."""
+    ports = free_port_range(scenario.gateways, start=18500)
+    gateways: list[Gateway] = []
+    try:
+        for i in range(scenario.gateways):
+            argv = kvgate_serve_argv(KvgateSpec("kv", extra_args=cfg.serve_args), fleet, ports + i)
+            gateways.append(Gateway(i, ports + i, argv, log_dir))
+            gateways[-1].start()
+    except BaseException:
+        for gateway in gateways:
+            gateway.stop()
+        raise
+    return gateways
+
+
+async def _on_free_ports(start: Callable[[], T], attempts: int = 3) -> T:
+    """``start()`` in a thread, again (on new ports) when a process it started exited at
+    once: another job on the box took a port between the check and the bind."""
+    for attempt in range(attempts):
+        try:
+            return await asyncio.to_thread(start)
+        except ProcessExited:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5 + attempt)
+    raise AssertionError("unreachable")
+
+
 # ------------------------------------------------------------------ measures
 def recovery_s(
     records: Sequence[Record],
     fault_at: float,
     *,
     pre_window_s: float = 10.0,
-    window_s: float = 3.0,
+    window_s: float = 5.0,
     step_s: float = 0.25,
     tolerance: float = 0.05,
-    min_requests: int = 8,
+    min_requests: int = 20,
 ) -> tuple[float | None, float | None]:
     """The hit rate before the fault (requests sent in the ``pre_window_s`` before it) and
     the time from the fault until it is back within ``tolerance`` of it: the end of the first
@@ -416,9 +480,20 @@ def summarize(
         "counters": counters,
         "steps": steps,
         "restarts": [r for g in gateways for r in g.restarts],
+        "index_rebuilt_s": _first_restart(gateways, "index_s"),
+        "kvgate_down_s": _first_restart(gateways, "drain_s", "start_s"),
         "timeline": timeline(records),
         "failures": [asdict(r) for r in records if r.status != "ok"][:20],
     }
+
+
+def _first_restart(gateways: Sequence[Gateway], *keys: str) -> float | None:
+    """The sum of ``keys`` of the run's first kvgate restart (None: no restart, or unknown)."""
+    for gateway in gateways:
+        for restart in gateway.restarts:
+            values = [restart.get(k) for k in keys]
+            return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
+    return None
 
 
 # ------------------------------------------------------------------ table
@@ -448,13 +523,14 @@ def markdown_table(results: Sequence[dict[str, Any]], titles: Mapping[str, str])
     lines = [
         "| scenario | sent | ok | failed before any token | cut after tokens | phantom share "
         "| hit rate before | back within 5% after | TTFT p50 / p99 (ms) | kvgate retries "
-        "| client retries |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| client retries | kvgate down / index rebuilt (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in by_scenario.items():
         med = {k: _median([r[k] for r in runs]) for k in (
             "sent", "ok", "failed_before_token", "cut_after_tokens", "phantom_share",
             "hit_rate_before", "ttft_p50_s", "ttft_p99_s", "kvgate_retries", "client_retries",
+            "kvgate_down_s", "index_rebuilt_s",
         )}  # fmt: skip
         worst_failed = max(r["failed_before_token"] for r in runs)
         lines.append(
@@ -464,7 +540,8 @@ def markdown_table(results: Sequence[dict[str, Any]], titles: Mapping[str, str])
             f"| {_fmt(med['phantom_share'], '.2f', 100)}% | {_fmt(med['hit_rate_before'], '.3f')} "
             f"| {_recovery_cell([r['recovery_s'] for r in runs])} "
             f"| {_fmt(med['ttft_p50_s'], '.0f', 1000)} / {_fmt(med['ttft_p99_s'], '.0f', 1000)} "
-            f"| {_fmt(med['kvgate_retries'], '.0f')} | {_fmt(med['client_retries'], '.0f')} |"
+            f"| {_fmt(med['kvgate_retries'], '.0f')} | {_fmt(med['client_retries'], '.0f')} "
+            f"| {_fmt(med['kvgate_down_s'], '.1f')} / {_fmt(med['index_rebuilt_s'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
