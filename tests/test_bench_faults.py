@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.agents import Record, Tally
 from bench.faults import main as faults_main
+from bench.faults import recovery_s
 
 SCENARIOS = ("crash", "abort", "http_5xx", "stop_events")
 
@@ -39,3 +41,38 @@ def test_no_request_fails_before_its_first_token_and_no_phantom_hits(tmp_path: P
     assert results["crash"]["counters"].get("kvgate_index_resyncs_total{worker_down}", 0) > 0
     assert results["abort"]["kvgate_retries"] > 0
     assert results["http_5xx"]["counters"].get("kvgate_upstream_retries_total{http_5xx}", 0) > 0
+
+
+def _answered(sent_s: float, cached: int, predicted: int = 0) -> Record:
+    return Record(
+        "s",
+        0,
+        sent_s,
+        100,
+        status="ok",
+        prompt_tokens=100,
+        cached_tokens=cached,
+        predicted=predicted,
+        ttft_s=0.01,
+    )
+
+
+def test_recovery_is_the_end_of_the_first_window_back_after_a_dip() -> None:
+    before = [_answered(t / 10, 90) for t in range(100, 200)]  # 10..20 s: hit rate 0.9
+    dip = [_answered(t / 10, 30) for t in range(200, 260)]  # 20..26 s: 0.3
+    after = [_answered(t / 10, 90) for t in range(260, 400)]
+    level, back = recovery_s(before + dip + after, 20.0)
+    assert level == 0.9
+    assert back is not None and 10.5 <= back <= 11.5  # the window 26..31 s, from the fault
+    assert recovery_s(before + after, 20.0) == (0.9, 0.0)  # it never fell
+    assert recovery_s(before + dip, 20.0) == (0.9, None)  # never back
+    assert recovery_s(dip, 20.0) == (None, None)  # nothing answered before the fault
+
+
+def test_phantom_tokens_are_predictions_beyond_what_the_engine_reported() -> None:
+    records = [_answered(1.0, 64, predicted=96), _answered(2.0, 96, predicted=64)]
+    records.append(Record("s", 1, 3.0, 100, status="failed"))
+    tally = Tally.of(records)
+    assert (tally.sent, tally.ok, tally.failed) == (3, 2, 1)
+    assert tally.phantom == 32 and tally.predicted == 160
+    assert tally.phantom_share == 32 / 160
