@@ -60,6 +60,7 @@ class Record:
     turn: int
     sent_s: float  # first attempt
     prompt_words: int
+    reusable: int = 0  # prompt tokens sent before (the previous turn's prompt; turn 0: system)
     status: str = "failed"  # ok | failed (no token) | cut (tokens, then an error) | cancelled
     gateway: int = -1  # which gateway answered
     http_status: int | None = None
@@ -180,10 +181,13 @@ class AgentRun:
         own = iter(range(_SESSION_BLOCKS * (number + 1), _SESSION_BLOCKS * (number + 2)))
         history = list(range(load.system_blocks))
         history += [next(own) for _ in range(load.first_blocks)]
+        reusable = load.system_blocks * load.block_words
         for turn in range(load.max_turns):
             if self.now() >= self.duration_s:
                 return
-            await self._turn(client, sid, turn, history, rng.randint(*load.output_tokens))
+            tokens = rng.randint(*load.output_tokens)
+            await self._turn(client, sid, turn, history, tokens, reusable)
+            reusable = len(history) * load.block_words
             history += [next(own) for _ in range(rng.randint(*load.growth_blocks))]
             if rng.random() < load.tool_share:
                 pause = rng.uniform(*load.tool_s)
@@ -194,7 +198,13 @@ class AgentRun:
             await asyncio.sleep(min(pause, max(0.0, self.duration_s - self.now())))
 
     async def _turn(
-        self, client: httpx.AsyncClient, sid: str, turn: int, history: list[int], max_tokens: int
+        self,
+        client: httpx.AsyncClient,
+        sid: str,
+        turn: int,
+        history: list[int],
+        max_tokens: int,
+        reusable: int,
     ) -> None:
         prompt = session_words(history, self.load)
         body = msgspec.json.encode(
@@ -207,7 +217,7 @@ class AgentRun:
                 "user": sid,
             }
         )
-        rec = Record(sid, turn, self.now(), len(history) * self.load.block_words)
+        rec = Record(sid, turn, self.now(), len(history) * self.load.block_words, reusable)
         self.records.append(rec)
         try:
             await send(client, self.gateways, body, rec, self)
@@ -290,6 +300,7 @@ class Tally:
     client_retries: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reusable: int = 0  # prompt tokens that had been sent before
     predicted: int = 0
     phantom: int = 0  # predicted cached tokens the engine did not report cached
     ttfts: list[float] = field(default_factory=list)
@@ -315,6 +326,7 @@ class Tally:
         self.ok += 1
         self.prompt_tokens += rec.prompt_tokens
         self.cached_tokens += rec.cached_tokens
+        self.reusable += rec.reusable
         self.predicted += rec.predicted
         self.phantom += max(0, rec.predicted - rec.cached_tokens)
         if rec.ttft_s is not None:
@@ -323,6 +335,12 @@ class Tally:
     @property
     def hit_rate(self) -> float | None:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def reuse_rate(self) -> float | None:
+        """Cached tokens over the tokens that could have been: the hit rate without the
+        swings of the session mix (a window of new sessions has little to reuse)."""
+        return self.cached_tokens / self.reusable if self.reusable else None
 
     @property
     def phantom_share(self) -> float:

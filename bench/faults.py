@@ -396,13 +396,14 @@ def recovery_s(
     tolerance: float = 0.05,
     min_requests: int = 20,
 ) -> tuple[float | None, float | None]:
-    """The hit rate before the fault (requests sent in the ``pre_window_s`` before it) and
-    the time from the fault until it is back within ``tolerance`` of it: the end of the first
-    ``window_s`` window (by send time) back at that level, after the first one below it
-    (0: it never fell below; None: not back within the run). Windows with fewer than
-    ``min_requests`` answered requests are not judged."""
+    """The reuse rate (``Tally.reuse_rate``: cached over reusable prompt tokens, the hit
+    rate without the swings of the session mix) before the fault (requests sent in the
+    ``pre_window_s`` before it) and the time from the fault until it is back within
+    ``tolerance`` of it: the end of the first ``window_s`` window (by send time) back at that
+    level, after the first one below it (0: it never fell below; None: not back within the
+    run). Windows with fewer than ``min_requests`` answered requests are not judged."""
     pre = Tally.of([r for r in records if fault_at - pre_window_s <= r.sent_s < fault_at])
-    level = pre.hit_rate
+    level = pre.reuse_rate
     if level is None:
         return None, None
     floor = level * (1 - tolerance)
@@ -411,7 +412,7 @@ def recovery_s(
     t = fault_at
     while t + window_s <= end:
         window = Tally.of([r for r in records if t <= r.sent_s < t + window_s])
-        rate = window.hit_rate
+        rate = window.reuse_rate
         if window.ok >= min_requests and rate is not None:
             if rate < floor:
                 fell = True
@@ -430,11 +431,13 @@ def timeline(records: Sequence[Record], bucket_s: float = 5.0) -> list[dict[str,
     for key in sorted(buckets):
         tally = Tally.of(buckets[key])
         rate = tally.hit_rate
+        reuse = tally.reuse_rate
         out.append(
             {
                 "from_s": key * bucket_s,
                 "sent": tally.sent,
                 "hit_rate": None if rate is None else round(rate, 4),
+                "reuse_rate": None if reuse is None else round(reuse, 4),
                 "phantom": tally.phantom,
                 "failed": tally.failed,
                 "cut": tally.cut,
@@ -470,7 +473,8 @@ def summarize(
         "phantom_tokens": tally.phantom,
         "phantom_share": tally.phantom_share,
         "hit_rate": tally.hit_rate,
-        "hit_rate_before": level,
+        "reuse_rate": tally.reuse_rate,
+        "reuse_before": level,
         "recovery_s": recovery,
         "ttft_p50_s": percentile(tally.ttfts, 50),
         "ttft_p99_s": percentile(tally.ttfts, 99),
@@ -497,51 +501,57 @@ def _first_restart(gateways: Sequence[Gateway], *keys: str) -> float | None:
 
 
 # ------------------------------------------------------------------ table
-def _median(values: Sequence[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _cell(values: Sequence[float | None], spec: str, scale: float = 1.0) -> str:
+    """The median, and the range when the runs differ: ``m (lo-hi)``."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    low, high = min(known), max(known)
+    cell = _fmt(statistics.median(known), spec, scale)
+    if _fmt(low, spec, scale) != _fmt(high, spec, scale):
+        cell += f" ({_fmt(low, spec, scale)}-{_fmt(high, spec, scale)})"
+    return cell
+
+
 def _recovery_cell(values: Sequence[float | None]) -> str:
     missed = sum(v is None for v in values)
-    median = _median(values)
-    cell = _fmt(median, ".1f") + " s" if median is not None else "not back"
-    return cell + (
-        f" ({missed} of {len(values)} not back)" if missed and median is not None else ""
-    )
+    if missed == len(values):
+        return "not back"
+    cell = _cell(values, ".1f")
+    return cell + (f", {missed} of {len(values)} not back" if missed else "")
+
+
+_COLUMNS = (
+    "| scenario | sent | ok | failed before any token | cut after tokens | phantom share "
+    "| hit rate / reuse before | back within 5% (s) | TTFT p50 / p99 (ms) | kvgate retries "
+    "| client retries | kvgate down / index rebuilt (s) |"
+)
 
 
 def markdown_table(results: Sequence[dict[str, Any]], titles: Mapping[str, str]) -> str:
-    """One row per scenario: medians over its runs."""
+    """One row per scenario: medians over its runs, and their ranges."""
     by_scenario: dict[str, list[dict[str, Any]]] = {}
     for result in results:
         by_scenario.setdefault(result["scenario"], []).append(result)
-    lines = [
-        "| scenario | sent | ok | failed before any token | cut after tokens | phantom share "
-        "| hit rate before | back within 5% after | TTFT p50 / p99 (ms) | kvgate retries "
-        "| client retries | kvgate down / index rebuilt (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [_COLUMNS, "|---" * _COLUMNS.count("| ") + "|"]
     for name, runs in by_scenario.items():
-        med = {k: _median([r[k] for r in runs]) for k in (
-            "sent", "ok", "failed_before_token", "cut_after_tokens", "phantom_share",
-            "hit_rate_before", "ttft_p50_s", "ttft_p99_s", "kvgate_retries", "client_retries",
-            "kvgate_down_s", "index_rebuilt_s",
-        )}  # fmt: skip
-        worst_failed = max(r["failed_before_token"] for r in runs)
+
+        def col(key: str, spec: str, scale: float = 1.0, runs: list[dict[str, Any]] = runs) -> str:
+            return _cell([r.get(key) for r in runs], spec, scale)
+
         lines.append(
-            f"| {name}: {titles.get(name, '')} | {_fmt(med['sent'], '.0f')} "
-            f"| {_fmt(med['ok'], '.0f')} | {_fmt(med['failed_before_token'], '.0f')} "
-            f"(max {worst_failed}) | {_fmt(med['cut_after_tokens'], '.0f')} "
-            f"| {_fmt(med['phantom_share'], '.2f', 100)}% | {_fmt(med['hit_rate_before'], '.3f')} "
+            f"| {name}: {titles.get(name, '')} | {col('sent', '.0f')} | {col('ok', '.0f')} "
+            f"| {col('failed_before_token', '.0f')} | {col('cut_after_tokens', '.0f')} "
+            f"| {col('phantom_share', '.2f', 100)}% "
+            f"| {col('hit_rate', '.3f')} / {col('reuse_before', '.3f')} "
             f"| {_recovery_cell([r['recovery_s'] for r in runs])} "
-            f"| {_fmt(med['ttft_p50_s'], '.0f', 1000)} / {_fmt(med['ttft_p99_s'], '.0f', 1000)} "
-            f"| {_fmt(med['kvgate_retries'], '.0f')} | {_fmt(med['client_retries'], '.0f')} "
-            f"| {_fmt(med['kvgate_down_s'], '.1f')} / {_fmt(med['index_rebuilt_s'], '.1f')} |"
+            f"| {col('ttft_p50_s', '.0f', 1000)} / {col('ttft_p99_s', '.0f', 1000)} "
+            f"| {col('kvgate_retries', '.0f')} | {col('client_retries', '.0f')} "
+            f"| {col('kvgate_down_s', '.1f')} / {col('index_rebuilt_s', '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -595,7 +605,7 @@ async def run_all(
             results.append(result)
             print(json.dumps({k: result[k] for k in (
                 "scenario", "run", "sent", "ok", "failed_before_token", "cut_after_tokens",
-                "phantom_share", "hit_rate_before", "recovery_s", "ttft_p50_s", "ttft_p99_s",
+                "phantom_share", "reuse_before", "recovery_s", "ttft_p50_s", "ttft_p99_s",
                 "kvgate_retries", "client_retries", "load_avg",
             )}), file=sys.stderr, flush=True)  # fmt: skip
     return results

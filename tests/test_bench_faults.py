@@ -16,7 +16,7 @@ import pytest
 
 from bench.agents import Record, Tally
 from bench.faults import main as faults_main
-from bench.faults import recovery_s
+from bench.faults import markdown_table, recovery_s
 
 SCENARIOS = ("crash", "abort", "http_5xx", "stop_events")
 
@@ -49,6 +49,7 @@ def _answered(sent_s: float, cached: int, predicted: int = 0) -> Record:
         0,
         sent_s,
         100,
+        100,
         status="ok",
         prompt_tokens=100,
         cached_tokens=cached,
@@ -58,6 +59,7 @@ def _answered(sent_s: float, cached: int, predicted: int = 0) -> Record:
 
 
 def test_recovery_is_the_end_of_the_first_window_back_after_a_dip() -> None:
+    """Judged on the reuse rate (cached over reusable tokens; all 100 here)."""
     before = [_answered(t / 10, 90) for t in range(100, 200)]  # 10..20 s: hit rate 0.9
     dip = [_answered(t / 10, 30) for t in range(200, 260)]  # 20..26 s: 0.3
     after = [_answered(t / 10, 90) for t in range(260, 400)]
@@ -76,3 +78,15 @@ def test_phantom_tokens_are_predictions_beyond_what_the_engine_reported() -> Non
     assert (tally.sent, tally.ok, tally.failed) == (3, 2, 1)
     assert tally.phantom == 32 and tally.predicted == 160
     assert tally.phantom_share == 32 / 160
+
+
+def test_the_table_gives_medians_and_ranges() -> None:
+    runs = [
+        {"scenario": "crash", "sent": n, "ok": n, "failed_before_token": 0}
+        | {"recovery_s": r, "phantom_share": p, "cut_after_tokens": 1}
+        for n, r, p in ((500, 4.0, 0.0), (520, None, 0.001), (510, 6.0, 0.0))
+    ]
+    row = markdown_table(runs, {"crash": "a crash"}).splitlines()[2]
+    assert "| crash: a crash | 510 (500-520) | 510 (500-520) | 0 | 1 |" in row
+    assert "| 0.00 (0.00-0.10)% |" in row
+    assert "| 5.0 (4.0-6.0), 1 of 3 not back |" in row
