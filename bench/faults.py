@@ -386,40 +386,60 @@ async def _on_free_ports(start: Callable[[], T], attempts: int = 3) -> T:
 
 
 # ------------------------------------------------------------------ measures
+WINDOW_S = 5.0  # the reuse rate's windows (by send time)
+STEP_S = 0.25  # between window starts
+
+
+def reuse_windows(records: Sequence[Record]) -> list[tuple[float, float | None, int]]:
+    """``(start, reuse rate, answered)`` of every ``WINDOW_S`` window of send time, one per
+    ``STEP_S`` (``Tally.reuse_rate``: cached over reusable prompt tokens, the hit rate
+    without the swings of the session mix)."""
+    ordered = sorted(records, key=lambda r: r.sent_s)
+    end = ordered[-1].sent_s if ordered else 0.0
+    out: list[tuple[float, float | None, int]] = []
+    for n in range(int(max(0.0, end - WINDOW_S) / STEP_S) + 1):
+        t = n * STEP_S
+        window = Tally.of([r for r in ordered if t <= r.sent_s < t + WINDOW_S])
+        out.append((t, window.reuse_rate, window.ok))
+    return out
+
+
+def reuse_before(records: Sequence[Record], fault_at: float, span_s: float = 10.0) -> float | None:
+    """The reuse rate of the requests sent in the ``span_s`` before the fault."""
+    return Tally.of([r for r in records if fault_at - span_s <= r.sent_s < fault_at]).reuse_rate
+
+
 def recovery_s(
-    records: Sequence[Record],
+    windows: Sequence[tuple[float, float | None, int]],
     fault_at: float,
+    level: float | None,
+    reference: Sequence[tuple[float, float | None, int]] | None = None,
     *,
-    pre_window_s: float = 10.0,
-    window_s: float = 5.0,
-    step_s: float = 0.25,
     tolerance: float = 0.05,
     min_requests: int = 20,
-) -> tuple[float | None, float | None]:
-    """The reuse rate (``Tally.reuse_rate``: cached over reusable prompt tokens, the hit
-    rate without the swings of the session mix) before the fault (requests sent in the
-    ``pre_window_s`` before it) and the time from the fault until it is back within
-    ``tolerance`` of it: the end of the first ``window_s`` window (by send time) back at that
-    level, after the first one below it (0: it never fell below; None: not back within the
-    run). Windows with fewer than ``min_requests`` answered requests are not judged."""
-    pre = Tally.of([r for r in records if fault_at - pre_window_s <= r.sent_s < fault_at])
-    level = pre.reuse_rate
-    if level is None:
-        return None, None
-    floor = level * (1 - tolerance)
-    end = max((r.sent_s for r in records), default=fault_at)
+) -> float | None:
+    """The time from the fault until the reuse rate is back within ``tolerance`` of its
+    expected level: the end of the first window (starting at or after the fault) back at it,
+    after the first one below it (0: it never fell below; None: not back within the run).
+
+    The expected level is the fault-free run's window at the same time (``reference``: the
+    baseline scenario's run of the same round, same seed, so the same sessions at about the
+    same times: the workload's own drift, caches filling and sessions growing, cancels out),
+    else ``level`` (the rate before the fault). Windows with fewer than ``min_requests``
+    answered requests are not judged."""
+    expected = {round(t / STEP_S): rate for t, rate, ok in reference or () if ok >= min_requests}
     fell = False
-    t = fault_at
-    while t + window_s <= end:
-        window = Tally.of([r for r in records if t <= r.sent_s < t + window_s])
-        rate = window.reuse_rate
-        if window.ok >= min_requests and rate is not None:
-            if rate < floor:
-                fell = True
-            elif fell:
-                return level, t + window_s - fault_at
-        t += step_s
-    return level, (0.0 if not fell else None)
+    for t, rate, ok in windows:
+        if t < fault_at or rate is None or ok < min_requests:
+            continue
+        base = expected.get(round(t / STEP_S)) if reference is not None else level
+        if base is None:
+            continue
+        if rate < base * (1 - tolerance):
+            fell = True
+        elif fell:
+            return t + WINDOW_S - fault_at
+    return 0.0 if not fell else None
 
 
 def timeline(records: Sequence[Record], bucket_s: float = 5.0) -> list[dict[str, Any]]:
@@ -455,7 +475,8 @@ def summarize(
     cfg: BenchConfig,
 ) -> dict[str, Any]:
     tally = Tally.of(records)
-    level, recovery = recovery_s(records, cfg.fault_at)
+    level = reuse_before(records, cfg.fault_at)
+    windows = reuse_windows(records)
     counters: dict[str, float] = {}
     for gateway in gateways:
         for key, value in gateway.counters.items():
@@ -475,7 +496,8 @@ def summarize(
         "hit_rate": tally.hit_rate,
         "reuse_rate": tally.reuse_rate,
         "reuse_before": level,
-        "recovery_s": recovery,
+        "recovery_s": recovery_s(windows, cfg.fault_at, level),  # set again by run_all
+        "reuse_windows": windows,
         "ttft_p50_s": percentile(tally.ttfts, 50),
         "ttft_p99_s": percentile(tally.ttfts, 99),
         "kvgate_retries": sum(
@@ -543,12 +565,15 @@ def markdown_table(results: Sequence[dict[str, Any]], titles: Mapping[str, str])
         def col(key: str, spec: str, scale: float = 1.0, runs: list[dict[str, Any]] = runs) -> str:
             return _cell([r.get(key) for r in runs], spec, scale)
 
+        recovery = (
+            "reference" if name == "baseline" else _recovery_cell([r["recovery_s"] for r in runs])
+        )
         lines.append(
             f"| {name}: {titles.get(name, '')} | {col('sent', '.0f')} | {col('ok', '.0f')} "
             f"| {col('failed_before_token', '.0f')} | {col('cut_after_tokens', '.0f')} "
             f"| {col('phantom_share', '.2f', 100)}% "
             f"| {col('hit_rate', '.3f')} / {col('reuse_before', '.3f')} "
-            f"| {_recovery_cell([r['recovery_s'] for r in runs])} "
+            f"| {recovery} "
             f"| {col('ttft_p50_s', '.0f', 1000)} / {col('ttft_p99_s', '.0f', 1000)} "
             f"| {col('kvgate_retries', '.0f')} | {col('client_retries', '.0f')} "
             f"| {col('kvgate_down_s', '.1f')} / {col('index_rebuilt_s', '.1f')} |"
@@ -597,18 +622,32 @@ async def run_all(
     chosen: Sequence[Scenario], cfg: BenchConfig, runs: int, out_dir: Path
 ) -> list[dict[str, Any]]:
     """Every scenario once per round, rounds one after the other (so that a change in the
-    box's load spreads over all scenarios instead of hitting one)."""
+    box's load spreads over all scenarios instead of hitting one), the baseline first in
+    each: the other scenarios' recovery is judged against the same round's baseline."""
+    ordered = sorted(chosen, key=lambda s: s.name != "baseline")
     results = []
     for run_index in range(runs):
-        for scenario in chosen:
+        reference = None
+        for scenario in ordered:
             result = await run_scenario(scenario, cfg, run_index, out_dir)
+            if scenario.name == "baseline":
+                reference = result["reuse_windows"]
+            else:
+                result["recovery_s"] = recovery_s(
+                    result["reuse_windows"], cfg.fault_at, result["reuse_before"], reference
+                )
+            result["recovery_against"] = "pre-fault level" if reference is None else "baseline"
             results.append(result)
-            print(json.dumps({k: result[k] for k in (
-                "scenario", "run", "sent", "ok", "failed_before_token", "cut_after_tokens",
-                "phantom_share", "reuse_before", "recovery_s", "ttft_p50_s", "ttft_p99_s",
-                "kvgate_retries", "client_retries", "load_avg",
-            )}), file=sys.stderr, flush=True)  # fmt: skip
+            _progress(result)
     return results
+
+
+def _progress(result: dict[str, Any]) -> None:
+    print(json.dumps({k: result[k] for k in (
+        "scenario", "run", "sent", "ok", "failed_before_token", "cut_after_tokens",
+        "phantom_share", "reuse_before", "recovery_s", "ttft_p50_s", "ttft_p99_s",
+        "kvgate_retries", "client_retries", "load_avg", "restarts",
+    )}), file=sys.stderr, flush=True)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import pytest
 
 from bench.agents import Record, Tally
 from bench.faults import main as faults_main
-from bench.faults import markdown_table, recovery_s
+from bench.faults import markdown_table, recovery_s, reuse_before, reuse_windows
 
 SCENARIOS = ("crash", "abort", "http_5xx", "stop_events")
 
@@ -60,15 +60,25 @@ def _answered(sent_s: float, cached: int, predicted: int = 0) -> Record:
 
 def test_recovery_is_the_end_of_the_first_window_back_after_a_dip() -> None:
     """Judged on the reuse rate (cached over reusable tokens; all 100 here)."""
-    before = [_answered(t / 10, 90) for t in range(100, 200)]  # 10..20 s: hit rate 0.9
+    before = [_answered(t / 10, 90) for t in range(100, 200)]  # 10..20 s: reuse 0.9
     dip = [_answered(t / 10, 30) for t in range(200, 260)]  # 20..26 s: 0.3
     after = [_answered(t / 10, 90) for t in range(260, 400)]
-    level, back = recovery_s(before + dip + after, 20.0)
+    records = before + dip + after
+    level = reuse_before(records, 20.0)
     assert level == 0.9
+    back = recovery_s(reuse_windows(records), 20.0, level)
     assert back is not None and 10.5 <= back <= 11.5  # the window 26..31 s, from the fault
-    assert recovery_s(before + after, 20.0) == (0.9, 0.0)  # it never fell
-    assert recovery_s(before + dip, 20.0) == (0.9, None)  # never back
-    assert recovery_s(dip, 20.0) == (None, None)  # nothing answered before the fault
+    assert recovery_s(reuse_windows(before + after), 20.0, level) == 0.0  # it never fell
+    assert recovery_s(reuse_windows(before + dip), 20.0, level) is None  # never back
+    assert reuse_before(dip, 20.0) is None  # nothing answered before the fault
+
+
+def test_recovery_against_the_baseline_run_ignores_the_workloads_drift() -> None:
+    """Both runs' reuse falls from 0.9 to 0.6 as caches fill: no dip against the baseline."""
+    drift = [_answered(t / 10, 90 - t // 10) for t in range(0, 400)]
+    faulted = reuse_windows(drift)
+    assert recovery_s(faulted, 20.0, reuse_before(drift, 20.0)) is None  # "never back"
+    assert recovery_s(faulted, 20.0, 0.0, reference=reuse_windows(drift)) == 0.0
 
 
 def test_phantom_tokens_are_predictions_beyond_what_the_engine_reported() -> None:
