@@ -28,7 +28,6 @@ from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
-from index.types import WorkerId
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
