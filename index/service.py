@@ -173,6 +173,7 @@ class KvIndexService:
             block_size=block_size,
             metrics=self.metrics,
         )
+        self.metrics.declare_feed(worker)
         subscriber = Subscriber(feed, endpoints, self.config, self._context, self.metrics)
         state.subscribers.append(subscriber)
         task = asyncio.create_task(
