@@ -10,20 +10,23 @@ in one format:
 * ``logfmt``: the same keys as ``key=value`` pairs on one line.
 
 Records are formatted and written by a background thread fed through a bounded queue, so a
-slow reader of stdout never blocks the event loop; when the queue is full a record is
-dropped and counted, and the writer reports the count once it catches up. uvicorn is run
+slow reader of stdout never blocks the event loop; the thread writes what is queued every
+50 ms (one wake-up per batch, not per line). When the queue is full a record is dropped and
+counted, and the writer reports the count once it catches up. uvicorn is run
 with ``log_config=None`` (``router.serve.uvicorn_config``) so its loggers reach the same
 handler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import queue
 import sys
+import threading
 from datetime import UTC, datetime
-from logging.handlers import QueueHandler, QueueListener
+from logging.handlers import QueueHandler
 from typing import Any, Literal, TextIO
 
 import msgspec
@@ -31,6 +34,7 @@ import msgspec
 LogFormat = Literal["text", "json", "logfmt"]
 FIELDS = "kvgate_fields"  # LogRecord attribute holding structured fields (the access log's)
 _QUEUE_RECORDS = 10_000  # records waiting for the writer thread before new ones are dropped
+_DRAIN_S = 0.05  # how often the writer thread writes what is queued
 _CHATTY = ("httpx", "httpcore")  # one line per health probe otherwise
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _encode = msgspec.json.Encoder().encode
@@ -129,6 +133,8 @@ class _Enqueue(QueueHandler):
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         """Resolve what may change later (the message's arguments, the live exception);
         the formatting itself is left to the writer thread."""
+        if not record.args and not record.exc_info:
+            return record  # nothing to resolve (the access log's records)
         record = copy.copy(record)
         record.msg = record.getMessage()
         record.args = None
@@ -145,14 +151,21 @@ class _Enqueue(QueueHandler):
 
 
 class _Writer(logging.StreamHandler):  # type: ignore[type-arg]
-    """The writer thread's handler: reports records the queue had to drop."""
+    """The writer thread's handler: one flush per batch; reports dropped records."""
 
     def __init__(self, stream: TextIO, source: _Enqueue) -> None:
         super().__init__(stream)
         self._source = source
         self._reported = 0
 
-    def handle(self, record: logging.LogRecord) -> bool:
+    def flush(self) -> None:
+        """Not per record (``emit`` calls it): ``write_batch`` flushes once per batch."""
+
+    def has_news(self) -> bool:
+        """Records were dropped since the last report."""
+        return self._source.dropped != self._reported
+
+    def write_batch(self, records: list[logging.LogRecord]) -> None:
         dropped = self._source.dropped
         if dropped != self._reported:
             note = logging.LogRecord(
@@ -161,18 +174,38 @@ class _Writer(logging.StreamHandler):  # type: ignore[type-arg]
                 None, None,
             )  # fmt: skip
             self._reported = dropped
-            super().handle(note)
-        return super().handle(record)
+            self.handle(note)
+        for record in records:
+            self.handle(record)  # a record that fails to format or write: handleError
+        super().flush()
 
 
-class _Listener(QueueListener):
-    def __init__(self, records: queue.Queue[Any], writer: logging.Handler) -> None:
-        super().__init__(records, writer)
+class _Drain(threading.Thread):
+    """Writes what is queued every ``_DRAIN_S`` (a line waits at most that long; one wake-up
+    per batch, not per line, keeps the writer's cost per line low), and at ``stop``."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord], writer: _Writer) -> None:
+        super().__init__(name="kvgate-log-writer", daemon=True)
         self._records = records
+        self._writer = writer
+        self._stopping = threading.Event()
 
-    def enqueue_sentinel(self) -> None:
-        """Wait for room (the queue may be full when stopping) instead of failing."""
-        self._records.put(getattr(self, "_sentinel", None))
+    def run(self) -> None:
+        while not self._stopping.wait(_DRAIN_S):
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        batch: list[logging.LogRecord] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                batch.append(self._records.get_nowait())
+        if batch or self._writer.has_news():
+            self._writer.write_batch(batch)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()
 
 
 class LogOutput:
@@ -187,20 +220,20 @@ class LogOutput:
         self.handler = _Enqueue(records, formatter)
         writer = _Writer(stream, self.handler)
         writer.setFormatter(formatter)
-        self._listener = _Listener(records, writer)
+        self._thread = _Drain(records, writer)
         root.handlers = [self.handler]
         root.setLevel(level.upper())
         for name in _CHATTY:
             logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
         logging.captureWarnings(True)
         self._closed = False
-        self._listener.start()
+        self._thread.start()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._listener.stop()  # writes every queued record first
+        self._thread.stop()  # writes every queued record first
         root = logging.getLogger()
         root.handlers, level = self._saved
         root.setLevel(level)

@@ -20,27 +20,39 @@ The client's W3C ``traceparent`` (and ``tracestate``) makes the request span its
 engine gets the ``upstream`` span's context instead of the client's, so the engine's own
 spans (vLLM's ``--otlp-traces-endpoint``) join the trace under the attempt that carried them.
 
-Spans are timed on ``time.perf_counter()`` marks taken along the request path and created
-when each phase ends, with the phase's start and end times (a phase costs nothing until the
-request is known to be sampled). kvgate uses its own ``TracerProvider``, never the global
-one. Export: a ``BatchSpanProcessor`` (its own thread, a bounded queue: ``OTEL_BSP_*``)
-sending OTLP HTTP/protobuf to ``--otlp-traces-endpoint`` or, without it, where the standard
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` say (headers,
-timeout, compression and certificates from ``OTEL_EXPORTER_OTLP_*`` too).
+Cost. The request path only takes ``time.perf_counter()`` marks: the sampling decision and
+the span ids are made when the request arrives and when an attempt starts (the ids travel
+upstream), and the spans themselves are built once, when the request ends, as finished
+``ReadableSpan``s handed to the batch processor (the SDK's ``Tracer`` would build, lock and
+check a live ``Span`` per phase: several times the CPU). An unsampled request builds none.
+Export: the SDK's ``BatchSpanProcessor`` (its own thread, a bounded queue: ``OTEL_BSP_*``)
+and OTLP HTTP/protobuf exporter, to ``--otlp-traces-endpoint`` or, without it, where the
+standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` say
+(headers, timeout, compression, certificates from ``OTEL_EXPORTER_OTLP_*`` too). The sampler
+is the SDK's: ``--trace-sample-rate`` (parent-based ratio) or ``OTEL_TRACES_SAMPLER``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    get_current_span,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -49,6 +61,7 @@ from router.metrics import kvgate_version
 
 _PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 _DEFAULT_SERVICE = "unknown_service"  # the SDK's name of a service nobody named (+ ":python")
+_UNSET = Status(StatusCode.UNSET)
 
 Headers = list[tuple[bytes, bytes]]
 Attributes = Mapping[str, AttributeValue | None]
@@ -75,11 +88,14 @@ def _check_protocol(environ: Mapping[str, str]) -> None:
 
 
 class Tracing:
-    """kvgate's tracer and exporter; ``request`` starts one request's spans."""
+    """kvgate's sampler, span ids and exporter; ``request`` starts one request's trace."""
 
-    def __init__(self, provider: TracerProvider) -> None:
-        self.provider = provider
-        self.tracer: Tracer = provider.get_tracer("kvgate", kvgate_version())
+    def __init__(self, processor: BatchSpanProcessor, sampler: Sampler) -> None:
+        self.processor = processor
+        self.sampler = sampler
+        self.resource = _resource()
+        self.scope = InstrumentationScope("kvgate", kvgate_version())
+        self.ids = RandomIdGenerator()
         self.propagator = TraceContextTextMapPropagator()
         self.fields = frozenset(name.encode() for name in self.propagator.fields)
 
@@ -99,87 +115,102 @@ class Tracing:
         sampler: Sampler | None = None
         if sample_rate is not None:
             sampler = ParentBased(TraceIdRatioBased(sample_rate))
-        provider = TracerProvider(resource=_resource(), sampler=sampler, shutdown_on_exit=False)
-        provider.add_span_processor(
-            BatchSpanProcessor(exporter if exporter is not None else OTLPSpanExporter(endpoint))
-        )
-        return cls(provider)
+        # the provider only resolves the sampler the SDK's way (OTEL_TRACES_SAMPLER[_ARG])
+        sampler = TracerProvider(sampler=sampler, shutdown_on_exit=False).sampler
+        export = exporter if exporter is not None else OTLPSpanExporter(endpoint)
+        return cls(BatchSpanProcessor(export), sampler)
 
     def request(
         self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], received_at: float
     ) -> RequestSpans:
-        """The spans of one request received at ``received_at`` (perf_counter) with the
+        """The trace of one request received at ``received_at`` (perf_counter) with the
         client's ``headers`` (ASGI raw, lower-case names)."""
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in self.fields}
-        parent = self.propagator.extract(carrier) if carrier else None
-        return RequestSpans(self, f"{method} {path}", parent, received_at)
+        context = self.propagator.extract(carrier) if carrier else None
+        parent = get_current_span(context).get_span_context() if context is not None else None
+        if parent is not None and not parent.is_valid:
+            parent, context = None, None
+        trace_id = parent.trace_id if parent is not None else self.ids.generate_trace_id()
+        name = f"{method} {path}"
+        sampled = self.sampler.should_sample(context, trace_id, name, SpanKind.SERVER)
+        flags = TraceFlags(
+            TraceFlags.SAMPLED if sampled.decision is Decision.RECORD_AND_SAMPLE else 0
+        )
+        root = SpanContext(trace_id, self.ids.generate_span_id(), False, flags, sampled.trace_state)
+        return RequestSpans(self, name, root, parent, received_at)
+
+    def emit(self, span: ReadableSpan) -> None:
+        self.processor.on_end(span)
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Export every ended span now (blocks: call it from a thread, not the event loop)."""
-        return self.provider.force_flush(int(timeout_s * 1000))
+        return self.processor.force_flush(int(timeout_s * 1000))
 
     def shutdown(self) -> None:
         """Flush and stop the exporter thread (blocks, like ``force_flush``)."""
-        self.provider.shutdown()
+        self.processor.shutdown()  # type: ignore[no-untyped-call]
 
 
 def _clean(attributes: Attributes) -> dict[str, AttributeValue]:
     return {k: v for k, v in attributes.items() if v is not None}
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """One upstream attempt's marks (perf_counter seconds; 0.0: not reached)."""
+
+    context: SpanContext
+    worker: str
+    number: int
+    start: float
+    sent: float = 0.0
+    head: float = 0.0
+    first: float = 0.0
+    end: float = 0.0
+    error: str | None = None
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+
+
 class RequestSpans:
-    """One request's spans. The request path calls ``phase`` at the end of each routing
+    """One request's trace. The request path calls ``phase`` at the end of each routing
     phase and ``attempt`` / ``sent`` / ``head`` / ``first_byte`` / ``attempt_failed`` per
-    upstream attempt; ``finish`` ends the rest."""
+    upstream attempt; ``finish`` builds and exports the spans (when sampled)."""
 
     __slots__ = (
-        "_attempt", "_attempt_context", "_attempt_start", "_context", "_first", "_head",
-        "_last", "_root", "_sent", "_t0", "_t0_ns", "_tracing", "recording",
+        "_attempts", "_last", "_name", "_parent", "_phases", "_t0", "_t0_ns", "_tracing",
+        "context", "recording",
     )  # fmt: skip
 
     def __init__(
-        self, tracing: Tracing, name: str, parent: Context | None, received_at: float
+        self,
+        tracing: Tracing,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        received_at: float,
     ) -> None:
         now, now_ns = time.perf_counter(), time.time_ns()
         self._tracing = tracing
+        self._name = name
+        self.context = context
+        self._parent = parent
+        self.recording = context.trace_flags.sampled
         self._t0 = received_at
         self._t0_ns = now_ns - int((now - received_at) * 1e9)
-        self._root = tracing.tracer.start_span(
-            name, context=parent, kind=SpanKind.SERVER, start_time=self._t0_ns
-        )
-        self.recording = self._root.is_recording()
-        self._context = set_span_in_context(self._root)
         self._last = received_at
-        self._attempt: Span | None = None
-        self._attempt_context: Context | None = None
-        self._attempt_start = self._sent = self._head = self._first = 0.0
+        self._phases: list[tuple[str, float, float]] = []
+        self._attempts: list[_Attempt] = []
 
     @property
     def trace_id(self) -> str:
-        return f"{self._root.get_span_context().trace_id:032x}"
-
-    def _ns(self, mark: float) -> int:
-        return self._t0_ns + int((mark - self._t0) * 1e9)
-
-    def _child(
-        self,
-        name: str,
-        parent: Context | None,
-        start: float,
-        end: float,
-        error: str | None = None,
-    ) -> None:
-        span = self._tracing.tracer.start_span(name, context=parent, start_time=self._ns(start))
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=self._ns(end))
+        return f"{self.context.trace_id:032x}"
 
     # -- routing ------------------------------------------------------------------------
     def phase(self, name: str) -> None:
         """The phase ``name`` ran from the previous mark (or the request's arrival) to now."""
         now = time.perf_counter()
         if self.recording:
-            self._child(name, self._context, self._last, now)
+            self._phases.append((name, self._last, now))
         self._last = now
 
     # -- upstream attempts --------------------------------------------------------------
@@ -187,78 +218,132 @@ class RequestSpans:
         """Start attempt ``number`` (0: the first choice) on ``worker``; ``headers`` with the
         client's trace context replaced by this attempt's."""
         now = time.perf_counter()
-        self._end_attempt(now, "abandoned")
-        span = self._tracing.tracer.start_span(
-            "upstream",
-            context=self._context,
-            kind=SpanKind.CLIENT,
-            start_time=self._ns(now),
-            attributes={"kvgate.worker": worker, "kvgate.attempt": number},
-        )
-        self._attempt = span
-        self._attempt_context = set_span_in_context(span)
-        self._attempt_start, self._sent, self._head, self._first = now, 0.0, 0.0, 0.0
-        carrier: dict[str, str] = {}
-        self._tracing.propagator.inject(carrier, context=self._attempt_context)
+        self._close_attempt(now, "abandoned")
+        root = self.context
+        span_id = self._tracing.ids.generate_span_id()
+        context = SpanContext(root.trace_id, span_id, False, root.trace_flags, root.trace_state)
+        self._attempts.append(_Attempt(context, worker, number, now))
+        flags = int(root.trace_flags)
+        traceparent = f"00-{root.trace_id:032x}-{span_id:016x}-{flags:02x}".encode()
         fields = self._tracing.fields
         kept = [h for h in headers if h[0] not in fields]
-        return kept + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
+        kept.append((b"traceparent", traceparent))
+        if root.trace_state:
+            kept.append((b"tracestate", root.trace_state.to_header().encode("latin-1")))
+        return kept
+
+    def _current(self) -> _Attempt | None:
+        attempt = self._attempts[-1] if self._attempts else None
+        return attempt if attempt is not None and not attempt.end else None
 
     def sent(self, reused: bool) -> None:
         """The request is written to the engine (on a pooled connection when ``reused``)."""
-        self._sent = time.perf_counter()
-        if self._attempt is not None:
-            self._attempt.set_attribute("kvgate.connection_reused", reused)
+        attempt = self._current()
+        if attempt is not None:
+            attempt.sent = time.perf_counter()
+            attempt.attributes["kvgate.connection_reused"] = reused
 
     def head(self, status: int) -> None:
         """The engine's response head arrived."""
-        self._head = time.perf_counter()
-        if self._attempt is not None:
-            self._attempt.set_attribute("http.response.status_code", status)
+        attempt = self._current()
+        if attempt is not None:
+            attempt.head = time.perf_counter()
+            attempt.attributes["http.response.status_code"] = status
 
     def first_byte(self) -> None:
         """The first streamed body byte arrived."""
-        self._first = time.perf_counter()
+        attempt = self._current()
+        if attempt is not None:
+            attempt.first = time.perf_counter()
 
     def attempt_failed(self, code: str, detail: str) -> None:
-        if self._attempt is not None:
-            self._attempt.set_attribute("error.type", code)
-        self._end_attempt(time.perf_counter(), detail)
+        attempt = self._current()
+        if attempt is not None:
+            attempt.attributes["error.type"] = code
+        self._close_attempt(time.perf_counter(), detail)
 
-    def _end_attempt(self, end: float, error: str | None) -> None:
-        span, context = self._attempt, self._attempt_context
-        if span is None:
-            return
-        self._attempt = self._attempt_context = None
-        if self.recording:
-            self._attempt_phases(context, end, error)
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=self._ns(end))
-
-    def _attempt_phases(self, context: Context | None, end: float, error: str | None) -> None:
-        sent = self._sent
-        if not sent:  # failed while connecting or writing
-            self._child("connect", context, self._attempt_start, end, error)
-            return
-        self._child("connect", context, self._attempt_start, sent)
-        first = self._first or self._head
-        if not first:
-            self._child("first byte", context, sent, end, error)
-            return
-        self._child("first byte", context, sent, first)
-        self._child("relay", context, first, end, error)
+    def _close_attempt(self, end: float, error: str | None) -> None:
+        attempt = self._current()
+        if attempt is not None:
+            attempt.end = end
+            attempt.error = error
 
     # -- end ----------------------------------------------------------------------------
     def finish(self, status: int, attributes: Attributes) -> None:
-        """The request ended with HTTP ``status``; ``attributes`` go on the request span."""
+        """The request ended with HTTP ``status``: build and export its spans."""
         end = time.perf_counter()
         error = f"HTTP {status}" if status >= 500 else None
-        self._end_attempt(end, error)
-        root = self._root
-        if self.recording:
-            root.set_attributes(_clean(attributes))
-            root.set_attribute("http.response.status_code", status)
-            if error is not None:
-                root.set_status(Status(StatusCode.ERROR, error))
-        root.end(end_time=self._ns(end))
+        self._close_attempt(end, error)
+        if not self.recording:
+            return
+        root = self.context
+        values = _clean(attributes)
+        values["http.response.status_code"] = status
+        self._emit(
+            self._name, root, self._parent, self._t0, end,
+            kind=SpanKind.SERVER, attributes=values, error=error,
+        )  # fmt: skip
+        for name, start, stop in self._phases:
+            self._emit(name, self._child_context(), root, start, stop)
+        for attempt in self._attempts:
+            self._emit_attempt(attempt)
+
+    def _child_context(self) -> SpanContext:
+        root = self.context
+        span_id = self._tracing.ids.generate_span_id()
+        return SpanContext(root.trace_id, span_id, False, root.trace_flags, root.trace_state)
+
+    def _emit_attempt(self, attempt: _Attempt) -> None:
+        context, end, error = attempt.context, attempt.end, attempt.error
+        attributes: dict[str, AttributeValue] = {
+            "kvgate.worker": attempt.worker,
+            "kvgate.attempt": attempt.number,
+        }
+        attributes |= attempt.attributes
+        self._emit(
+            "upstream", context, self.context, attempt.start, end,
+            kind=SpanKind.CLIENT, attributes=attributes, error=error,
+        )  # fmt: skip
+        phases = _attempt_phases(attempt)
+        for i, (name, start, stop) in enumerate(phases):
+            failed = error if i == len(phases) - 1 else None
+            self._emit(name, self._child_context(), context, start, stop, error=failed)
+
+    def _emit(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        start: float,
+        end: float,
+        *,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: dict[str, AttributeValue] | None = None,
+        error: str | None = None,
+    ) -> None:
+        tracing = self._tracing
+        tracing.emit(
+            ReadableSpan(
+                name,
+                context=context,
+                parent=parent,
+                resource=tracing.resource,
+                attributes=attributes,
+                kind=kind,
+                status=_UNSET if error is None else Status(StatusCode.ERROR, error),
+                start_time=self._t0_ns + int((start - self._t0) * 1e9),
+                end_time=self._t0_ns + int((end - self._t0) * 1e9),
+                instrumentation_scope=tracing.scope,
+            )
+        )
+
+
+def _attempt_phases(attempt: _Attempt) -> list[tuple[str, float, float]]:
+    """connect, first byte, relay: as far as the attempt got."""
+    if not attempt.sent:  # failed while connecting or writing
+        return [("connect", attempt.start, attempt.end)]
+    phases = [("connect", attempt.start, attempt.sent)]
+    first = attempt.first or attempt.head
+    if not first:
+        return [*phases, ("first byte", attempt.sent, attempt.end)]
+    return [*phases, ("first byte", attempt.sent, first), ("relay", first, attempt.end)]
