@@ -5,8 +5,12 @@
 
 One run measures, against the same instant fake engine (a subprocess on 127.0.0.1):
 ``direct`` (no router), ``kvgate round_robin`` (pure proxy path, no block index),
-``kvgate kv`` (tokenizer + block index + cost policy) and ``sglang-router round_robin``
-(0.3.2, installed into ``.engines/sglang-router``). For each: sequential and 64-concurrent
+``kvgate kv`` (tokenizer + block index + cost policy; logging at warning: no access log),
+``kvgate kv +access log`` (the same at info with ``--log-format json``: one access line per
+request), ``kvgate kv +tracing`` (every request traced, spans exported over OTLP/HTTP to the
+engine process, which accepts and drops them) and ``+tracing 10%`` (``--trace-sample-rate
+0.1``), and ``sglang-router round_robin`` (0.3.2, installed into ``.engines/sglang-router``).
+Pick targets with ``--only NAME`` (repeatable). For each: sequential and 64-concurrent
 latency of non-streaming requests and time to first body byte of streaming ones (median,
 p99), then the most requests/s at 64 connections. The load generator is a minimal
 keep-alive HTTP/1.1 client on uvloop, so the client's own cost stays small and identical
@@ -75,6 +79,11 @@ async def engine_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         more = message.get("more_body", False)
     path = scope["path"]
+    if path == "/v1/traces":  # the OTLP/HTTP sink of the traced targets: accept, drop
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-protobuf")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b""})
+        return
     if scope["method"] == "POST" and path.startswith("/v1/"):
         if b'"stream":true' in body.replace(b" ", b""):
             await send({"type": "http.response.start", "status": 200,
@@ -265,16 +274,16 @@ def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any
     from bench.fleet import ManagedProcess, kvgate_argv  # noqa: PLC0415
     from bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
 
-    def kvgate(policy: str, *extra: str) -> Callable[[], Any]:
+    def kvgate(policy: str, *extra: str, label: str = "") -> Callable[[], Any]:
+        name = f"kvgate-{policy}{label}"
+
         def start() -> Any:
             port = free_port_range(1, start=18100)
             argv = kvgate_argv(
                 "serve", "--host", LOOPBACK, "--port", str(port), "--policy", policy,
                 "--worker", f"{engine_url},models={MODEL}", "--log-level", "warning", *extra,
             )  # fmt: skip
-            proc = ManagedProcess(
-                f"kvgate-{policy}", argv, log_dir / f"overhead-kvgate-{policy}.log"
-            ).start()
+            proc = ManagedProcess(name, argv, log_dir / f"overhead-{name}.log").start()
             wait_http(f"http://{LOOPBACK}:{port}/ready", 60, proc)
             return proc, port
 
@@ -293,9 +302,22 @@ def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any
         wait_http(f"http://{LOOPBACK}:{port}/readiness", 90, proc)
         return proc, port
 
+    kv = ("--tokenizer", f"{MODEL}={tokenizer_dir()}")
+    # the engine process doubles as the OTLP/HTTP sink (it answers POST /v1/traces)
+    traced = (*kv, "--otlp-traces-endpoint", f"{engine_url}/v1/traces")
     return [
         ("kvgate round_robin", kvgate("round_robin", "--no-kv-index")),
-        ("kvgate kv", kvgate("kv", "--tokenizer", f"{MODEL}={tokenizer_dir()}")),
+        ("kvgate kv", kvgate("kv", *kv)),
+        # the access log is on by default, at info: the targets above run at warning
+        (
+            "kvgate kv +access log",
+            kvgate("kv", *kv, "--log-level", "info", "--log-format", "json", label="-access"),
+        ),
+        ("kvgate kv +tracing", kvgate("kv", *traced, label="-traced")),
+        (
+            "kvgate kv +tracing 10%",
+            kvgate("kv", *traced, "--trace-sample-rate", "0.1", label="-traced10"),
+        ),
         ("sglang-router round_robin", sglang),
     ]
 
