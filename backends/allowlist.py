@@ -134,6 +134,15 @@ class WorkerAllowlist:
         addresses = [a for a in (_address(text) for text in found) if a is not None]
         return bool(addresses) and all(self._address_allowed(a) for a in addresses)
 
+    async def permits_endpoint(self, endpoint: str) -> bool:
+        """A ``tcp://HOST:PORT`` ZMQ endpoint on an allowed host (anything else is refused):
+        the check of event endpoints a worker declares itself (vLLM's /kv_event_sources)."""
+        try:
+            host = host_of_endpoint(endpoint)
+        except ValueError:
+            return False
+        return await self.permits_host(host)
+
     def _address_allowed(self, address: Address) -> bool:
         if any(address in network for network in self._networks):
             return True

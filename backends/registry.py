@@ -12,6 +12,9 @@ Load is accounted per request with a ``LoadTicket``::
 
 These counters are kvgate's *predicted* load; the health checker adds what it scrapes from
 each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``.
+
+The registry is the one list of workers: whoever needs to follow it (the KV index) subscribes
+(``subscribe``) and is told of every worker added, removed or changing health.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ from typing import Any
 from backends.config import HealthConfig, WorkerConfig, normalise_url
 from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
 from backends.errors import WorkerExists, WorkerNotFound
+from index.api import Endpoints, EngineWorker, WorkerListener
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from scoring.api import Candidate, WorkerLoad
-
-HealthListener = Callable[["Worker"], None]
 
 _FOOTPRINT_REBASE_EXPONENT = 256.0
 """Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
@@ -98,6 +100,20 @@ class Worker:
             return last
         self._candidate = Candidate(worker=self.id, url=self.url, load=load, match=match)
         return self._candidate
+
+    def engine_view(self) -> EngineWorker:
+        """What the KV index needs of this worker, as it is now."""
+        config = self.config
+        endpoints = (Endpoints(config.events, config.replay, 0),) if config.events else ()
+        return EngineWorker(
+            id=self.id,
+            url=self.url,
+            engine=config.engine,
+            endpoints=endpoints,
+            model=next(iter(self.models)) if len(self.models) == 1 else None,
+            authorization=config.authorization(),
+            healthy=self.healthy,
+        )
 
     def set_models(self, cards: Mapping[str, dict[str, Any]]) -> None:
         self.model_cards = dict(cards)
@@ -177,7 +193,7 @@ class WorkerRegistry:
         self._clock = clock
         self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
-        self._health_listeners: list[HealthListener] = []
+        self._listeners: list[WorkerListener] = []
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -189,6 +205,8 @@ class WorkerRegistry:
                 {m: {"id": m, "object": "model", "owned_by": "kvgate"} for m in config.models}
             )
         self._workers[config.id] = worker
+        for listener in list(self._listeners):
+            listener.worker_added(worker.engine_view())
         return worker
 
     def remove(self, worker_id: str) -> Worker:
@@ -196,7 +214,20 @@ class WorkerRegistry:
         del self._workers[worker.id]
         worker.removed = True
         worker.healthy = False
+        for listener in list(self._listeners):
+            listener.worker_removed(worker.id)
         return worker
+
+    def subscribe(self, listener: WorkerListener) -> None:
+        """Tell ``listener`` of every worker added, removed or changing health from now on;
+        the workers already here are told to it as added, first."""
+        self._listeners.append(listener)
+        for worker in list(self._workers.values()):
+            listener.worker_added(worker.engine_view())
+
+    def unsubscribe(self, listener: WorkerListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def get(self, worker_id: str) -> Worker:
         worker = self.find(worker_id)
@@ -276,9 +307,6 @@ class WorkerRegistry:
         worker.footprint += blocks * 2.0**exponent
 
     # -- health -----------------------------------------------------------------------
-    def on_health_change(self, listener: HealthListener) -> None:
-        self._health_listeners.append(listener)
-
     def record_success(self, worker: Worker) -> None:
         """A health probe succeeded."""
         worker.consecutive_failures = 0
@@ -308,5 +336,5 @@ class WorkerRegistry:
         worker.healthy = healthy
         if healthy:
             worker.consecutive_failures = 0
-        for listener in self._health_listeners:
-            listener(worker)
+        for listener in list(self._listeners):
+            listener.worker_health_changed(worker.engine_view())

@@ -73,7 +73,7 @@ def prompt_paths(texts: list[str]) -> tuple[list[list[int]], list[list[int]], in
     from tokenizers import Tokenizer  # noqa: PLC0415 - only in the publisher process
 
     from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
-    from index.blocks import block_keys, cache_seed  # noqa: PLC0415
+    from index.keys import block_keys, cache_seed  # noqa: PLC0415
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
     seed = cache_seed(None, None)

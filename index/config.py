@@ -105,9 +105,6 @@ class IndexConfig(BaseModel):
         description="Data-parallel ranks one event endpoint may publish for; batches for more "
         "are dropped.",
     )
-    silence_probe_s: float = Field(
-        10.0, gt=0, description="Without events for this long, check the publisher is alive."
-    )
     discovery_timeout_s: float = Field(2.0, gt=0, description="GET /kv_event_sources timeout.")
     decode_error_log_interval_s: float = Field(
         10.0, gt=0, description="At most one log line per burst of undecodable payloads."
@@ -117,8 +114,11 @@ class IndexConfig(BaseModel):
         """The block table asked for (None: the default, native when built)."""
         return None if self.table == "auto" else self.table
 
-    def block_size_for(self, model: str) -> int:
-        return self.model_block_sizes.get(model, self.block_size)
+    def block_size_for(self, model: str | None) -> int:
+        """The block size of ``model``'s engines (None: a model not known, the default)."""
+        return (
+            self.block_size if model is None else self.model_block_sizes.get(model, self.block_size)
+        )
 
     def tokenizer_dir(self, model: str) -> Path | None:
         return self.tokenizers.get(model, self.default_tokenizer)

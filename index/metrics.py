@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from index.api import TokenizeMode
-from index.table import SlotStats
+from index.types import SlotStats
 
 
 class _EntriesCollector(Collector):
@@ -40,7 +40,7 @@ _GAP_KINDS = ("seq", "unknown_parent")
 _REPLAY_OUTCOMES = ("covered", "partial", "failed", "aborted")
 _RESET_REASONS = (
     "gap", "unknown_parent", "disconnected", "restart", "limit", "overflow",
-    "all_blocks_cleared", "removed",
+    "all_blocks_cleared", "removed", "undecodable", "failed", "subscriber_failed",
 )  # fmt: skip
 _LIMITS = ("ranks", "event_blocks", "mapped_hashes", "replay_batches", "replay_bytes",
            "replay_seconds")  # fmt: skip

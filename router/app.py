@@ -71,12 +71,20 @@ def build_gateway(
     if policy is None:
         policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
     client = _http_client(settings)
+    allowlist = WorkerAllowlist(
+        settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
+    )
     index: KvIndexService | None = None
     if block_index is None and settings.kv_index:
-        index = KvIndexService(settings.index, metrics_registry, client)
+        index = KvIndexService(
+            settings.index,
+            metrics_registry,
+            client,
+            endpoint_allowed=allowlist.permits_endpoint,  # what workers declare at run time
+        )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
-    metrics = GatewayMetrics(metrics_registry)
+    metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
     register_worker_gauges(metrics_registry, registry)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
@@ -87,9 +95,6 @@ def build_gateway(
     )
     proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
     access = AccessLog(settings.access_log_sample_rate) if settings.access_log else None
-    allowlist = WorkerAllowlist(
-        settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
-    )
     gateway = Gateway(
         settings=settings,
         registry=registry,

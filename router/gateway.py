@@ -28,7 +28,7 @@ from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker, HealthMetrics
 from backends.registry import Worker, WorkerRegistry
-from index.types import WorkerId
+from index.api import WorkerListener
 from router.accesslog import client_key_id
 from router.config import Settings, validation_problems
 from router.errors import (
@@ -62,26 +62,17 @@ _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
 
 
-class IndexLifecycle(Protocol):
-    """What the gateway drives on the KV index service (``index.service.KvIndexService``)."""
+class IndexLifecycle(WorkerListener, Protocol):
+    """What the gateway drives on the KV index service (``index.service.KvIndexService``): its
+    lifecycle; it follows the registry's workers as a subscriber (``WorkerListener``)."""
 
     async def start(self) -> None: ...
 
+    async def settled(self) -> None:
+        """Until the index has caught up with the workers it was told of."""
+        ...
+
     async def stop(self) -> None: ...
-
-    async def add_worker(
-        self,
-        worker: WorkerId,
-        url: str,
-        *,
-        engine: str,
-        events: str | None,
-        replay: str | None,
-        discover: bool = True,
-        model: str | None = None,
-    ) -> None: ...
-
-    async def remove_worker(self, worker: WorkerId) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -160,7 +151,7 @@ class Gateway:
     client: httpx.AsyncClient
     allowlist: WorkerAllowlist
     listener: ListenerLimits  # the client connection limits, shared with the listener
-    index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
+    index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     request_ids: RequestIds = field(default_factory=RequestIds)
     # metric holders whose series labelled with a worker go when it is removed
@@ -390,15 +381,14 @@ class Gateway:
         worker = self.registry.add(config)
         await self.health.probe(worker)
         self._declare_series(worker)
-        await self._index_worker(worker)
+        if self.index is not None:
+            await self.index.settled()
         log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
         return worker
 
     async def remove_worker(self, worker_id: str) -> Worker:
         worker = self.registry.remove(worker_id)
         self.proxy.upstream.close_origin(self.proxy.origin(worker))
-        if self.index is not None:
-            await self.index.remove_worker(worker.id)
         self.metrics.forget_worker(worker.url)
         for holder in self.worker_series:
             forget_series(vars(holder).values(), worker.url)
@@ -422,24 +412,11 @@ class Gateway:
         return self.index.stats() if self.index is not None else {"index": None}
 
     def _declare_series(self, worker: Worker) -> None:
-        """Start the worker's labelled series at zero (its index series: ``_index_worker``)."""
+        """Start the worker's labelled series at zero (its index series start when the index
+        subscribes to its events)."""
         self.metrics.declare_worker(worker.url, worker.models)
         if self.health_metrics is not None:
             self.health_metrics.declare(worker.url)
-
-    async def _index_worker(self, worker: Worker) -> None:
-        if self.index is None:
-            return
-        config = worker.config
-        model = next(iter(worker.models)) if len(worker.models) == 1 else None
-        await self.index.add_worker(
-            worker.id,
-            worker.url,
-            engine=config.engine,
-            events=config.events,
-            replay=config.replay,
-            model=model,
-        )
 
     async def start(self) -> None:
         if self.index is not None:
@@ -447,7 +424,9 @@ class Gateway:
         await self.health.probe_all()
         for worker in self.registry:
             self._declare_series(worker)
-        await asyncio.gather(*(self._index_worker(w) for w in self.registry))
+        if self.index is not None:  # from now on the index follows the registry's workers
+            self.registry.subscribe(self.index)
+            await self.index.settled()
         self.health.start()
         if self.discovery is not None:
             await self.discovery.start()
@@ -457,6 +436,7 @@ class Gateway:
             await self.discovery.stop()
         await self.health.stop()
         if self.index is not None:
+            self.registry.unsubscribe(self.index)
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()

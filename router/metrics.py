@@ -19,7 +19,6 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
-from index.tables import native_available
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
@@ -48,7 +47,7 @@ _OVERHEAD_BUCKETS = (
 class GatewayMetrics:
     """Request, latency, failover and cache-hit metrics of the gateway."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, native_core: bool = True) -> None:
         self.requests = Counter(
             "kvgate_requests",
             "Requests answered, by worker (none: not routed), model and HTTP status",
@@ -136,7 +135,7 @@ class GatewayMetrics:
         self.build = Info(
             "kvgate_build", "kvgate's version, Python and index core", registry=registry
         )
-        self.build.info(build_labels())
+        self.build.info(build_labels(native_core=native_core))
 
         self._routes: dict[tuple[str, str], RouteMetrics] = {}
 
@@ -291,10 +290,11 @@ def kvgate_version() -> str:
         return "unknown"
 
 
-def build_labels() -> dict[str, str]:
-    """``kvgate_build_info``'s labels: the installed version, Python, the index core in use."""
+def build_labels(*, native_core: bool) -> dict[str, str]:
+    """``kvgate_build_info``'s labels: the installed version, Python, and whether the index
+    runs on its native block table (``native_core=False``: the pure-Python one was chosen)."""
     return {
         "version": kvgate_version(),
         "python": platform.python_version(),
-        "native_core": "true" if native_available() else "false",
+        "native_core": "true" if native_core else "false",
     }

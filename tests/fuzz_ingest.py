@@ -41,13 +41,12 @@ if __name__ == "__main__":  # run as a script: find the repository (after PYTHON
 from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, Attacker, engine_hash, payload, removed, stored
-from index.blocks import block_keys, cache_seed
+from index.api import BatchResult
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchResult, EventFeed
+from index.events import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
-from index.native_table import NativeBlockTable
-from index.tables import TableKind, new_table
+from index.table import EventIndex, NativeBlockTable, TableKind, new_table
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)

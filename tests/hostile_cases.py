@@ -20,12 +20,11 @@ from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, colliding_engine_hashes, forge_block, payload, removed, stored
 from index.api import RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import BlockKey, WorkerId, WorkerKey
 
 WORKER = WorkerId("http://attacker")

@@ -27,14 +27,13 @@ from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
 from bench.hostile import BLOCK, payload, removed, stored
-from index.blocks import block_keys, cache_seed
+from index.api import Endpoints, EngineWorker
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchStatus, EventFeed
+from index.events import EventFeed, Subscriber
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
 from index.service import KvIndexService
-from index.subscriber import Subscriber
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +104,7 @@ def test_a_child_of_a_pruned_block_is_skipped(native: bool) -> None:
     feed.apply_payload(payload([stored([3], None, tokens_of(BLOCK, 300))]))  # prunes block 1
     assert held(index, first) == 0
     result = feed.apply_payload(payload([stored([4], 1, tokens_of(BLOCK, 400))]))
-    assert result.status is BatchStatus.APPLIED
+    assert result.refused is None and not result.unknown_parent  # applied
     assert held(index, first + tokens_of(BLOCK, 400)) == 0
     assert index.entry_count() == 2
     skipped = "kvgate_index_skipped_events_total"
@@ -185,9 +184,9 @@ def test_duplicate_keys_get_one_answer_on_both_paths(extra: str) -> None:
     results = []
     for native in (True, False):
         feed, index, registry = make_feed(native)
-        results.append((feed.apply_payload(raw).status, index.entry_count()))
+        results.append((feed.apply_payload(raw).refused, index.entry_count()))
         assert metric(registry, "kvgate_index_decode_errors_total", worker=WORKER) == 1
-    assert results == [(BatchStatus.UNDECODABLE, 0)] * 2
+    assert results == [("undecodable", 0)] * 2
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -195,7 +194,7 @@ def test_deep_nesting_is_undecodable_not_fatal(native: bool) -> None:
     feed, index, registry = make_feed(native)
     event = nested(stored([1], None, tokens_of(BLOCK)), 5000)
     raw = b"\x93" + msgspec.msgpack.encode(1.0) + b"\x91" + event + b"\x00"
-    assert feed.apply_payload(raw).status is BatchStatus.UNDECODABLE
+    assert feed.apply_payload(raw).refused == "undecodable"
     assert index.entry_count() == 0
     assert metric(registry, "kvgate_index_decode_errors_total", worker=WORKER) == 1
     feed.apply_payload(payload([stored([1], None, tokens_of(BLOCK))]))
@@ -258,7 +257,7 @@ def matched(service: KvIndexService) -> PrefixMatch | None:
 
 
 async def connect(service: KvIndexService, events: str, replay: str | None) -> None:
-    await service.add_worker(WORKER, str(WORKER), engine="vllm", events=events, replay=replay)
+    service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=(Endpoints(events, replay),)))
 
 
 @pytest.mark.anyio
@@ -285,7 +284,8 @@ async def test_a_deeply_nested_payload_costs_one_payload(
             assert matched(service) is None
             decode_errors = "kvgate_index_decode_errors_total"
             assert metric(registry, decode_errors, worker=WORKER) == 1
-            await service.remove_worker(WORKER)
+            service.worker_removed(WORKER)
+            await service.settled()
     finally:
         await pub.close()
 
@@ -324,8 +324,9 @@ async def test_a_subscriber_that_dies_is_restarted_and_its_entries_cleared(
             seq = await pub.send_raw(batch(event_stored(4, 6)))
             await service.wait_applied(WORKER, seq)
             assert matched(service) == PrefixMatch(gpu=6)
-            await service.remove_worker(WORKER)
+            service.worker_removed(WORKER)
             assert service.events.entry_count() == 0
+            await service.settled()
     finally:
         await pub.close()
 

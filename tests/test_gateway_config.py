@@ -84,6 +84,19 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
     assert parse_worker_spec("http://h:1,models=x") == {"url": "http://h:1", "models": ["x"]}
 
 
+def test_worker_spec_with_event_endpoints() -> None:
+    """The one worker-spec parser (index/ had a second one, used only by its tests)."""
+    assert parse_worker_spec(
+        "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+    ) == {
+        "url": "http://127.0.0.1:9001",
+        "events": "tcp://127.0.0.1:5557",
+        "replay": "tcp://127.0.0.1:5558",
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_worker_spec("http://h:1,events")
+
+
 def test_env_workers_as_words_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGATE_WORKERS", "http://a:1 http://b:2,engine=openai")
     assert [w.engine for w in load_settings().workers] == ["vllm", "openai"]

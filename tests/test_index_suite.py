@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,10 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed
-from index.indexers import ApproxIndex, EventIndex
-from index.table import _Lru
-from index.tables import TableKind, native_available, new_table
+from index.keys import block_keys, cache_seed
+from index.table import ApproxIndex, EventIndex, TableKind, new_table
+from index.table._table import _Lru
 from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
@@ -53,7 +53,9 @@ FACTORIES: dict[str, Callable[[TableKind], Indexer]] = {
 
 
 def test_native_table_is_built() -> None:
-    assert native_available(), "index._native missing: run `pip install -e .` (make does)"
+    assert importlib.util.find_spec("index._native") is not None, (
+        "index._native missing: run `pip install -e .` (make does)"
+    )
 
 
 @pytest.fixture(params=[(name, kind) for name in sorted(FACTORIES) for kind in TABLES])

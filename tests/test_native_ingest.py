@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.blocks import block_keys, cache_seed
+from index.api import BatchResult
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchResult, EventFeed
+from index.events import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BS = 4
@@ -275,10 +275,10 @@ def test_the_common_shape_takes_the_native_path() -> None:
     }
     removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
 
-    def no_general_path(_payload: bytes) -> BatchResult:
+    def no_general_path(*_args: object) -> BatchResult:
         raise AssertionError("the general path was used")
 
-    fast.apply_batch = no_general_path  # type: ignore[method-assign,assignment]
+    fast._apply_batch = no_general_path  # type: ignore[method-assign,assignment]
     fast._decoder.decode = no_general_path  # type: ignore[method-assign,assignment]
     result = fast.apply_payload(msgspec.msgpack.encode([1.0, [stored, removed], 0]))
     assert result.events == 2

@@ -58,7 +58,7 @@ def test_native_suites_pass_under_address_and_ub_sanitizers(tmp_path: Path) -> N
             "-fPIC",
             "-shared",
             f"-I{sysconfig.get_paths()['include']}",
-            str(package / "csrc" / "native.c"),
+            *sorted(str(source) for source in (package / "csrc").glob("*.c")),
             "-o",
             str(package / f"_native{suffix}"),
         ],

@@ -13,9 +13,9 @@ import pytest
 
 from backends.sim.config import EngineConfig, TimingConfig
 from backends.sim.engine import Engine, SimRequest
-from backends.sim.events import KVEvent
 from backends.sim.faults import FaultState
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from index.events import KvEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 class Recorder:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)
     preempted: int = 0
-    batches: list[list[KVEvent]] = field(default_factory=list)
+    batches: list[list[KvEvent]] = field(default_factory=list)
 
     def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
         self.admitted.append((prompt_tokens, gpu_hit_tokens, cpu_hit_tokens))

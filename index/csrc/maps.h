@@ -33,6 +33,8 @@
 #endif
 #include <time.h>
 
+#include "common.h"
+
 #define KV_MAP_MIN_CAP 8
 #define KV_HUGE_PAGE ((size_t)2 << 20)
 #define KV_HUGE_MIN ((size_t)4 << 20)
@@ -40,7 +42,7 @@
 static inline size_t kv_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 /* Zero-filled memory for a cell array of ``bytes``; NULL when there is none. */
-static void *kv_cells_alloc(size_t bytes)
+static KV_UNUSED void *kv_cells_alloc(size_t bytes)
 {
 #ifdef __linux__
     if (bytes >= KV_HUGE_MIN) {
@@ -62,7 +64,7 @@ static void *kv_cells_alloc(size_t bytes)
     return calloc(1, bytes ? bytes : 1);
 }
 
-static void kv_cells_free(void *cells, size_t bytes)
+static KV_UNUSED void kv_cells_free(void *cells, size_t bytes)
 {
     if (cells == NULL)
         return;
@@ -86,7 +88,7 @@ static void kv_cells_free(void *cells, size_t bytes)
 #endif
 
 /* A secret for a map's key mix: from the OS, else (never seen on Linux) clock and address. */
-static uint64_t kv_random_seed(void)
+static KV_UNUSED uint64_t kv_random_seed(void)
 {
     uint64_t seed = 0;
 #ifdef __linux__
@@ -129,14 +131,14 @@ static inline size_t kv_map_home(uint64_t key, uint64_t seed, size_t mask)
         uint64_t seed; /* the secret of the key mix (kept when the map is emptied) */        \
     } NAME;                                                                                  \
                                                                                              \
-    static void NAME##_free(NAME *m)                                                         \
+    static KV_UNUSED void NAME##_free(NAME *m)                                               \
     {                                                                                        \
         kv_cells_free(m->cells, m->cap * sizeof(NAME##Cell));                                \
         m->cells = NULL;                                                                     \
         m->cap = m->len = 0;                                                                 \
     }                                                                                        \
                                                                                              \
-    static int NAME##_resize(NAME *m, size_t cap)                                            \
+    static KV_UNUSED int NAME##_resize(NAME *m, size_t cap)                                  \
     {                                                                                        \
         NAME##Cell *old = m->cells;                                                          \
         size_t old_cap = m->cap;                                                             \
@@ -180,7 +182,7 @@ static inline size_t kv_map_home(uint64_t key, uint64_t seed, size_t mask)
                                                                                              \
     /* The cell of ``key``, inserted zero-filled if missing (*created tells); NULL: no       \
      * memory. */                                                                            \
-    static NAME##Cell *NAME##_insert(NAME *m, uint64_t key, int *created)                    \
+    static KV_UNUSED NAME##Cell *NAME##_insert(NAME *m, uint64_t key, int *created)          \
     {                                                                                        \
         if ((m->len + 1) * 4 > m->cap * 3) {                                                 \
             NAME##Cell *found = NAME##_find(m, key);                                         \
@@ -209,7 +211,7 @@ static inline size_t kv_map_home(uint64_t key, uint64_t seed, size_t mask)
     }                                                                                        \
                                                                                              \
     /* Remove ``key``; its value goes to *out when given. Returns 1 if it was there. */      \
-    static int NAME##_remove(NAME *m, uint64_t key, VTYPE *out)                              \
+    static KV_UNUSED int NAME##_remove(NAME *m, uint64_t key, VTYPE *out)                    \
     {                                                                                        \
         NAME##Cell *cell = NAME##_find(m, key);                                              \
         if (cell == NULL)                                                                    \

@@ -1,7 +1,7 @@
 /*
  * table.h - kvgate's native block table: block key -> which cache domains hold it, by tier.
  *
- * The same model as index/table.py (the pure-Python table): per held block key, the parent,
+ * The same model as index/table/_table.py (the pure-Python table): per held block key, the parent,
  * the first child and (branch points only) the other children; per cache domain ("slot"), its
  * held keys with their tiers, LRU order, depth in the slot's own chains and a "contested" flag,
  * tier counters, and its orphans per presence class (held blocks whose parent the slot does not
@@ -41,9 +41,9 @@
 static const uint8_t KV_CLASS_OF[8] = {0, 7, 6, 7, 4, 7, 6, 7};
 #define KV_ALL_TIERS 7
 #define KV_MAX_ORPHANS_CHECKED 64
-#define KV_MAX_CHILDREN_SCANNED 64 /* index/table.py's MAX_CHILDREN_SCANNED */
-#define KV_MAX_ANCESTRY_CHECKED 64 /* index/table.py's MAX_ANCESTRY_CHECKED */
-#define KV_SECOND_CHANCES 64 /* index/table.py's SECOND_CHANCES */
+#define KV_MAX_CHILDREN_SCANNED 64 /* index/table/_table.py's MAX_CHILDREN_SCANNED */
+#define KV_MAX_ANCESTRY_CHECKED 64 /* index/table/_table.py's MAX_ANCESTRY_CHECKED */
+#define KV_SECOND_CHANCES 64 /* index/table/_table.py's SECOND_CHANCES */
 #define KV_PREFETCH_AHEAD 8 /* blocks whose cells are on their way while one is stored */
 #define KV_NO_DEPTH (-1)
 
@@ -104,7 +104,7 @@ typedef struct {
 } Table;
 
 /* ---------------------------------------------------------------- children sets */
-static uint32_t more_new(Table *t)
+static KV_UNUSED uint32_t more_new(Table *t)
 {
     if (t->nfree_more) {
         uint32_t id = t->free_more[--t->nfree_more];
@@ -130,7 +130,7 @@ static uint32_t more_new(Table *t)
     return id;
 }
 
-static void more_release(Table *t, uint32_t id)
+static KV_UNUSED void more_release(Table *t, uint32_t id)
 {
     KeySet_free(&t->more[id]);
     if (t->nfree_more == t->cap_free_more) {
@@ -157,7 +157,7 @@ static inline size_t link_children(const Table *t, const Link *link)
 
 /* The children of a record into ``out`` (room for KV_MAX_CHILDREN_SCANNED); how many, or
  * SIZE_MAX when there are more than that (then ``out`` is not filled). */
-static size_t children_upto(const Table *t, const Link *link, uint64_t *out)
+static KV_UNUSED size_t children_upto(const Table *t, const Link *link, uint64_t *out)
 {
     size_t n = link_children(t, link);
     if (n == 0 || n > KV_MAX_CHILDREN_SCANNED)
@@ -175,14 +175,14 @@ static size_t children_upto(const Table *t, const Link *link, uint64_t *out)
 }
 
 /* ---------------------------------------------------------------- basics */
-static void table_init(Table *t)
+static KV_UNUSED void table_init(Table *t)
 {
     memset(t, 0, sizeof(*t));
     t->seed = kv_random_seed();
     t->links.seed = t->seed;
 }
 
-static void slot_free(Slot *s)
+static KV_UNUSED void slot_free(Slot *s)
 {
     NodeMap_free(&s->nodes);
     for (int c = 0; c < 3; c++)
@@ -190,7 +190,7 @@ static void slot_free(Slot *s)
     memset(s, 0, sizeof(*s));
 }
 
-static void table_free(Table *t)
+static KV_UNUSED void table_free(Table *t)
 {
     LinkMap_free(&t->links);
     for (size_t i = 0; i < t->nslots; i++)
@@ -203,7 +203,7 @@ static void table_free(Table *t)
     table_init(t);
 }
 
-static Slot *table_slot(Table *t, size_t index)
+static KV_UNUSED Slot *table_slot(Table *t, size_t index)
 {
     if (index >= t->nslots) {
         size_t n = index + 1 > t->nslots * 2 ? index + 1 : t->nslots * 2;
@@ -245,7 +245,7 @@ static inline int32_t slot_depth(const Slot *s, uint64_t key)
 }
 
 /* ---------------------------------------------------------------- LRU order */
-static void lru_unlink(Slot *s, uint64_t key, Node *node)
+static KV_UNUSED void lru_unlink(Slot *s, uint64_t key, Node *node)
 {
     uint8_t flags = node->flags;
     uint64_t prev = node->prev, next = node->next;
@@ -275,7 +275,7 @@ static void lru_unlink(Slot *s, uint64_t key, Node *node)
     (void)key;
 }
 
-static void lru_append(Slot *s, uint64_t key, Node *node)
+static KV_UNUSED void lru_append(Slot *s, uint64_t key, Node *node)
 {
     if (s->has_lru) {
         Node *last = &NodeMap_find(&s->nodes, s->tail)->val;
@@ -291,7 +291,7 @@ static void lru_append(Slot *s, uint64_t key, Node *node)
 }
 
 /* Make ``key`` (held by the slot) the most recent, with ``stamp``. */
-static void lru_touch(Slot *s, uint64_t key, double stamp)
+static KV_UNUSED void lru_touch(Slot *s, uint64_t key, double stamp)
 {
     Node *node = &NodeMap_find(&s->nodes, key)->val;
     node->stamp = stamp;
@@ -303,7 +303,7 @@ static void lru_touch(Slot *s, uint64_t key, double stamp)
 }
 
 /* ---------------------------------------------------------------- orphans */
-static int orphan_put(DepthMap *orphans, uint64_t key, int32_t depth)
+static KV_UNUSED int orphan_put(DepthMap *orphans, uint64_t key, int32_t depth)
 {
     int created;
     DepthMapCell *cell = DepthMap_insert(orphans, key, &created);
@@ -314,7 +314,7 @@ static int orphan_put(DepthMap *orphans, uint64_t key, int32_t depth)
 }
 
 /* Is the held ``key`` an orphan of the slot in each class (bit per class)? */
-static uint8_t orphan_classes(const Slot *s, const Link *link, const Node *node)
+static KV_UNUSED uint8_t orphan_classes(const Slot *s, const Link *link, const Node *node)
 {
     if (node->flags & N_CONTESTED || link->flags & L_UNKNOWN)
         return 7;
@@ -326,8 +326,8 @@ static uint8_t orphan_classes(const Slot *s, const Link *link, const Node *node)
 /* ``key`` (held) is now in the classes ``gained``: its own orphan entry is set or cleared (a
  * marker of it goes either way), and its children held in those classes are orphans no more
  * (up to KV_MAX_CHILDREN_SCANNED children: past that they stay, which only costs walks). */
-static int on_gain(Table *t, Slot *s, uint64_t key, const Link *link, const Node *node,
-                   uint8_t gained)
+static KV_UNUSED int on_gain(Table *t, Slot *s, uint64_t key, const Link *link, const Node *node,
+                             uint8_t gained)
 {
     uint8_t orphaned = orphan_classes(s, link, node);
     int32_t depth = node->depth;
@@ -356,7 +356,7 @@ static int on_gain(Table *t, Slot *s, uint64_t key, const Link *link, const Node
 /* A held ``key``'s node changed: ``contested`` now (an orphan in every class it is held in),
  * or only its depth (its orphan entries, if any, get the new one). Which entries exist never
  * depends on a depth: the two tables then agree on them whatever depths they keep. */
-static int refresh_orphan(Slot *s, uint64_t key, int contested)
+static KV_UNUSED int refresh_orphan(Slot *s, uint64_t key, int contested)
 {
     const Node *node = &NodeMap_find(&s->nodes, key)->val;
     uint8_t held = KV_CLASS_OF[node->tiers];
@@ -376,7 +376,7 @@ static int refresh_orphan(Slot *s, uint64_t key, int contested)
 /* ``key`` (``depth`` in this slot) left the classes ``lost``: its children held in them are
  * orphans now, or, past KV_MAX_CHILDREN_SCANNED children, ``key`` stays as a marker orphan
  * (not held: it only says "walk queries through here"). */
-static int on_loss(Table *t, Slot *s, uint64_t key, int32_t depth, uint8_t lost)
+static KV_UNUSED int on_loss(Table *t, Slot *s, uint64_t key, int32_t depth, uint8_t lost)
 {
     Link *link = &LinkMap_find(&t->links, key)->val;
     uint64_t kids[KV_MAX_CHILDREN_SCANNED];
@@ -405,7 +405,7 @@ static int on_loss(Table *t, Slot *s, uint64_t key, int32_t depth, uint8_t lost)
 
 /* ---------------------------------------------------------------- links */
 /* Record ``key`` as a child of ``parent`` (an existing record). */
-static int link_child(Table *t, uint64_t key, uint64_t parent)
+static KV_UNUSED int link_child(Table *t, uint64_t key, uint64_t parent)
 {
     Link *p = &LinkMap_find(&t->links, parent)->val;
     if (!(p->flags & L_CHILD)) {
@@ -425,7 +425,7 @@ static int link_child(Table *t, uint64_t key, uint64_t parent)
     return KeySet_insert(&t->more[p->more], key, &created) ? 0 : -1;
 }
 
-static void unlink_child(Table *t, uint64_t key, uint64_t parent)
+static KV_UNUSED void unlink_child(Table *t, uint64_t key, uint64_t parent)
 {
     LinkMapCell *cell = LinkMap_find(&t->links, parent);
     if (cell == NULL)
@@ -455,7 +455,7 @@ static void unlink_child(Table *t, uint64_t key, uint64_t parent)
 
 /* Does ``ancestor`` lie on the chain up from ``key`` (``key`` itself included)? Only the first
  * KV_MAX_ANCESTRY_CHECKED links are followed: past them the answer is yes (unproven). */
-static int may_descend(const Table *t, uint64_t key, uint64_t ancestor)
+static KV_UNUSED int may_descend(const Table *t, uint64_t key, uint64_t ancestor)
 {
     for (int steps = 0; steps <= KV_MAX_ANCESTRY_CHECKED; steps++) {
         if (key == ancestor)
@@ -471,8 +471,8 @@ static int may_descend(const Table *t, uint64_t key, uint64_t ancestor)
 /* ``key`` is stored after ``prev`` (``has_prev``; else as a chain's root): set its links if
  * its record is new or of unknown ancestry and that cannot close a cycle. *contested tells
  * whether the record's parent differs from ``prev`` after that. */
-static int link_stored(Table *t, uint64_t key, Link *link, int created, int has_prev,
-                       uint64_t prev, int prev_exists, int *contested)
+static KV_UNUSED int link_stored(Table *t, uint64_t key, Link *link, int created, int has_prev,
+                                 uint64_t prev, int prev_exists, int *contested)
 {
     if (created || link->flags & L_UNKNOWN) {
         *contested = 0;
@@ -500,7 +500,7 @@ static int link_stored(Table *t, uint64_t key, Link *link, int created, int has_
 
 /* Slots holding a marker of ``key`` (whose record goes): each becomes orphans of the
  * children the slot holds in the marker's class. */
-static int unmark(Table *t, const Link *link, uint64_t key)
+static KV_UNUSED int unmark(Table *t, const Link *link, uint64_t key)
 {
     for (size_t i = 0; i < t->nslots; i++) {
         Slot *s = &t->slots[i];
@@ -526,7 +526,7 @@ static int unmark(Table *t, const Link *link, uint64_t key)
     return 0;
 }
 
-static void detach(Table *t, uint64_t kid)
+static KV_UNUSED void detach(Table *t, uint64_t kid)
 {
     LinkMapCell *cell = LinkMap_find(&t->links, kid);
     if (cell != NULL)
@@ -534,7 +534,7 @@ static void detach(Table *t, uint64_t kid)
 }
 
 /* The last holder of ``key`` is gone: its record goes, its children lose their parent. */
-static int drop_record(Table *t, uint64_t key)
+static KV_UNUSED int drop_record(Table *t, uint64_t key)
 {
     Link link = LinkMap_find(&t->links, key)->val;
     if (link.flags & L_MARKED && unmark(t, &link, key) < 0)
@@ -561,7 +561,7 @@ static int drop_record(Table *t, uint64_t key)
  * another. Returns what changed on an existing node: NODE_CONTESTED, NODE_DEPTH. */
 enum { NODE_CONTESTED = 1, NODE_DEPTH = 2 };
 
-static int node_stored(NodeMapCell *node, int created, int32_t depth, int contested)
+static KV_UNUSED int node_stored(NodeMapCell *node, int created, int32_t depth, int contested)
 {
     if (created) {
         node->val.depth = depth;
@@ -581,7 +581,7 @@ static int node_stored(NodeMapCell *node, int created, int32_t depth, int contes
 }
 
 /* Depth of the block after ``parent`` in the slot (KV_NO_DEPTH when not known there). */
-static int32_t first_depth(const Slot *s, int has_parent, uint64_t parent)
+static KV_UNUSED int32_t first_depth(const Slot *s, int has_parent, uint64_t parent)
 {
     if (!has_parent)
         return 0;
@@ -591,8 +591,8 @@ static int32_t first_depth(const Slot *s, int has_parent, uint64_t parent)
 
 /* Hold ``keys`` (a chain after ``parent`` when has_parent) in ``tier``; LRU-stamp them leaf
  * first so the chain's root is the most recent. Returns -1 on memory failure. */
-static int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, int tier,
-                       int has_parent, uint64_t parent, double stamp)
+static KV_UNUSED int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, int tier,
+                                 int has_parent, uint64_t parent, double stamp)
 {
     if (n == 0)
         return 0;
@@ -648,7 +648,7 @@ static int table_store(Table *t, size_t slot, const uint64_t *keys, size_t n, in
 }
 
 /* ``key`` leaves ``tier_bits`` of the slot. Returns -1 on memory failure. */
-static int table_drop(Table *t, Slot *s, uint64_t key, uint8_t tier_bits)
+static KV_UNUSED int table_drop(Table *t, Slot *s, uint64_t key, uint8_t tier_bits)
 {
     NodeMapCell *cell = NodeMap_find(&s->nodes, key);
     if (cell == NULL)
@@ -682,7 +682,8 @@ static int table_drop(Table *t, Slot *s, uint64_t key, uint8_t tier_bits)
 }
 
 /* ``keys`` leave ``tier_bits`` of the slot (cells of later keys are fetched ahead). */
-static int table_remove(Table *t, Slot *s, const uint64_t *keys, size_t n, uint8_t tier_bits)
+static KV_UNUSED int table_remove(Table *t, Slot *s, const uint64_t *keys, size_t n,
+                                  uint8_t tier_bits)
 {
     for (size_t i = 0; i < n; i++) {
         if (i + KV_PREFETCH_AHEAD < n) {
@@ -696,7 +697,7 @@ static int table_remove(Table *t, Slot *s, const uint64_t *keys, size_t n, uint8
 }
 
 /* Forget every block of a slot and release it. Returns -1 on memory failure. */
-static int table_clear(Table *t, size_t slot)
+static KV_UNUSED int table_clear(Table *t, size_t slot)
 {
     if (slot >= t->nslots || !t->slots[slot].used)
         return 0;
@@ -722,7 +723,7 @@ static int table_clear(Table *t, size_t slot)
     return rc;
 }
 
-static int has_held_child(const Table *t, const Slot *s, uint64_t key)
+static KV_UNUSED int has_held_child(const Table *t, const Slot *s, uint64_t key)
 {
     const LinkMapCell *cell = LinkMap_find(&t->links, key);
     if (cell == NULL)
@@ -740,7 +741,7 @@ static int has_held_child(const Table *t, const Slot *s, uint64_t key)
 
 /* Evict the least recently stored leaf of a slot (an entry with a held child goes back to
  * the recent end, up to ``second_chances`` times). 1: evicted, 0: empty, -1: no memory. */
-static int table_prune_leaf(Table *t, size_t slot, long second_chances)
+static KV_UNUSED int table_prune_leaf(Table *t, size_t slot, long second_chances)
 {
     if (slot >= t->nslots || !t->slots[slot].used)
         return 0;
@@ -758,7 +759,7 @@ static int table_prune_leaf(Table *t, size_t slot, long second_chances)
 }
 
 /* The slot with the most entries (the lowest on ties); 0 when there is none. */
-static int table_largest(const Table *t, size_t *slot)
+static KV_UNUSED int table_largest(const Table *t, size_t *slot)
 {
     int found = 0;
     size_t best = 0;
@@ -772,6 +773,24 @@ static int table_largest(const Table *t, size_t *slot)
     return found;
 }
 
+/* The cap of an event-fed table (IndexConfig.max_entries): while it holds more entries than
+ * ``cap``, evict the least recently stored leaf of the largest slot (the lowest on ties). The
+ * one pruning rule; index/table/_table.py's BlockTable.prune_to is the same rule in Python
+ * (tests/test_native_ingest.py holds the two to the same answers). Returns how many entries
+ * went; -1: no memory. */
+static KV_UNUSED long table_prune_to(Table *t, int64_t cap)
+{
+    long pruned = 0;
+    size_t slot;
+    while (t->entries > cap && table_largest(t, &slot)) {
+        int rc = table_prune_leaf(t, slot, KV_SECOND_CHANCES);
+        if (rc <= 0)
+            return rc < 0 ? -1 : pruned;
+        pruned++;
+    }
+    return pruned;
+}
+
 /* ---------------------------------------------------------------- matching */
 /* Keys of a query, read on demand (a 50k-token prompt has 3k keys; bisection reads ~40). */
 typedef struct {
@@ -780,7 +799,7 @@ typedef struct {
     size_t n;
 } KeySource;
 
-static int chain_has_orphan(const Slot *s, const KeySource *q)
+static KV_UNUSED int chain_has_orphan(const Slot *s, const KeySource *q)
 {
     int any = 0;
     for (int c = 0; c < 3; c++) {
@@ -804,7 +823,7 @@ static int chain_has_orphan(const Slot *s, const KeySource *q)
 }
 
 /* ends[c]: index of the first block of the query not held in class c (n if all are). */
-static void walk(const Slot *s, const KeySource *q, size_t ends[3])
+static KV_UNUSED void walk(const Slot *s, const KeySource *q, size_t ends[3])
 {
     ends[0] = ends[1] = ends[2] = q->n;
     int open = 7;
@@ -833,7 +852,7 @@ typedef struct {
  * each round fetches every slot's probe cell together (one memory wait per round, not one
  * per slot). Per class (any tier, then CPU-or-better, then GPU: nested runs) the last block
  * of the run left open is probed first, so a fully held prefix costs one probe. */
-static void bisect_all(Search *all, size_t count, const KeySource *q)
+static KV_UNUSED void bisect_all(Search *all, size_t count, const KeySource *q)
 {
     for (int c = 2; c >= 0; c--) {
         size_t active = 0;
@@ -881,7 +900,7 @@ static void bisect_all(Search *all, size_t count, const KeySource *q)
 
 /* Every slot holding keys[0]: the ends of its runs (GPU, CPU-or-better, any) in ``out``,
  * which has room for t->nslots. Returns how many. */
-static size_t table_find(const Table *t, const KeySource *q, Search *out)
+static KV_UNUSED size_t table_find(const Table *t, const KeySource *q, Search *out)
 {
     if (q->n == 0)
         return 0;

@@ -12,6 +12,9 @@ A request body may carry ``"fake": {...}`` (kvgate forwards unknown fields untou
 * ``"pad": N``: add a field of N bytes to the (non-streamed) JSON body.
 
 Every request is recorded in ``FakeEngine.seen`` (path, headers, parsed body).
+
+Like vLLM, it can also answer ``GET /kv_event_sources`` (``sources``: the JSON to answer; None:
+404) and ``POST /tokenize`` (``tokenize``: one token per word, the word's length).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class FakeEngine:
     cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     holding: int = 0
+    sources: dict[str, Any] | None = None
+    tokenize: bool = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,6 +75,11 @@ class FakeEngine:
                 await _json(send, {"object": "list", "data": cards})
             case ("GET", "/metrics"):
                 await _text(send, self._metrics())
+            case ("GET", "/kv_event_sources") if self.sources is not None:
+                await _json(send, self.sources)
+            case ("POST", "/tokenize") if self.tokenize:
+                text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+                await _json(send, {"tokens": [len(word) for word in text.split()]})
             case ("POST", "/v1/chat/completions" | "/v1/completions"):
                 await self._generate(path, body, receive, send)
             case ("POST", "/v1/embeddings"):

@@ -1,4 +1,10 @@
-"""The block table behind both indexers: block key → which cache domains hold it, by tier.
+"""The pure-Python block table: block key → which cache domains hold it, by tier.
+
+One of the two implementations of the table protocol (index/table/_protocol.py), selected by
+``IndexConfig.table = "python"``; the native table (index/csrc/table.h) is the other and the
+default. They follow the same rules step for step and give the same answers (the tests run one
+suite against both and against a plain dict-of-sets model, the reference); this one is the
+readable statement of those rules, and runs where a C build is unwanted.
 
 Layout (see docs/block-keys.md, "Index layout"):
 
@@ -14,8 +20,7 @@ Layout (see docs/block-keys.md, "Index layout"):
   parent is not held in that class (plus markers for blocks with many children it lost).
 
 Publishers are not trusted (docs/security-events.md): table.h's header says how the links stay
-acyclic and every operation bounded whatever keys they send; this table follows the same rules,
-step for step (the tests compare the two).
+acyclic and every operation bounded whatever keys they send; this table follows the same rules.
 
 Exact matching in O(log n) lookups: a presence class (GPU; CPU-or-better; any) of a slot is
 prefix-closed along every chain unless one of the chain's blocks is an orphan of that class.
@@ -28,11 +33,12 @@ walked block by block instead. Either way the result equals a sequential walk.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.memo import BoundedMemo
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 _UNKNOWN_PARENT = -1
 """Parent of a record whose ancestry is unknown (stored after a block nobody held, or whose
@@ -165,16 +171,6 @@ class _Slot:
     contested: set[int] = field(default_factory=set)  # stored under another parent
 
 
-@dataclass(frozen=True, slots=True)
-class SlotStats:
-    """Entries of one cache domain (a block counts once per tier it is held in)."""
-
-    worker: WorkerKey
-    entries: int
-    by_tier: Mapping[Tier, int]
-    orphans: int
-
-
 class BlockTable:
     """Blocks held per cache domain, with LRU order per domain and exact prefix matching."""
 
@@ -187,8 +183,8 @@ class BlockTable:
         self._slots: list[_Slot | None] = []
         self._slot_of: dict[WorkerKey, int] = {}
         self._free_slots: list[int] = []
-        self._masks: dict[int, int] = {}
-        self._matches: dict[tuple[int, int, int], PrefixMatch] = {}
+        self._masks = BoundedMemo[int, int](_MASK_INTERN_LIMIT)  # one int object per mask
+        self._matches = BoundedMemo[tuple[int, int, int], PrefixMatch](_MATCH_MEMO_LIMIT)
         self._entries = 0
         self._gpu_bits = 0  # bit 3s of every slot s
         self._cpu_bits = 0  # bit 3s+1 of every slot s
@@ -237,10 +233,8 @@ class BlockTable:
         return out
 
     def _intern(self, mask: int) -> int:
-        masks = self._masks
-        if len(masks) > _MASK_INTERN_LIMIT:
-            masks.clear()
-        return masks.setdefault(mask, mask)
+        found = self._masks.get(mask)
+        return self._masks.put(mask, mask) if found is None else found
 
     def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
         """Whether the cache domain holds ``key`` in any tier."""
@@ -648,8 +642,21 @@ class BlockTable:
         """Evict the least recently stored leaf of a cache domain (bounded second chances:
         an entry whose child is still held goes back to the recent end, up to that many)."""
         slot = self._slot_of.get(worker)
-        if slot is None:
-            return False
+        return slot is not None and self._prune_slot(slot, second_chances)
+
+    def prune_to(self, max_entries: int) -> int:
+        """The cap's pruning rule (table.h's ``table_prune_to``): while more than
+        ``max_entries`` entries are held, evict the least recently stored leaf of the largest
+        domain (the lowest slot on ties). How many went."""
+        pruned = 0
+        while self._entries > max_entries:
+            slot = self._largest_slot()
+            if slot is None or not self._prune_slot(slot, SECOND_CHANCES):
+                break
+            pruned += 1
+        return pruned
+
+    def _prune_slot(self, slot: int, second_chances: int) -> bool:
         state = self._state(slot)
         lru = state.lru
         shift = slot * _BITS
@@ -671,13 +678,13 @@ class BlockTable:
         masks = self._mask
         return any((masks.get(child, 0) >> shift) & _GROUP for child in kids)
 
-    def largest(self) -> WorkerKey | None:
-        best: tuple[int, WorkerKey] | None = None
-        for worker, slot in self._slot_of.items():
-            size = len(self._state(slot).lru)
-            if best is None or size > best[0]:
-                best = (size, worker)
-        return None if best is None else best[1]
+    def _largest_slot(self) -> int | None:
+        """The slot with the most entries, the lowest on ties (table.h's ``table_largest``)."""
+        best, most = None, -1
+        for slot, state in enumerate(self._slots):
+            if state is not None and len(state.lru) > most:
+                best, most = slot, len(state.lru)
+        return best
 
     # ----------------------------------------------------------------- match
     def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]:
@@ -709,13 +716,9 @@ class BlockTable:
 
     def _match(self, gpu: int, cpu: int, disk: int) -> PrefixMatch:
         """Shared immutable ``PrefixMatch`` objects (a frozen dataclass is slow to build)."""
-        memo = self._matches
-        found = memo.get((gpu, cpu, disk))
-        if found is None:
-            if len(memo) > _MATCH_MEMO_LIMIT:
-                memo.clear()
-            found = memo[(gpu, cpu, disk)] = PrefixMatch(gpu, cpu, disk)
-        return found
+        runs = (gpu, cpu, disk)
+        found = self._matches.get(runs)
+        return self._matches.put(runs, PrefixMatch(*runs)) if found is None else found
 
     @staticmethod
     def _slots_in(mask: int) -> Iterator[int]:

@@ -22,15 +22,13 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from index.errors import TemplateError
+
 ContentFormat = Literal["string", "openai"]
 
 _CONTENT_LOOP = re.compile(
     r"for\s+\w+\s+in\s+(message|msg|m)(\[['\"]content['\"]\]|\.content)", re.IGNORECASE
 )
-
-
-class TemplateError(ValueError):
-    """The template raised (``raise_exception``) or could not be rendered."""
 
 
 # What a template (and message preparation) raises on request data it was not written for.

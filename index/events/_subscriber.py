@@ -32,14 +32,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from index.api import Endpoints
 from index.config import IndexConfig
-from index.ingest import BatchStatus, EventFeed
+from index.events._feed import EventFeed
 from index.metrics import IndexMetrics
 
 log = logging.getLogger(__name__)
@@ -58,15 +58,6 @@ class ReplayFailed(Exception):
     def __init__(self, reason: str, limit: str | None = None) -> None:
         super().__init__(reason)
         self.limit = limit
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    """Where one data-parallel rank of a worker publishes."""
-
-    events: str
-    replay: str | None = None
-    dp_rank: int = 0
 
 
 class Subscriber:
@@ -251,16 +242,15 @@ class Subscriber:
         result = self.feed.apply_payload(payload)
         self.next_seq = seq + 1
         self._metrics.last_seq.labels(*self._label).set(seq)
-        status = result.status
-        if status is BatchStatus.UNKNOWN_PARENT:
+        if result.unknown_parent:
             self._metrics.gaps.labels(self.feed.worker, "unknown_parent").inc()
             if self.history_complete:
                 log.warning("%s: stored block with unknown parent: clearing", self.feed.worker)
                 self.feed.reset("unknown_parent")
                 self.history_complete = False
-        elif status is BatchStatus.UNDECODABLE or status is BatchStatus.FAILED:
+        elif result.refused in ("undecodable", "failed"):
             # the batch is lost: a gap no replay covers (it would bring the same payload back)
-            self.feed.reset(status.value)
+            self.feed.reset(result.refused)
             self.history_complete = False
 
     async def _replay(self, start: int, upto: int, *, joining: bool) -> None:
