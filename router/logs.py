@@ -12,7 +12,8 @@ in one format:
 Records are formatted and written by a background thread fed through a bounded queue, so a
 slow reader of stdout never blocks the event loop; the thread writes what is queued every
 50 ms (one wake-up per batch, not per line). When the queue is full a record is dropped and
-counted, and the writer reports the count once it catches up. uvicorn is run
+counted, and the writer reports the count once it catches up; a batch whose write fails is
+lost (told on stderr), never the thread. uvicorn is run
 with ``log_config=None`` (``router.serve.uvicorn_config``) so its loggers reach the same
 handler.
 """
@@ -25,6 +26,7 @@ import logging
 import queue
 import sys
 import threading
+import traceback
 from datetime import UTC, datetime
 from logging.handlers import QueueHandler
 from typing import Any, Literal, TextIO
@@ -192,8 +194,17 @@ class _Drain(threading.Thread):
 
     def run(self) -> None:
         while not self._stopping.wait(_DRAIN_S):
+            self._drain_supervised()
+        self._drain_supervised()
+
+    def _drain_supervised(self) -> None:
+        """A batch that fails (stdout closed or broken: ``flush`` raises) is lost and told
+        on stderr; the thread goes on with the next one."""
+        try:
             self._drain()
-        self._drain()
+        except Exception:  # noqa: BLE001 - the writer's supervisor: one batch lost, not the thread
+            with contextlib.suppress(OSError, ValueError):
+                traceback.print_exc(file=sys.stderr)
 
     def _drain(self) -> None:
         batch: list[logging.LogRecord] = []

@@ -34,6 +34,7 @@ is the SDK's: ``--trace-sample-rate`` (parent-based ratio) or ``OTEL_TRACES_SAMP
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -87,11 +88,34 @@ def _check_protocol(environ: Mapping[str, str]) -> None:
             return
 
 
+class _Export(SpanExporter):
+    """The exporter, shut once: ``Tracing.shutdown`` may shut it early (abandoning a
+    collector that does not answer) before the processor shuts it again."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+        self._closed = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._closed.is_set():
+            return SpanExportResult.FAILURE
+        return self._inner.export(spans)
+
+    def shutdown(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
 class Tracing:
     """kvgate's sampler, span ids and exporter; ``request`` starts one request's trace."""
 
-    def __init__(self, processor: BatchSpanProcessor, sampler: Sampler) -> None:
-        self.processor = processor
+    def __init__(self, exporter: SpanExporter, sampler: Sampler) -> None:
+        self._exporter = _Export(exporter)
+        self.processor = BatchSpanProcessor(self._exporter)
         self.sampler = sampler
         self.resource = _resource()
         self.scope = InstrumentationScope("kvgate", kvgate_version())
@@ -117,8 +141,7 @@ class Tracing:
             sampler = ParentBased(TraceIdRatioBased(sample_rate))
         # the provider only resolves the sampler the SDK's way (OTEL_TRACES_SAMPLER[_ARG])
         sampler = TracerProvider(sampler=sampler, shutdown_on_exit=False).sampler
-        export = exporter if exporter is not None else OTLPSpanExporter(endpoint)
-        return cls(BatchSpanProcessor(export), sampler)
+        return cls(exporter if exporter is not None else OTLPSpanExporter(endpoint), sampler)
 
     def request(
         self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], received_at: float
@@ -146,9 +169,19 @@ class Tracing:
         """Export every ended span now (blocks: call it from a thread, not the event loop)."""
         return self.processor.force_flush(int(timeout_s * 1000))
 
-    def shutdown(self) -> None:
-        """Flush and stop the exporter thread (blocks, like ``force_flush``)."""
-        self.processor.shutdown()  # type: ignore[no-untyped-call]
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Export what is queued and stop the exporter thread (blocks, like ``force_flush``),
+        within about ``timeout_s``: past it (a collector down or slow) the exporter is shut,
+        which ends its retries and drops the spans left. True when the thread stopped."""
+        closing = threading.Thread(
+            target=self.processor.shutdown, name="kvgate-tracing-shutdown", daemon=True
+        )
+        closing.start()
+        closing.join(timeout_s)
+        if closing.is_alive():
+            self._exporter.shutdown()
+            closing.join(timeout_s)
+        return not closing.is_alive()
 
 
 def _clean(attributes: Attributes) -> dict[str, AttributeValue]:

@@ -254,6 +254,35 @@ def test_a_stalled_output_drops_records_and_says_so() -> None:
     ]
 
 
+class BrokenOnce(io.StringIO):
+    """A stdout whose first flush fails (a reader gone, then back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = threading.Event()
+
+    def flush(self) -> None:
+        if not self.failed.is_set():
+            self.failed.set()
+            raise BrokenPipeError("the reader left")
+        super().flush()
+
+
+def test_a_failed_write_costs_its_batch_not_the_writer(capsys: pytest.CaptureFixture[str]) -> None:
+    stream = BrokenOnce()
+    output = configure_logging("info", "json", stream)
+    log = logging.getLogger("kvgate.test")
+    try:
+        log.warning("before")
+        assert stream.failed.wait(10)
+        log.warning("after")
+    finally:
+        output.close()  # writes what is queued: only a live writer thread gets "after" out
+    messages = [json.loads(line)["message"] for line in stream.getvalue().splitlines()]
+    assert messages[-1] == "after"
+    assert "BrokenPipeError: the reader left" in capsys.readouterr().err
+
+
 # --- the real command --------------------------------------------------------------------
 
 

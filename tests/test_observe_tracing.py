@@ -25,6 +25,7 @@ from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.otlp import CLIENT, ERROR, SERVER, OtlpReceiver, Received
 from fakes.server import RunningServer, serve, wait_for
 
+from backends.process import free_port
 from router.config import ConfigError, load_settings
 from router.observe import client_trace_id, start_tracing, tracing_requested
 
@@ -208,6 +209,25 @@ async def test_the_standard_endpoint_variable_alone_turns_export_on(
     root = only([s for s in sink.spans if s.kind == SERVER])
     assert root.service == "edge-router"
     assert {c.name for c in sink.children(root)} >= {"parse", "score", "upstream"}
+
+
+async def test_a_collector_down_costs_no_request_and_stopping_is_bounded() -> None:
+    """Export runs on the SDK's thread: with nothing listening at the endpoint every request
+    is answered and traced upstream as usual, and stopping abandons the exporter's retries
+    (``Tracing.shutdown``'s bound) instead of waiting for the OTLP timeout."""
+    engine = FakeEngine()
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens there
+    async with fleet(engine) as f, kvgate(f.urls, otlp_traces_endpoint=dead) as gw:
+        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
+        for _ in range(3):
+            headers = {"traceparent": traceparent()}
+            response = await gw.client.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200
+            assert engine.seen[-1].headers["traceparent"].startswith(f"00-{TRACE}-")
+        await wait_for(lambda: answered(gw) >= 3, 10, "3 requests to end")
+        tracing = gw.gateway.observer.tracing
+        assert tracing is not None
+        assert await asyncio.to_thread(tracing.shutdown, 0.5)  # the queued spans, abandoned
 
 
 def test_when_tracing_is_on() -> None:
