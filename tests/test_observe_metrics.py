@@ -18,6 +18,8 @@ from fakes.server import wait_for
 from kv_publisher import KvPublisher
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.app import build_gateway
+from router.config import load_settings
 from router.metrics import kvgate_version
 
 pytestmark = pytest.mark.anyio
@@ -128,3 +130,16 @@ async def test_stream_metrics_after_a_known_sequence() -> None:
         families = await scrape(gw)
         assert value(families, "kvgate_output_tokens_total", **route) is None
         assert value(families, "kvgate_time_per_output_token_seconds_count", **route) is None
+
+
+async def test_build_info_names_the_block_table_chosen() -> None:
+    gateway = build_gateway(load_settings(overrides={"index": {"table": "python"}}))
+    try:
+        info = gateway.metrics_registry.get_sample_value(
+            "kvgate_build_info",
+            {"version": kvgate_version(), "python": platform.python_version(),
+             "native_core": "false"},
+        )  # fmt: skip
+        assert info == 1.0
+    finally:
+        await gateway.client.aclose()
