@@ -204,6 +204,8 @@ class Observation:
                 route.tpot.observe((duration - self.ttft) / (output - 1))
         access, spans = self._observer.access, self.spans
         wanted = access is not None and access.wanted(status)
+        if spans is not None and not spans.recording:
+            spans = None  # not sampled: no span to build
         if not wanted and spans is None:
             return
         fields = self._fields(status, duration, output, routed=routed, worker=worker, usage=usage)
