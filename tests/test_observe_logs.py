@@ -72,7 +72,7 @@ async def logged_kvgate(**overrides: Any) -> AsyncIterator[tuple[Kvgate, FakeEng
 
 
 async def test_one_line_per_request_field_by_field() -> None:
-    async with logged_kvgate(api_keys=[KEY, "sk-another-key"]) as (gw, _, stream):
+    async with logged_kvgate(api_keys=[KEY, "sk-another-key"]) as (gw, engine, stream):
         auth = {"authorization": f"Bearer {KEY}"}
         body = {**CHAT, "stream": True, "fake": {"tokens": 4}}
         streamed = await gw.client.post(
@@ -90,6 +90,8 @@ async def test_one_line_per_request_field_by_field() -> None:
             "/v1/chat/completions", json={**CHAT, "model": "no-such-model"}, headers=auth
         )
         assert [r.status_code for r in (streamed, plain, refused, unknown)] == [200, 200, 401, 404]
+        (sent,) = [s for s in engine.seen if s.headers.get("x-request-id") == "req-stream"]
+        assert sent.headers["traceparent"] == f"00-{TRACE}-00f067aa0ba902b7-01"  # untouched
         await wait_for(lambda: answered(gw) >= 4, 10, "4 requests to end")
         worker = next(iter(gw.gateway.registry))
     text = stream.getvalue()
