@@ -37,6 +37,7 @@ from router.errors import (
     from_httpx,
 )
 from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
+from router.observe import Observation
 from router.routing import Routed, Router
 from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
@@ -84,6 +85,7 @@ class Exchange:
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
+    observation: Observation  # access log, trace and stream metrics of this request
 
 
 @dataclass(slots=True)
@@ -216,6 +218,7 @@ class ProxyResponse(Response):
                 return
             except UpstreamError as exc:
                 last_error = exc
+                x.observation.attempt_failed(exc)
                 if not exc.retryable or self._started:
                     break
                 if i < len(attempts) - 1:
@@ -228,7 +231,8 @@ class ProxyResponse(Response):
 
     async def _attempt(self, worker: Worker, send: Send, outcome: _Outcome) -> None:
         proxy, x = self._proxy, self._x
-        headers = self._upstream_headers(worker)
+        headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
+        spans = x.observation.spans
         ticket = proxy.registry.begin(
             worker.id, x.routed.predicted_uncached_tokens(worker.id), x.routed.load_blocks
         )
@@ -236,7 +240,12 @@ class ProxyResponse(Response):
             proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
             try:
                 response = await proxy.upstream.request(
-                    proxy.origin(worker), x.method, x.path, headers, x.body
+                    proxy.origin(worker),
+                    x.method,
+                    x.path,
+                    headers,
+                    x.body,
+                    sent=spans.sent if spans is not None else None,
                 )
             except httpx.HTTPError as exc:
                 error = from_httpx(exc, worker=worker.url)
@@ -246,6 +255,8 @@ class ProxyResponse(Response):
                     worker, error.detail, immediate=isinstance(exc, httpx.ConnectError)
                 )
                 raise error from exc
+            if spans is not None:
+                spans.head(response.status_code)
             proxy.router.record_sent(x.routed, worker.id)
             try:
                 await self._relay(worker, response, ticket, send, outcome)
@@ -339,8 +350,10 @@ class ProxyResponse(Response):
                     ticket.first_token()
                     elapsed = time.perf_counter() - self._x.received_at
                     self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
+                    self._x.observation.first_byte(elapsed)
                 out = tap.feed(chunk) if tap is not None else chunk
                 if out:
+                    self._x.observation.chunk(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except httpx.HTTPError as exc:
             error = from_httpx(exc, worker=worker.url)
@@ -383,6 +396,7 @@ class ProxyResponse(Response):
     async def _end(self, send: Send, body: bytes) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._completed = True
+        self._x.observation.wrote(len(body))
 
     async def _fail(self, send: Send, error: KvgateError, outcome: _Outcome) -> None:
         """Report ``error``: as the response before it started, inside the stream after."""
@@ -409,16 +423,20 @@ class ProxyResponse(Response):
     def _record(self, outcome: _Outcome) -> None:
         x, metrics = self._x, self._proxy.metrics
         status = _CLIENT_CLOSED if self._client_gone and not self._completed else outcome.status
-        if outcome.worker is None:
+        worker = outcome.worker
+        route = self._proxy.route_metrics(worker, x.model) if worker is not None else None
+        x.observation.finish(
+            status, routed=x.routed, worker=worker, usage=outcome.usage, route=route
+        )
+        if worker is None or route is None:
             metrics.route("none", x.model).answered(status)
             return
-        route = self._proxy.route_metrics(outcome.worker, x.model)
         route.answered(status)
         route.e2e.observe(time.perf_counter() - x.received_at)
-        if outcome.worker.id != outcome.first_choice:
+        if worker.id != outcome.first_choice:
             route.failovers.inc()
         if status == "200" and x.usage_mode is not UsageMode.NONE:
-            self._record_cache(route, outcome.worker, outcome.usage)
+            self._record_cache(route, worker, outcome.usage)
 
     def _record_cache(self, route: RouteMetrics, worker: Worker, usage: Usage | None) -> None:
         routed = self._x.routed

@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex, PromptInput, PromptKeys
@@ -19,6 +19,9 @@ from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from scoring.cost import RequestSize, overlap_tokens, request_size
+
+if TYPE_CHECKING:
+    from router.tracing import RequestSpans
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
@@ -92,16 +95,22 @@ class Router:
         *,
         session_key: str | None = None,
         max_tokens: int | None = None,
+        spans: RequestSpans | None = None,
     ) -> Routed:
-        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``)."""
+        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``);
+        ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         index = self.block_index
         keys = None
         matches = None
         if index is not None and prompt is not None:
             keys = await index.keys_for(model, prompt)
+            if spans is not None:
+                spans.phase("tokenize")
             if keys.block_keys:
                 matches = index.match(keys.block_keys)
+                if spans is not None:
+                    spans.phase("index match")
         # After the await: the freshest load.
         candidates = self.registry.candidates(model, matches)
         if not candidates:
@@ -115,6 +124,8 @@ class Router:
             max_tokens=max_tokens,
         )
         decision = self.policy.rank(request, candidates)
+        if spans is not None:
+            spans.phase("score")
         routed = Routed(
             request=request,
             keys=keys,
