@@ -45,6 +45,11 @@ class HealthMetrics:
             registry=registry,
         )
 
+    def declare(self, worker: str) -> None:
+        """Start ``worker``'s series at zero (a dashboard shows 0 before the first failure)."""
+        self.probe_failures.labels(worker)
+        self.scrape_failures.labels(worker)
+
     def probe_failed(self, worker: Worker) -> None:
         if not worker.removed:  # a removed worker's series are gone: do not bring them back
             self.probe_failures.labels(worker.url).inc()

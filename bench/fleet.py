@@ -87,9 +87,15 @@ class ManagedProcess(ChildProcess):
     """A benchmark's child: its own log file and process group, ``env`` added to ours."""
 
     def __init__(
-        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
-        super().__init__(argv, name=name, log_path=log_path, env={**os.environ, **(env or {})})
+        env = {**os.environ, **(env or {})}
+        super().__init__(argv, name=name, log_path=log_path, env=env, cwd=cwd)
 
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.pid) if self.alive() else 0.0

@@ -1,16 +1,29 @@
 """Gateway overhead: the latency kvgate adds in front of an engine, and its top request rate.
 
     python -m bench.overhead [--sequential 1000] [--concurrent 64] [--per-stream 25]
-                             [--rps-requests 6400] [--json results.json]
+                             [--rps-requests 6400] [--rounds 1] [--only NAME ...]
+                             [--baseline DIR] [--json results.json]
 
 One run measures, against the same instant fake engine (a subprocess on 127.0.0.1):
 ``direct`` (no router), ``kvgate round_robin`` (pure proxy path, no block index),
-``kvgate kv`` (tokenizer + block index + cost policy) and ``sglang-router round_robin``
-(0.3.2, installed into ``.engines/sglang-router``). For each: sequential and 64-concurrent
-latency of non-streaming requests and time to first body byte of streaming ones (median,
-p99), then the most requests/s at 64 connections. The load generator is a minimal
-keep-alive HTTP/1.1 client on uvloop, so the client's own cost stays small and identical
-for every target. Added latency = target minus direct, per statistic.
+``kvgate kv`` (tokenizer + block index + cost policy; logging at warning: no access log),
+``kvgate kv +access log`` (the same at info with ``--log-format json``: one access line per
+request), ``kvgate kv +tracing`` (every request traced, spans exported over OTLP/HTTP to the
+engine process, which accepts and drops them) and ``+tracing 10%`` (``--trace-sample-rate
+0.1``), and ``sglang-router round_robin`` (0.3.2, installed into ``.engines/sglang-router``).
+``--baseline DIR`` adds ``kvgate kv (baseline)``: the same ``kvgate kv`` run from another
+source tree (e.g. ``git archive main``, with its native core built or copied in), to compare
+a change against the code before it. Pick targets with ``--only NAME`` (repeatable).
+
+For each: sequential and 64-concurrent latency of non-streaming requests and time to first
+body byte of streaming ones (median, p99), then the most requests/s at 64 connections, and
+the router process's CPU time per request. The load generator is a minimal keep-alive
+HTTP/1.1 client on uvloop, so the client's own cost stays small and identical for every
+target. Added latency = target minus direct, per statistic.
+
+``--rounds N`` starts every target once and measures them N times, interleaved (forward,
+then backward, ...), so that noise from a shared machine falls on every target alike; the
+report gives each figure's median over the rounds and its range.
 """
 
 from __future__ import annotations
@@ -75,6 +88,11 @@ async def engine_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         more = message.get("more_body", False)
     path = scope["path"]
+    if path == "/v1/traces":  # the OTLP/HTTP sink of the traced targets: accept, drop
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-protobuf")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b""})
+        return
     if scope["method"] == "POST" and path.startswith("/v1/"):
         if b'"stream":true' in body.replace(b" ", b""):
             await send({"type": "http.response.start", "status": 200,
@@ -258,23 +276,28 @@ async def measure(name: str, port: int, plan: Plan, cpu: Callable[[], float]) ->
 # --------------------------------------------------------------------------- processes
 
 
-def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
+def _targets(
+    engine_url: str, log_dir: Path, baseline: Path | None
+) -> list[tuple[str, Callable[[], Any]]]:
     """(name, start) per routed target; ``start`` returns (process, port)."""
     from backends.process import free_port_range, wait_http  # noqa: PLC0415
     from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
     from bench.fleet import ManagedProcess, kvgate_argv  # noqa: PLC0415
     from bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
 
-    def kvgate(policy: str, *extra: str) -> Callable[[], Any]:
+    def kvgate(
+        policy: str, *extra: str, label: str = "", cwd: Path | None = None
+    ) -> Callable[[], Any]:
+        name = f"kvgate-{policy}{label}"
+
         def start() -> Any:
             port = free_port_range(1, start=18100)
             argv = kvgate_argv(
                 "serve", "--host", LOOPBACK, "--port", str(port), "--policy", policy,
                 "--worker", f"{engine_url},models={MODEL}", "--log-level", "warning", *extra,
             )  # fmt: skip
-            proc = ManagedProcess(
-                f"kvgate-{policy}", argv, log_dir / f"overhead-kvgate-{policy}.log"
-            ).start()
+            log_path = log_dir / f"overhead-{name}.log"
+            proc = ManagedProcess(name, argv, log_path, cwd=cwd).start()
             wait_http(f"http://{LOOPBACK}:{port}/ready", 60, proc)
             return proc, port
 
@@ -293,14 +316,38 @@ def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any
         wait_http(f"http://{LOOPBACK}:{port}/readiness", 90, proc)
         return proc, port
 
+    kv = ("--tokenizer", f"{MODEL}={tokenizer_dir()}")
+    # the engine process doubles as the OTLP/HTTP sink (it answers POST /v1/traces)
+    traced = (*kv, "--otlp-traces-endpoint", f"{engine_url}/v1/traces")
+    # ``python -m`` puts the working directory first on sys.path: the baseline's code runs
+    before = [("kvgate kv (baseline)", kvgate("kv", *kv, label="-baseline", cwd=baseline))]
     return [
         ("kvgate round_robin", kvgate("round_robin", "--no-kv-index")),
-        ("kvgate kv", kvgate("kv", "--tokenizer", f"{MODEL}={tokenizer_dir()}")),
+        *(before if baseline is not None else []),
+        ("kvgate kv", kvgate("kv", *kv)),
+        # the access log is on by default, at info: the targets above run at warning
+        (
+            "kvgate kv +access log",
+            kvgate("kv", *kv, "--log-level", "info", "--log-format", "json", label="-access"),
+        ),
+        ("kvgate kv +tracing", kvgate("kv", *traced, label="-traced")),
+        (
+            "kvgate kv +tracing 10%",
+            kvgate("kv", *traced, "--trace-sample-rate", "0.1", label="-traced10"),
+        ),
         ("sglang-router round_robin", sglang),
     ]
 
 
-def run_all(plan: Plan, log_dir: Path, only: set[str] | None) -> list[TargetResult]:
+def run_all(
+    plan: Plan,
+    log_dir: Path,
+    only: set[str] | None,
+    *,
+    rounds: int = 1,
+    baseline: Path | None = None,
+) -> list[list[TargetResult]]:
+    """Every target's results, one list per target (direct first), one entry per round."""
     from backends.process import free_port_range, wait_http  # noqa: PLC0415
     from bench.fleet import ManagedProcess  # noqa: PLC0415
 
@@ -310,22 +357,26 @@ def run_all(plan: Plan, log_dir: Path, only: set[str] | None) -> list[TargetResu
         [sys.executable, "-m", "bench.overhead", "engine", "--port", str(engine_port)],
         log_dir / "overhead-engine.log",
     ).start()
-    results: list[TargetResult] = []
+    running: list[tuple[str, int, Callable[[], float], Any]] = []
     try:
         engine_url = f"http://{LOOPBACK}:{engine_port}"
         wait_http(f"{engine_url}/health", 30, engine)
-        results.append(_run(measure("direct", engine_port, plan, lambda: 0.0)))
-        for name, start in _targets(engine_url, log_dir):
-            if only is not None and name not in only:
-                continue
-            proc, port = start()
-            try:
-                results.append(_run(measure(name, port, plan, proc.cpu_seconds)))
-            finally:
-                proc.stop()
+        running.append(("direct", engine_port, lambda: 0.0, None))
+        for name, start in _targets(engine_url, log_dir, baseline):
+            if only is None or name in only:
+                proc, port = start()
+                running.append((name, port, proc.cpu_seconds, proc))
+        results: dict[str, list[TargetResult]] = {name: [] for name, *_ in running}
+        for number in range(rounds):
+            order = running if number % 2 == 0 else running[::-1]
+            for name, port, cpu, _ in order:
+                results[name].append(_run(measure(name, port, plan, cpu)))
+        return [results[name] for name, *_ in running]
     finally:
+        for *_, proc in running[::-1]:
+            if proc is not None:
+                proc.stop()
         engine.stop()
-    return results
 
 
 def _run(coro: Awaitable[TargetResult]) -> TargetResult:
@@ -381,6 +432,41 @@ def markdown(results: list[TargetResult]) -> str:
     return "\n".join(lines)
 
 
+def _spread(values: list[float], digits: int) -> str:
+    """One figure over the rounds: ``median [min-max]`` (the median alone for one round)."""
+    middle = f"{statistics.median(values):.{digits}f}"
+    if len(values) == 1:
+        return middle
+    return f"{middle} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def markdown_rounds(results: list[list[TargetResult]]) -> str:
+    """Each target's median over the rounds and the range, per statistic; then the router's
+    CPU per request and the top rate the same way."""
+    keys = list(results[0][0].stats)
+    lines = [
+        "| target | " + " | ".join(f"{k} p50 (ms)" for k in keys) + " |",
+        "|---" * (len(keys) + 1) + "|",
+    ]
+    for rounds in results:
+        cells = [_spread([r.stats[k].median_ms for r in rounds], 3) for k in keys]
+        lines.append(f"| {rounds[0].name} | " + " | ".join(cells) + " |")
+    lines += ["", "| target | " + " | ".join(f"{k} p99 (ms)" for k in keys) + " |",
+              "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+    for rounds in results:
+        cells = [_spread([r.stats[k].p99_ms for r in rounds], 2) for k in keys]
+        lines.append(f"| {rounds[0].name} | " + " | ".join(cells) + " |")
+    routed = results[1:]
+    cpu_keys = list(routed[0][0].cpu_us_per_request) if routed else []
+    lines += ["", "| target | " + " | ".join(f"CPU µs/request, {k}" for k in cpu_keys)
+              + " | max req/s |", "|---" * (len(cpu_keys) + 2) + "|"]  # fmt: skip
+    for rounds in routed:
+        cells = [_spread([r.cpu_us_per_request[k] for r in rounds], 0) for k in cpu_keys]
+        rate = _spread([r.max_rps for r in rounds], 0)
+        lines.append(f"| {rounds[0].name} | " + " | ".join(cells) + f" | {rate} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["engine"]:
@@ -398,20 +484,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-stream", type=int, default=25, help="requests per connection")
     parser.add_argument("--rps-requests", type=int, default=6400, help="requests of the rate run")
     parser.add_argument("--only", action="append", help="routed targets to run (default: all)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every target this many times, interleaved"
+    )
+    parser.add_argument(
+        "--baseline", type=Path, help="a kvgate source tree run as 'kvgate kv (baseline)'"
+    )
     parser.add_argument("--logs", type=Path, default=Path(".engines/logs"), help="process logs")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     ns = parser.parse_args(args)
     plan = Plan(ns.sequential, ns.concurrent, ns.per_stream, ns.rps_requests)
     started = time.time()
-    results = run_all(plan, ns.logs, set(ns.only) if ns.only else None)
+    if ns.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    only = set(ns.only) if ns.only else None
+    results = run_all(plan, ns.logs, only, rounds=ns.rounds, baseline=ns.baseline)
     print(f"machine: {machine()}")
-    print(f"plan: {plan}; {time.time() - started:.0f} s\n")
-    print(markdown(results))
+    print(f"plan: {plan}, {ns.rounds} round(s); {time.time() - started:.0f} s\n")
+    print(markdown([r[0] for r in results]) if ns.rounds == 1 else markdown_rounds(results))
     if ns.json is not None:
         report = {
             "machine": machine(),
             "plan": asdict(plan),
-            "results": [asdict(r) for r in results],
+            "rounds": ns.rounds,
+            "results": [[asdict(r) for r in rounds] for rounds in results],
         }
         ns.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from index.api import TokenizeMode
 from index.types import SlotStats
 
 
@@ -31,6 +33,17 @@ class _EntriesCollector(Collector):
                         count,
                     )
         yield family
+
+
+# label values a worker's event series start with at zero (declare_feed)
+_GAP_KINDS = ("seq", "unknown_parent")
+_REPLAY_OUTCOMES = ("covered", "partial", "failed", "aborted")
+_RESET_REASONS = (
+    "gap", "unknown_parent", "disconnected", "restart", "limit", "overflow",
+    "all_blocks_cleared", "removed", "undecodable", "failed", "subscriber_failed",
+)  # fmt: skip
+_LIMITS = ("ranks", "event_blocks", "mapped_hashes", "replay_batches", "replay_bytes",
+           "replay_seconds")  # fmt: skip
 
 
 class IndexMetrics:
@@ -141,8 +154,28 @@ class IndexMetrics:
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
             registry=registry,
         )
+        for mode in get_args(TokenizeMode):
+            self.tokenize_seconds.labels(mode)
         self._registry = registry
         self._entries: _EntriesCollector | None = None
+
+    def declare_feed(self, worker: str) -> None:
+        """Start the event series of ``worker`` at zero, so a dashboard shows 0 (not "no
+        data") before its first gap, replay or reset. Series per model (``tokenize_*``) and
+        the scrape-time ``kvgate_index_entries`` appear with their first value."""
+        for kind in _GAP_KINDS:
+            self.gaps.labels(worker, kind)
+        for outcome in _REPLAY_OUTCOMES:
+            self.replays.labels(worker, outcome)
+        for reason in _RESET_REASONS:
+            self.resets.labels(worker, reason)
+        for limit in _LIMITS:
+            self.limits.labels(worker, limit)
+        for counter in (
+            self.decode_errors, self.failed_batches, self.subscriber_restarts,
+            self.block_size_mismatch,
+        ):  # fmt: skip
+            counter.labels(worker)
 
     def watch_entries(self, sources: Callable[[], Iterable[tuple[str, list[SlotStats]]]]) -> None:
         """Export entries per worker and tier from ``sources`` at scrape time."""

@@ -20,12 +20,14 @@ from backends.health import HealthChecker, HealthMetrics
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
+from router.accesslog import AccessLog
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
 from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
-from router.metrics import GatewayMetrics, register_worker_gauges
+from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
+from router.observe import Observer, start_tracing
 from router.proxy import Proxy
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
 from router.routing import Router
@@ -83,7 +85,7 @@ def build_gateway(
         )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
-    metrics = GatewayMetrics(metrics_registry)
+    metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
     register_worker_gauges(metrics_registry, registry)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
@@ -93,6 +95,7 @@ def build_gateway(
         max_idle_per_origin=settings.upstream.max_keepalive,
     )
     proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
+    access = AccessLog(settings.access_log_sample_rate) if settings.access_log else None
     gateway = Gateway(
         settings=settings,
         registry=registry,
@@ -106,6 +109,8 @@ def build_gateway(
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
+        observer=Observer(access, start_tracing(settings)),
+        health_metrics=health_metrics,
     )
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
@@ -184,8 +189,16 @@ def create_app(
         finally:
             await gateway.stop()
 
-    # No redirects: every answer is the resource or an OpenAI-style error.
-    app = KvgateApp(title="kvgate", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    # No redirects: every answer is the resource or an OpenAI-style error. FastAPI's own
+    # OpenTelemetry instrumentation stays off: kvgate traces its requests itself (a global
+    # OpenTelemetry setup would otherwise add a second, partial set of spans and metrics).
+    app = KvgateApp(
+        title="kvgate",
+        version=kvgate_version(),
+        lifespan=lifespan,
+        redirect_slashes=False,
+        telemetry={"tracing": False, "metrics": False, "logs": False, "auto_configure": False},
+    )
     app.state.gateway = gateway
     app.fast_routes = {
         ("POST", "/v1/chat/completions"): lambda request: gateway.generate(request, ChatBody),

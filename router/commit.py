@@ -209,6 +209,19 @@ class Reason:
     TOO_LARGE = "too_large"  # a non-streamed answer over upstream.max_response_bytes
 
 
+RETRY_REASONS = (
+    Reason.REFUSED,
+    Reason.CONNECT_TIMEOUT,
+    Reason.RESET,
+    Reason.TIMEOUT,
+    Reason.HTTP_5XX,
+    Reason.ERROR_EVENT,
+)
+"""The reasons an attempt is retried for (``kvgate_upstream_retries_total{reason}``)."""
+STREAM_ERROR_REASONS = (Reason.RESET, Reason.TIMEOUT, Reason.DEADLINE, Reason.ENGINE_ERROR)
+"""The reasons a committed stream ends in an error (``kvgate_stream_errors_total{reason}``)."""
+
+
 def failure_reason(exc: httpx.HTTPError) -> str:
     """The ``Reason`` of a transport failure talking to an engine."""
     if isinstance(exc, httpx.ConnectTimeout):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import pydantic
@@ -185,6 +186,35 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="log level"
     )
+    log_format: Literal["text", "json", "logfmt"] = Field(
+        default="text",
+        description="format of every log line (kvgate's, uvicorn's, the access log), "
+        "written to stdout; json: one object per line (docs/observability.md)",
+    )
+    access_log: bool = Field(
+        default=True,
+        description="one line per /v1 request on the kvgate.access logger (info level)",
+    )
+    access_log_sample_rate: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="share of successful (2xx) requests given an access-log line; every "
+        "other status is always logged",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="export OpenTelemetry traces over OTLP HTTP/protobuf to this URL (e.g. "
+        "http://collector:4318/v1/traces; needs pip install 'kvgate[otel]'); "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT turn tracing on too",
+    )
+    trace_sample_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="share of new traces recorded (a client's traceparent decision is "
+        "followed); none: OTEL_TRACES_SAMPLER decides (default: every trace)",
+    )
     sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
     sim_port: int = Field(
         default=9001, ge=1, le=65535, description="--sim: HTTP port of replica 0 (+i)"
@@ -247,6 +277,18 @@ class Settings(BaseSettings):
         for url in urls:
             parse_discovery_url(url)  # DiscoveryUrlError is a ValueError naming the problem
         return urls
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _http_endpoint(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                "expected an http:// or https:// URL, e.g. http://collector:4318/v1/traces"
+            )
+        return url
 
     @field_validator("policy")
     @classmethod

@@ -7,6 +7,7 @@ be on hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` onl
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -25,10 +26,11 @@ from starlette.responses import Response
 from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
 from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker
+from backends.health import HealthChecker, HealthMetrics
 from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
 from index.types import WorkerId
+from router.accesslog import client_key_id
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
@@ -44,6 +46,7 @@ from router.errors import (
 from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
 from router.metrics import GatewayMetrics, forget_series
+from router.observe import Observation, Observer
 from router.proxy import Exchange, Proxy, UsageMode, forwardable_headers
 from router.requests import (
     AnyModelBody,
@@ -162,12 +165,30 @@ class Gateway:
     request_ids: RequestIds = field(default_factory=RequestIds)
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
+    observer: Observer = field(default_factory=lambda: Observer(None, None))
+    health_metrics: HealthMetrics | None = None  # per-worker series declared on add
+    _client_keys: list[tuple[bytes, str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = [key.get_secret_value() for key in self.settings.api_keys]
+        self._client_keys = [(key.encode(), client_key_id(key)) for key in keys]
 
     # -- auth ---------------------------------------------------------------------------
-    def check_client(self, request: Request) -> None:
-        keys = [k.get_secret_value() for k in self.settings.api_keys]
-        if keys and not _secret_matches(_bearer(request), keys):
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+    def check_client(self, request: Request) -> str:
+        """The client's key id (``accesslog.client_key_id``; "-" when kvgate has no client
+        keys); 401 without a valid key."""
+        if not self._client_keys:
+            return "-"
+        given = _bearer(request)
+        if given:
+            encoded = given.encode()
+            # every key compared in constant time, none skipped once one matched
+            found = [
+                key_id for key, key_id in self._client_keys if hmac.compare_digest(encoded, key)
+            ]
+            if found:
+                return found[0]
+        raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
 
     def check_admin(self, request: Request) -> None:
         """The admin token, or (none set) a loopback-only listener; else 401 / 403."""
@@ -214,19 +235,25 @@ class Gateway:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
         received_at = time.perf_counter()
         request_id = self.request_ids.of(request)
+        observation = self._observe(request, request_id, received_at)
         model = "none"
         try:
-            self.check_client(request)
+            observation.client = self.check_client(request)
             raw = await self.read_body(request)
             data = decode_json_object(raw)
             parsed = validate(body_type, data)
             model = parsed.model
+            observation.parsed(model, len(raw), stream=bool(parsed.stream))
             session = request.headers.get("x-session-id") or parsed.user
             routed = await self.router.decide(
-                model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
+                model,
+                parsed.prompt_input(),
+                session_key=session,
+                max_tokens=parsed.output_limit,
+                spans=observation.spans,
             )
         except KvgateError as exc:
-            return self._refuse(exc, request_id, model)
+            return self._refuse(exc, observation, model)
         stream = bool(parsed.stream)
         usage_mode, body = UsageMode.BODY, raw
         if stream:
@@ -249,6 +276,7 @@ class Gateway:
                 stream=stream,
                 usage_mode=usage_mode,
                 received_at=received_at,
+                observation=observation,
             )
         )
 
@@ -256,17 +284,22 @@ class Gateway:
         """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model."""
         received_at = time.perf_counter()
         request_id = self.request_ids.of(request)
+        observation = self._observe(request, request_id, received_at)
         model = "none"
         try:
             path = upstream_target(request.scope["path"], request.scope.get("query_string", b""))
-            self.check_client(request)
+            observation.client = self.check_client(request)
             raw = await self.read_body(request)
             model = self._model_of(request, raw)
+            observation.parsed(model, len(raw), stream=False)
             routed = await self.router.decide(
-                model, None, session_key=request.headers.get("x-session-id")
+                model,
+                None,
+                session_key=request.headers.get("x-session-id"),
+                spans=observation.spans,
             )
         except KvgateError as exc:
-            return self._refuse(exc, request_id, model)
+            return self._refuse(exc, observation, model)
         return self.proxy.respond(
             Exchange(
                 request_id=request_id,
@@ -279,6 +312,7 @@ class Gateway:
                 stream=True,
                 usage_mode=UsageMode.NONE,
                 received_at=received_at,
+                observation=observation,
             )
         )
 
@@ -290,13 +324,22 @@ class Gateway:
             raise InvalidRequest("model: a model is required to choose a worker", param="model")
         return model
 
-    def _refuse(self, error: KvgateError, request_id: str, model: str) -> Response:
+    def _observe(self, request: Request, request_id: str, received_at: float) -> Observation:
+        scope = request.scope
+        return self.observer.begin(
+            request_id, scope["method"], scope["path"], scope["headers"], received_at
+        )
+
+    def _refuse(self, error: KvgateError, observation: Observation, model: str) -> Response:
         if isinstance(error, ModelNotFound):
             model = "unknown"  # never one label series per made-up model name
         self.metrics.route("none", model).answered(str(error.status))
         if error.status >= 500:
-            log.warning("%s: %s", request_id, error.message)
-        return error_response(error, request_id)
+            log.warning("%s: %s", observation.request_id, error.message)
+        response = error_response(error, observation.request_id)
+        observation.wrote(len(response.body))
+        observation.finish(str(error.status))
+        return response
 
     # -- models and probes --------------------------------------------------------------
     def list_models(self, request: Request) -> Response:
@@ -346,6 +389,7 @@ class Gateway:
         config = spec if isinstance(spec, WorkerConfig) else _worker_config(spec)
         worker = self.registry.add(config)
         await self.health.probe(worker)
+        self._declare_series(worker)
         if self.index is not None:
             await self.index.settled()
         log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
@@ -393,10 +437,19 @@ class Gateway:
             return index.applied_seq(worker)
         raise LookupError(f"{worker} has several data-parallel event sources")
 
+    def _declare_series(self, worker: Worker) -> None:
+        """Start the worker's labelled series at zero (its index series start when the index
+        subscribes to its events)."""
+        self.metrics.declare_worker(worker.url, worker.models)
+        if self.health_metrics is not None:
+            self.health_metrics.declare(worker.url)
+
     async def start(self) -> None:
         if self.index is not None:
             await self.index.start()
         await self.health.probe_all()
+        for worker in self.registry:
+            self._declare_series(worker)
         if self.index is not None:  # from now on the index follows the registry's workers
             self.registry.subscribe(self.index)
             if self.index_watch is not None:  # after the index: it resyncs what it follows
@@ -417,6 +470,9 @@ class Gateway:
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()
+        tracing = self.observer.tracing
+        if tracing is not None:  # exports what is left: blocking I/O, off the event loop
+            await asyncio.to_thread(tracing.shutdown)
 
 
 def _worker_config(spec: Any) -> WorkerConfig:

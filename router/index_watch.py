@@ -49,6 +49,9 @@ EventProgress = Callable[[WorkerId], int | None]
 ``LookupError`` when it has not exactly one connected event source (nothing to watch)."""
 
 
+RESYNC_REASONS = ("worker_down", "events_silent")
+
+
 class IndexWatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.resyncs = Counter(
@@ -95,6 +98,8 @@ class IndexWatch:
     # -- the registry's changes (WorkerListener) ----------------------------------------
     def worker_added(self, worker: EngineWorker) -> None:
         self._silences.pop(worker.id, None)
+        for reason in RESYNC_REASONS:  # its series at zero from the start
+            self._metrics.resyncs.labels(worker.url, reason)
 
     def worker_removed(self, worker: WorkerId) -> None:
         self._silences.pop(worker, None)

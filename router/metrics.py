@@ -8,15 +8,18 @@ workers does not grow /metrics.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterable, Iterator
+from importlib import metadata
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
+from router.commit import RETRY_REASONS, STREAM_ERROR_REASONS
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
@@ -31,6 +34,10 @@ LIMITS = (
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
+_TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
 _OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1,
 )  # fmt: skip
@@ -39,7 +46,7 @@ _OVERHEAD_BUCKETS = (
 class GatewayMetrics:
     """Request, latency, failover and cache-hit metrics of the gateway."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, native_core: bool = True) -> None:
         self.requests = Counter(
             "kvgate_requests",
             "Requests answered, by worker (none: not routed), model and HTTP status",
@@ -110,6 +117,21 @@ class GatewayMetrics:
             ["worker", "model"],
             registry=registry,
         )
+        self.output_tokens = Counter(
+            "kvgate_output_tokens",
+            "Output tokens of answered requests (engine usage when reported, else the "
+            "stream's content events)",
+            ["worker", "model"],
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "kvgate_time_per_output_token_seconds",
+            "Mean inter-token latency of each streamed answer: (last byte - first byte) / "
+            "(output tokens - 1)",
+            ["worker", "model"],
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
         self.limits = Counter(
             "kvgate_limits_exceeded",
             "Requests and connections cut by a limit (see docs/security.md), by limit",
@@ -117,8 +139,23 @@ class GatewayMetrics:
             registry=registry,
         )
         self._limits = {name: self.limits.labels(name) for name in LIMITS}
+        self.build = Info(
+            "kvgate_build", "kvgate's version, Python and index core", registry=registry
+        )
+        self.build.info(build_labels(native_core=native_core))
 
         self._routes: dict[tuple[str, str], RouteMetrics] = {}
+
+    def declare_worker(self, worker: str, models: Iterable[str]) -> None:
+        """Start ``worker``'s series at zero for each model it serves (a dashboard shows 0,
+        not "no data", before its first request); its retries and stream errors by reason
+        too."""
+        for model in models:
+            self.route(worker, model).declare()
+        for reason in RETRY_REASONS:
+            self.retries.labels(worker, reason)
+        for reason in STREAM_ERROR_REASONS:
+            self.stream_errors.labels(worker, reason)
 
     def limit_exceeded(self, limit: str) -> None:
         self._limits[limit].inc()
@@ -144,7 +181,7 @@ class RouteMetrics:
 
     __slots__ = (
         "_labels", "_requests", "_statuses", "best_available_cached", "e2e", "engine_cached",
-        "failovers", "predicted_cached", "prompt_tokens", "ttft",
+        "failovers", "output_tokens", "predicted_cached", "prompt_tokens", "tpot", "ttft",
     )  # fmt: skip
 
     def __init__(self, metrics: GatewayMetrics, worker: str, model: str) -> None:
@@ -158,13 +195,22 @@ class RouteMetrics:
         self.predicted_cached = metrics.predicted_cached.labels(*labels)
         self.engine_cached = metrics.engine_cached.labels(*labels)
         self.best_available_cached = metrics.best_available_cached.labels(*labels)
+        self.output_tokens = metrics.output_tokens.labels(*labels)
+        self.tpot = metrics.tpot.labels(*labels)
         self._labels = labels
 
+    def declare(self) -> None:
+        """Create the answered-with-200 series (every other child exists already)."""
+        self._child("200")
+
     def answered(self, status: str) -> None:
+        self._child(status).inc()
+
+    def _child(self, status: str) -> Any:
         child = self._statuses.get(status)
         if child is None:
             child = self._statuses[status] = self._requests.labels(*self._labels, status)
-        child.inc()
+        return child
 
     def record_cache(
         self, *, prompt_tokens: int, predicted: int, best_available: int, engine_cached: int | None
@@ -245,3 +291,20 @@ def forget_series(metrics: Iterable[object], worker: str) -> None:
 
 def register_worker_gauges(registry: CollectorRegistry, workers: WorkerRegistry) -> None:
     registry.register(WorkerStateCollector(workers))
+
+
+def kvgate_version() -> str:
+    try:
+        return metadata.version("kvgate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_labels(*, native_core: bool) -> dict[str, str]:
+    """``kvgate_build_info``'s labels: the installed version, Python, and whether the index
+    runs on its native block table (``native_core=False``: the pure-Python one was chosen)."""
+    return {
+        "version": kvgate_version(),
+        "python": platform.python_version(),
+        "native_core": "true" if native_core else "false",
+    }

@@ -60,6 +60,7 @@ from router.errors import (
     from_httpx,
 )
 from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
+from router.observe import Observation
 from router.routing import Routed, Router
 from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
@@ -110,6 +111,7 @@ class Exchange:
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
+    observation: Observation  # access log, trace and stream metrics of this request
 
 
 @dataclass(slots=True)
@@ -269,6 +271,7 @@ class ProxyResponse(Response):
                     return
                 except AttemptFailed as exc:
                     failure = exc
+                    self._x.observation.attempt_failed(exc.error)
                     if not exc.error.retryable:
                         break
             tried.append(routed.decision.chosen)
@@ -300,6 +303,8 @@ class ProxyResponse(Response):
     ) -> None:
         """One worker's try; ``AttemptFailed`` when it fails before the commit."""
         proxy, x = self._proxy, self._x
+        headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
+        spans = x.observation.spans
         ticket = proxy.registry.begin(
             worker.id, routed.predicted_uncached_tokens(worker.id), routed.load_blocks
         )
@@ -309,10 +314,17 @@ class ProxyResponse(Response):
             outcome.sent_at = time.monotonic()
             try:
                 response = await proxy.upstream.request(
-                    proxy.origin(worker), x.method, x.path, self._upstream_headers(worker), x.body
+                    proxy.origin(worker),
+                    x.method,
+                    x.path,
+                    headers,
+                    x.body,
+                    sent=spans.sent if spans is not None else None,
                 )
             except httpx.HTTPError as exc:
                 raise self._transport_failed(worker, exc) from exc
+            if spans is not None:
+                spans.head(response.status_code)
             proxy.router.record_sent(routed, worker.id)
             try:
                 await self._relay(worker, response, ticket, send, outcome)
@@ -398,6 +410,7 @@ class ProxyResponse(Response):
         ticket.first_token()
         elapsed = time.perf_counter() - self._x.received_at
         self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
+        self._x.observation.first_byte(elapsed)
         headers = self._client_headers(worker, outcome.routed, response)
         await self._commit(send, response.status_code, headers, outcome)
         await self._relay_rest(worker, response, held, send, outcome)
@@ -469,6 +482,7 @@ class ProxyResponse(Response):
         out = tap.feed(chunk) if tap is not None else chunk
         if out:
             self._tail_open = not out.endswith(_EVENT_ENDS)
+            self._x.observation.chunk(out)
             await send({"type": "http.response.body", "body": out, "more_body": True})
 
     async def _read(self, worker: Worker, response: UpstreamResponse) -> bytes:
@@ -508,6 +522,7 @@ class ProxyResponse(Response):
     async def _end(self, send: Send, body: bytes) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._completed = True
+        self._x.observation.wrote(len(body))
 
     async def _fail(
         self, send: Send, error: KvgateError, outcome: _Outcome, reason: str | None = None
@@ -543,13 +558,22 @@ class ProxyResponse(Response):
     def _record(self, outcome: _Outcome) -> None:
         x, metrics = self._x, self._proxy.metrics
         status = _CLIENT_CLOSED if self._client_gone and not self._completed else outcome.status
-        if outcome.worker is None:
+        worker = outcome.worker
+        route = self._proxy.route_metrics(worker, x.model) if worker is not None else None
+        x.observation.finish(
+            status,
+            routed=outcome.routed,
+            worker=worker,
+            usage=outcome.usage,
+            route=route,
+            first_choice=outcome.first_choice,
+        )
+        if worker is None or route is None:
             metrics.route("none", x.model).answered(status)
             return
-        route = self._proxy.route_metrics(outcome.worker, x.model)
         route.answered(status)
         route.e2e.observe(time.perf_counter() - x.received_at)
-        if outcome.worker.id != outcome.first_choice:
+        if worker.id != outcome.first_choice:
             route.failovers.inc()
         if status == "200" and x.usage_mode is not UsageMode.NONE:
             self._record_cache(route, outcome)

@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex, PromptInput, PromptKeys
@@ -19,6 +19,9 @@ from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from scoring.cost import RequestSize, overlap_tokens, request_size
+
+if TYPE_CHECKING:
+    from router.tracing import RequestSpans
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
@@ -92,16 +95,22 @@ class Router:
         *,
         session_key: str | None = None,
         max_tokens: int | None = None,
+        spans: RequestSpans | None = None,
     ) -> Routed:
-        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``)."""
+        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``);
+        ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         index = self.block_index
         keys = None
         matches = None
         if index is not None and prompt is not None:
             keys = await index.keys_for(model, prompt)
+            if spans is not None:
+                spans.phase("tokenize")
             if keys.block_keys:
                 matches = index.match(keys.block_keys)
+                if spans is not None:
+                    spans.phase("index match")
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -110,7 +119,10 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        return self._rank(request, keys, matches)  # after the await: the freshest load
+        routed = self._rank(request, keys, matches)  # after the await: the freshest load
+        if spans is not None:
+            spans.phase("score")
+        return routed
 
     def reroute(self, routed: Routed, exclude: Collection[WorkerId]) -> Routed:
         """Rank again for a retry after failed attempts: the same request and keys, fresh

@@ -20,6 +20,7 @@ from router.app import create_app
 from router.config import ConfigError, Settings, load_settings
 from router.flags import add_settings_flags, given_settings
 from router.gateway import Gateway, is_loopback
+from router.logs import configure_logging
 from router.simfleet import SimFleet, SimFleetError
 
 log = logging.getLogger("kvgate")
@@ -52,14 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    for chatty in ("httpx", "httpcore"):  # one line per health probe otherwise
-        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
 def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """The listener of ``kvgate serve``: uvloop, httptools with kvgate's connection limits
     (``router.listener``), no proxy headers; ``overrides`` replace any option (tests)."""
@@ -71,7 +64,8 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
         "http": gateway.listener.protocol(),
         "ws": "none",
         "lifespan": "on",
-        "access_log": False,
+        "access_log": False,  # kvgate writes its own (router/accesslog.py)
+        "log_config": None,  # uvicorn's loggers go to kvgate's handler (router/logs.py)
         "log_level": settings.log_level,
         "server_header": False,
         "proxy_headers": False,  # kvgate is the front door: the client address is the peer
@@ -101,28 +95,35 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    _configure_logging(settings.log_level)
-    if not settings.sim:
-        if not settings.workers:
-            log.warning("no --worker given: add workers with POST /admin/workers")
-        run(settings)
-        return 0
+    with configure_logging(settings.log_level, settings.log_format):
+        return _serve(settings, args.config, overrides)
+
+
+def _serve(settings: Settings, config: str | None, overrides: dict[str, Any]) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: ours
-    # unwinds through the ``with`` (stopping the simulated fleet) instead of killing the process
-    # with its subprocess left running.
+    # unwinds (stopping the simulated fleet, writing the queued log lines) instead of killing
+    # the process with its subprocess left running and its last lines lost.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        if not settings.sim:
+            if not settings.workers:
+                log.warning("no --worker given: add workers with POST /admin/workers")
+            run(settings)
+            return 0
         with SimFleet(
             settings.sim, base_port=settings.sim_port, events_port=settings.sim_events_port
         ) as fleet:
-            settings = load_settings(args.config, fleet.settings_overrides(overrides))
+            settings = load_settings(config, fleet.settings_overrides(overrides))
             log.info("routing to %d simulated replicas", settings.sim)
             run(settings)
+    except ConfigError as exc:  # found while building the gateway (e.g. tracing's extra)
+        log.error("kvgate serve: %s", exc)
+        return 2
     except SimFleetError as exc:
-        print(f"kvgate serve: {exc}", file=sys.stderr)
+        log.error("kvgate serve: %s", exc)
         return 1
     except _Terminated:
-        log.info("terminated; simulated replicas stopped")
+        log.info("terminated")
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -261,8 +261,11 @@ class UpstreamPool:
         path: str,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
+        *,
+        sent: Callable[[bool], None] | None = None,
     ) -> UpstreamResponse:
-        """Send one request and wait for the response head.
+        """Send one request and wait for the response head; ``sent(reused)`` is called once
+        the request is written (on a pooled connection when ``reused``).
 
         A reused keep-alive connection that turns out closed before any response byte is
         replaced by a fresh one once (the engine never saw the request).
@@ -270,18 +273,22 @@ class UpstreamPool:
         head = _request_head(origin, method, path, headers, len(body))
         conn = await self._acquire(origin)
         try:
-            return await self._exchange(conn, head, body)
+            return await self._exchange(conn, head, body, sent)
         except (httpx.RemoteProtocolError, httpx.ReadError):
             if not conn.reused or conn.received_any:
                 raise
         conn = await self._connect(origin)
-        return await self._exchange(conn, head, body)
+        return await self._exchange(conn, head, body, sent)
 
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes) -> UpstreamResponse:
+    async def _exchange(
+        self, conn: _Connection, head: bytes, body: bytes, sent: Callable[[bool], None] | None
+    ) -> UpstreamResponse:
         try:
             conn.send(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.send(body)
+            if sent is not None:
+                sent(conn.reused)
             try:
                 async with asyncio.timeout(self.read_timeout):
                     await conn.headers_done

@@ -1,4 +1,4 @@
-"""Engine-reported usage: prompt tokens and ``prompt_tokens_details.cached_tokens``.
+"""Engine-reported usage: prompt, cached (``prompt_tokens_details``) and completion tokens.
 
 Non-streaming bodies are decoded into a tiny struct (msgspec skips every other field).
 Streams pass through ``SseUsageTap``, which frames SSE events at C speed and decodes only
@@ -24,6 +24,7 @@ class _Details(msgspec.Struct):
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
 
 
@@ -40,13 +41,15 @@ _encode = msgspec.json.Encoder().encode
 class Usage:
     prompt_tokens: int | None
     cached_tokens: int | None  # None: the engine does not report prompt_tokens_details
+    completion_tokens: int | None = None
 
 
 def _from_struct(usage: _Usage | None) -> Usage | None:
     if usage is None:
         return None
     details = usage.prompt_tokens_details
-    return Usage(usage.prompt_tokens, details.cached_tokens if details is not None else None)
+    cached = details.cached_tokens if details is not None else None
+    return Usage(usage.prompt_tokens, cached, usage.completion_tokens)
 
 
 def _from_mapping(usage: Any) -> Usage | None:
@@ -54,10 +57,15 @@ def _from_mapping(usage: Any) -> Usage | None:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt = usage.get("prompt_tokens")
     return Usage(
-        prompt if isinstance(prompt, int) else None, cached if isinstance(cached, int) else None
+        _int_or_none(usage.get("prompt_tokens")),
+        _int_or_none(cached),
+        _int_or_none(usage.get("completion_tokens")),
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def usage_from_body(body: bytes) -> Usage | None:

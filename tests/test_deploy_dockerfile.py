@@ -58,7 +58,7 @@ def test_installs_every_package_with_constraints() -> None:
     for name in packages | build_files:
         assert (ROOT / name).exists(), name
     runs = " ".join(rest for kw, rest in build if kw == "RUN")
-    assert "pip install -c constraints.txt ." in runs
+    assert "pip install -c constraints.txt '.[otel]'" in runs  # tracing ready, off by default
     # the index's native core is compiled in the build stage and checked to import there
     assert "gcc" in runs and "index._native" in runs
 

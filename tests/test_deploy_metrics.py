@@ -226,6 +226,9 @@ def test_dashboard_covers_what_operators_need() -> None:
         "kvgate_worker_in_flight",  # per-worker load
         "kvgate_index_entries",  # index size
         "kvgate_index_gaps_total",  # event gaps
+        "kvgate_output_tokens_total",  # output tokens per worker
+        "kvgate_time_per_output_token_seconds_bucket",  # inter-token latency
+        "kvgate_build_info",  # versions running
     ):
         assert name in queries, name
     alerts = {

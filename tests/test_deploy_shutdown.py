@@ -8,28 +8,20 @@ The engine is a small streaming ASGI app in this process whose chunks the test r
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
+from fakes.process import kvgate_process
 from fakes.server import serve, wait_for
 from starlette.types import Receive, Scope, Send
 
-from backends.process import free_port
-
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gated-model"
 
 
@@ -95,51 +87,6 @@ def refuses_connections(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-@asynccontextmanager
-async def kvgate_process(
-    engine_url: str, log_path: Path, *extra: str
-) -> AsyncIterator[tuple[int, asyncio.subprocess.Process]]:
-    """``kvgate serve`` as a subprocess in front of ``engine_url``; killed if still alive."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    command = [
-        "-m", "router.cli", "serve",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--worker", f"{engine_url},models={MODEL}",
-        "--policy", "round_robin", "--no-kv-index",
-        "--health-interval-s", "3600", "--health-metrics-interval-s", "0",
-        *extra,
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, *command, cwd=ROOT, env=env,
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                await poll_ready(client, f"http://127.0.0.1:{port}/ready", process)
-            yield port, process
-        finally:
-            if process.returncode is None:
-                process.kill()
-            await asyncio.wait_for(process.wait(), 10)
-
-
-async def poll_ready(
-    client: httpx.AsyncClient, url: str, process: asyncio.subprocess.Process
-) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert process.returncode is None, "kvgate serve exited during start"
-        try:
-            if (await client.get(url)).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError("kvgate serve never became ready")
-
-
 def exited_cleanly(process: asyncio.subprocess.Process) -> bool:
     """Exit 0, or uvicorn's re-raised SIGTERM after its graceful shutdown completed."""
     return process.returncode in (0, -signal.SIGTERM)
@@ -159,7 +106,10 @@ async def test_sigterm_lets_an_in_flight_stream_finish(tmp_path: Path) -> None:
     log = tmp_path / "kvgate.log"
     async with (
         serve(engine) as upstream,
-        kvgate_process(upstream.url, log, "--shutdown-timeout-s", "30") as (port, process),
+        kvgate_process(f"{upstream.url},models={MODEL}", log, "--shutdown-timeout-s", "30") as (
+            port,
+            process,
+        ),
         httpx.AsyncClient(timeout=30.0) as client,
     ):
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
@@ -188,7 +138,10 @@ async def test_sigterm_cuts_streams_that_outlive_the_grace_period(tmp_path: Path
     log = tmp_path / "kvgate.log"
     async with (
         serve(engine) as upstream,
-        kvgate_process(upstream.url, log, "--shutdown-timeout-s", "1") as (port, process),
+        kvgate_process(f"{upstream.url},models={MODEL}", log, "--shutdown-timeout-s", "1") as (
+            port,
+            process,
+        ),
         httpx.AsyncClient(timeout=30.0) as client,
     ):
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}

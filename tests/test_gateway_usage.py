@@ -27,7 +27,7 @@ def test_every_split_point(hide: bool) -> None:
     for cut in range(1, len(STREAM)):
         tap = SseUsageTap(hide=hide)
         out = run(tap, [STREAM[:cut], STREAM[cut:]])
-        assert tap.usage == Usage(prompt_tokens=10, cached_tokens=8), cut
+        assert tap.usage == Usage(prompt_tokens=10, cached_tokens=8, completion_tokens=2), cut
         assert out == (b"".join([*CONTENT, DONE]) if hide else STREAM), cut
 
 
@@ -53,7 +53,14 @@ def test_null_usage_and_missing_details() -> None:
     bare = b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'
     tap = SseUsageTap(hide=False)
     assert run(tap, [nulls, bare, DONE]) == nulls + bare + DONE
-    assert tap.usage == Usage(prompt_tokens=3, cached_tokens=None)
+    assert tap.usage == Usage(prompt_tokens=3, cached_tokens=None, completion_tokens=None)
+
+
+def test_completion_tokens_must_be_a_count() -> None:
+    event = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": true}}\n\n'
+    tap = SseUsageTap(hide=False)
+    run(tap, [event, DONE])
+    assert tap.usage == Usage(prompt_tokens=3, cached_tokens=None, completion_tokens=None)
 
 
 def test_non_sse_bytes_pass_untouched() -> None:
@@ -65,7 +72,7 @@ def test_non_sse_bytes_pass_untouched() -> None:
 
 def test_usage_from_json_body() -> None:
     body = json.dumps({"id": "x", "choices": [], "usage": USAGE}).encode()
-    assert usage_from_body(body) == Usage(10, 8)
+    assert usage_from_body(body) == Usage(10, 8, 2)
     assert usage_from_body(b'{"id": "x"}') is None
     assert usage_from_body(b'{"usage": "broken"}') is None
     assert usage_from_body(b'not json, but mentions "usage"') is None

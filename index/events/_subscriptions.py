@@ -144,6 +144,7 @@ class Subscriptions:
             block_size=self._config.block_size_for(worker.model),
             metrics=self._metrics,
         )
+        self._metrics.declare_feed(worker.id)
         subscriber = Subscriber(feed, endpoints, self._config, self._context, self._metrics)
         joined.subscribers.append(subscriber)
         task = asyncio.create_task(

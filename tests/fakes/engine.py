@@ -56,7 +56,7 @@ class FakeEngine:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         parsed = json.loads(body) if body.strip() else None
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         raw_path = scope.get("raw_path") or b""
@@ -253,7 +253,7 @@ def _chunk(body: dict[str, Any], chat: bool, i: int) -> dict[str, Any]:
     }
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     parts = []
     while True:
         message = await receive()
