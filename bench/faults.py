@@ -12,12 +12,14 @@ scenario), all on 127.0.0.1. Closed-loop agent sessions (``bench/agents.py``) ru
 ``--seconds``; at ``--fault-at`` the scenario's faults are applied through the simulator's
 ``POST /sim/fault`` (or kvgate is restarted: SIGTERM, drained, started again on the same port).
 
-Per scenario (medians of the runs): requests sent, answered, failed before any token, cut
-after tokens; the phantom share (predicted cached tokens the engine did not report cached,
-over all predicted); the engine-reported hit rate before the fault and the time until it is
-back within 5% of it; client-side TTFT p50/p99; kvgate's retries (its metrics) and the
-client's (connection refused by a gateway that is down). Bounded: every run ends after
-``--seconds`` plus a drain of at most ``--drain`` seconds.
+Per scenario (medians and ranges of the runs): requests sent, answered, failed before any
+token, cut after tokens; the phantom share (predicted cached tokens the engine did not report
+cached, over all predicted); the engine-reported hit rate, the reuse rate (cached over
+reusable tokens) before the fault and the time until it is back within 5% of the same
+round's fault-free run (``baseline``); client-side TTFT p50/p99; kvgate's retries (its
+metrics) and the client's (connection refused by a gateway that is down); for a kvgate
+restart, how long it was down and when its index was rebuilt. Bounded: every run ends after
+``--seconds`` plus a drain of at most ``--drain`` seconds. docs/benchmarks.md, "Faults".
 """
 
 from __future__ import annotations
