@@ -25,6 +25,14 @@ class ScrapedLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """Settings of an engine that kvgate's keys depend on, as the engine declares them
+    (``None``: not declared)."""
+
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineAdapter:
     """What kvgate needs to know about one engine kind."""
 
@@ -34,6 +42,8 @@ class EngineAdapter:
     kv_usage_metrics: tuple[str, ...] = ()  # first present wins; values in 0..1
     # an info metric and its label carrying the engine's KV capacity in blocks
     kv_capacity_info: tuple[str, str] | None = None
+    # an info metric and its label carrying the engine's KV block size in tokens
+    block_size_info: tuple[str, str] | None = None
     health_path: str = "/health"
     models_path: str = "/v1/models"
     metrics_path: str | None = "/metrics"
@@ -74,6 +84,20 @@ class EngineAdapter:
             kv_capacity_blocks=min(capacities) if capacities else None,
         )
 
+    def parse_facts(self, text: str) -> EngineFacts:
+        """The engine facts of a /metrics page: the block size of its info metric (several
+        ranks: they must agree, else none is taken)."""
+        info = self.block_size_info
+        if info is None:
+            return EngineFacts()
+        lines = [line for line in text.splitlines() if line.startswith(info[0])]
+        sizes: set[int] = set()
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for sample in family.samples:
+                if sample.name == info[0]:
+                    sizes.update(_positive_int(sample.labels.get(info[1])))
+        return EngineFacts(block_size=sizes.pop() if len(sizes) == 1 else None)
+
 
 def _positive_int(label: str | None) -> list[int]:
     """A label's value as a positive int, or nothing (absent, ``None``, garbage)."""
@@ -103,6 +127,7 @@ VLLM = EngineAdapter(
     # vLLM V0 named it gpu_cache_usage_perc; both are fractions in 0..1.
     kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     kv_capacity_info=("vllm:cache_config_info", "num_gpu_blocks"),
+    block_size_info=("vllm:cache_config_info", "block_size"),
     tokenize_path="/tokenize",
     tokenize_accepts_messages=True,
 )

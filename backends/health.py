@@ -23,7 +23,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from backends.config import HealthConfig
-from backends.engines import ScrapedLoad
+from backends.engines import EngineFacts, ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
 
 log = logging.getLogger("kvgate.health")
@@ -127,7 +127,7 @@ class HealthChecker:
                 raise _ProbeFailed(
                     f"GET {worker.adapter.health_path} answered {response.status_code}"
                 )
-            if worker.config.models is None and (not worker.healthy or not worker.models):
+            if not worker.healthy or not worker.models:
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
             self._metrics.probe_failed(worker)
@@ -138,7 +138,27 @@ class HealthChecker:
         return worker.healthy
 
     async def discover(self, worker: Worker) -> None:
-        """Read the models a worker serves from its ``/v1/models``."""
+        """Read the models a worker serves from its ``/v1/models`` (unless configured) and
+        the engine facts it declares; the registry checks them."""
+        cards = await self._models(worker) if worker.config.models is None else None
+        self._registry.update_models(worker, cards, await self._facts(worker))
+
+    async def _facts(self, worker: Worker) -> EngineFacts:
+        """What the engine declares on its /metrics (none when it cannot be read: the
+        block size its events carry is adopted then)."""
+        adapter = worker.adapter
+        if adapter.block_size_info is None or adapter.metrics_path is None:
+            return EngineFacts()
+        try:
+            response = await self._get(worker, adapter.metrics_path)
+            if response.status_code != 200:
+                raise _ProbeFailed(f"GET {adapter.metrics_path} answered {response.status_code}")
+            return adapter.parse_facts(response.text)
+        except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
+            log.info("%s: engine facts not read from its metrics: %s", worker.url, exc)
+            return EngineFacts()
+
+    async def _models(self, worker: Worker) -> dict[str, dict[str, Any]]:
         response = await self._get(worker, worker.adapter.models_path)
         if response.status_code != 200:
             raise _ProbeFailed(f"GET {worker.adapter.models_path} answered {response.status_code}")
@@ -149,7 +169,7 @@ class HealthChecker:
         cards = {str(m["id"]): m for m in models if isinstance(m.get("id"), str)}
         if not cards:
             raise _ProbeFailed("the worker lists no models")
-        worker.set_models(cards)
+        return cards
 
     # -- load -------------------------------------------------------------------------
     async def scrape_all(self) -> None:

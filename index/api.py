@@ -174,7 +174,8 @@ class EngineWorker:
     endpoints (none: asked of a vLLM worker, ``GET /kv_event_sources``, else approximate
     mode), the one model it serves if known (its events' block size), the ``Authorization``
     header value for the index's own calls to it (``/kv_event_sources``, ``/tokenize``; never
-    shown), and whether it is healthy (only healthy workers are asked to tokenize)."""
+    shown), whether it is healthy (only healthy workers are asked to tokenize), and the KV block
+    size its engine declares (None: not declared, or contradicted: the configured one applies)."""
 
     id: WorkerId
     url: str
@@ -183,6 +184,7 @@ class EngineWorker:
     model: str | None = None
     authorization: str | None = field(default=None, repr=False)
     healthy: bool = False
+    block_size: int | None = None
 
 
 class WorkerListener(Protocol):
@@ -197,5 +199,6 @@ class WorkerListener(Protocol):
         ...
 
     def worker_health_changed(self, worker: EngineWorker) -> None:
-        """A worker became healthy or unhealthy (``worker`` as it is now, models included)."""
+        """A worker became healthy or unhealthy, or what it serves or declares changed
+        (``worker`` as it is now, models and block size included)."""
         ...

@@ -62,7 +62,9 @@ def build_gateway(
     """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
     metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
     registry = WorkerRegistry(
-        settings.health, footprint_half_life_s=settings.scoring.footprint_half_life_s
+        settings.health,
+        footprint_half_life_s=settings.scoring.footprint_half_life_s,
+        explicit_block_size=settings.index.explicit_block_size,
     )
     for worker in settings.workers:
         registry.add(worker)
@@ -79,6 +81,7 @@ def build_gateway(
             metrics_registry,
             client,
             endpoint_allowed=allowlist.permits_endpoint,  # what workers declare at run time
+            on_block_size=registry.observe_block_size,
         )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)

@@ -28,7 +28,6 @@ from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
-from index.types import WorkerId
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
@@ -304,9 +303,19 @@ class Gateway:
         return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
 
     def ready(self) -> Response:
-        healthy = self.registry.healthy_count()
-        body = {"ready": healthy > 0, "healthy_workers": healthy, "workers": len(self.registry)}
-        return json_response(body, 200 if healthy else 503)
+        """Ready with one ready worker (healthy, engine facts agreeing); the workers kept out
+        by what their engines declare are listed with why."""
+        ready = self.registry.ready_count()
+        body: dict[str, Any] = {
+            "ready": ready > 0,
+            "ready_workers": ready,
+            "healthy_workers": self.registry.healthy_count(),
+            "workers": len(self.registry),
+        }
+        problems = self.registry.problems()
+        if problems:
+            body["not_ready"] = problems
+        return json_response(body, 200 if ready else 503)
 
     # -- admin --------------------------------------------------------------------------
     def describe_workers(self) -> dict[str, Any]:
@@ -366,7 +375,8 @@ class Gateway:
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
-        return self.index.stats() if self.index is not None else {"index": None}
+        stats = self.index.stats() if self.index is not None else {"index": None}
+        return {**stats, "config_mismatch": self.registry.problems()}
 
     async def start(self) -> None:
         if self.index is not None:
