@@ -19,6 +19,7 @@ The registry is the one list of workers: whoever needs to follow it (the KV inde
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -54,6 +55,7 @@ class Worker:
     facts: EngineFacts = field(default_factory=EngineFacts)  # as the engine declares them
     events_block_size: int | None = None  # the block size its KV events carry, when seen
     problems: dict[str, str] = field(default_factory=dict)  # engine fact -> why not ready
+    models_stale: bool = False  # answered 404 for a model it listed: read its models again
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_error: str | None = None
@@ -222,6 +224,7 @@ class WorkerRegistry:
         self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
         self._listeners: list[WorkerListener] = []
+        self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -333,11 +336,19 @@ class WorkerRegistry:
         if worker.removed:
             return
         before = worker.engine_view()
+        worker.models_stale = False
         if cards is not None:
+            _log_model_changes(worker, cards)
             worker.set_models(cards)
         if facts.block_size is not None:
             worker.facts = facts
         self.check_facts(changed={worker.id: before})
+
+    def models_stale(self, worker: Worker) -> None:
+        """The worker answered 404 for a model it listed: its list is read again soon."""
+        if not worker.removed and not worker.models_stale:
+            worker.models_stale = True
+            self.stale_models.set()
 
     def observe_block_size(self, worker_id: WorkerId, block_size: int) -> None:
         """A worker's KV events carry ``block_size``: adopted when it declared none, else
@@ -472,3 +483,11 @@ def _log_problems(worker: Worker, problems: Mapping[str, str]) -> None:
         log.info(
             "%s: its engine facts agree again: %s resolved", worker.url, sorted(worker.problems)
         )
+
+
+def _log_model_changes(worker: Worker, cards: Mapping[str, dict[str, Any]]) -> None:
+    if not worker.models:
+        return
+    added, gone = sorted(cards.keys() - worker.models), sorted(worker.models - cards.keys())
+    if added or gone:
+        log.info("%s: models added %s, gone %s", worker.url, added, gone)

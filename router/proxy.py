@@ -289,6 +289,8 @@ class ProxyResponse(Response):
             self._proxy.registry.record_failure(worker, f"answered {response.status_code}")
         else:  # a client error is no sign of a sick engine
             self._proxy.registry.record_ok_response(worker)
+            if response.status_code == 404 and self._x.model in worker.models:
+                self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
         error = UpstreamHTTPError(
             response.status_code, body, response.headers.get("content-type"), worker=worker.url
         )
