@@ -20,6 +20,7 @@ from backends.health import HealthChecker, HealthMetrics
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
+from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
@@ -108,6 +109,9 @@ def build_gateway(
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
+        affinity=ResponseAffinity(
+            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
+        ),
     )
     if settings.discover:
         discovery = DiscoveredFleet(
@@ -184,6 +188,7 @@ def create_app(
     app.fast_routes = {
         ("POST", "/v1/chat/completions"): lambda request: gateway.generate(request, ChatBody),
         ("POST", "/v1/completions"): lambda request: gateway.generate(request, CompletionBody),
+        ("POST", "/v1/responses"): gateway.responses,
     }
     _add_error_handlers(app)
     _add_openai_routes(app, gateway)
@@ -217,6 +222,10 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, CompletionBody)
+
+    @app.post("/v1/responses", tags=["openai"])
+    async def responses(request: Request) -> Response:
+        return await gateway.responses(request)
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models(request: Request) -> Response:

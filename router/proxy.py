@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import httpx
 from starlette.responses import Response
@@ -84,6 +85,13 @@ class Exchange:
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
+    answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
+
+
+class AnswerTap(Protocol):
+    def feed(self, worker: WorkerId, chunk: bytes) -> bool:
+        """The next bytes of ``worker``'s successful answer; True: seen enough."""
+        ...
 
 
 @dataclass(slots=True)
@@ -309,6 +317,8 @@ class ProxyResponse(Response):
         self._proxy.registry.record_ok_response(worker)
         if self._x.usage_mode is UsageMode.BODY:
             outcome.usage = usage_from_body(body)
+        if self._x.answer_tap is not None:
+            self._x.answer_tap.feed(worker.id, body)
         headers = self._client_headers(worker, response)
         headers.append((b"content-length", str(len(body)).encode()))
         await self._start(send, response.status_code, headers)
@@ -334,8 +344,11 @@ class ProxyResponse(Response):
         outcome.status = str(response.status_code)
         self._sse = is_sse
         first = True
+        answer_tap = self._x.answer_tap
         try:
             async for chunk in response.aiter_raw():
+                if answer_tap is not None and answer_tap.feed(worker.id, chunk):
+                    answer_tap = None
                 if first:
                     first = False
                     ticket.first_token()

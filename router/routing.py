@@ -94,12 +94,13 @@ class Router:
         *,
         session_key: str | None = None,
         max_tokens: int | None = None,
+        only: WorkerId | None = None,
     ) -> Routed:
         """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
 
         A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
         chat template, block size) in the adapter's cache domain; only workers listing the
-        adapter are candidates."""
+        adapter are candidates. ``only``: that worker or none (a conversation it holds)."""
         self.require_servable(model)
         base, adapter = self.registry.base_model(model)
         index = self.block_index
@@ -112,6 +113,8 @@ class Router:
                 matches = index.match(keys.block_keys)
         # After the await: the freshest load.
         candidates = self.registry.candidates(model, matches)
+        if only is not None:
+            candidates = [c for c in candidates if c.worker == only]
         if not candidates:
             raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
         request = RouteRequest(
