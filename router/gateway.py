@@ -341,9 +341,10 @@ class Gateway:
         (a model it serves, and its id); anything else: (None, None)."""
         response_id = path.removeprefix(_RESPONSES).partition("/")[0]
         holder = self._holder(response_id) if path.startswith(_RESPONSES) else None
-        if holder is None:
+        models = self.registry.get(holder).models if holder is not None else None
+        if holder is None or not models:
             return None, None
-        return min(self.registry.get(holder).models), holder
+        return min(models), holder
 
     def _model_of(self, request: Request, raw: bytes) -> str:
         if raw.strip():

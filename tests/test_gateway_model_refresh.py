@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fakes.gateway import quiet_health
+from fakes.engine import FakeEngine
+from fakes.gateway import fleet, kvgate, quiet_health
 from fakes.simgate import MODEL, chat, fleet_config, gate, sim_fleets, until, worker_specs
 
 pytestmark = pytest.mark.anyio
@@ -79,3 +80,22 @@ async def test_a_404_for_a_listed_model_rereads_that_workers_models() -> None:
             reply = await gw.client.post("/v1/chat/completions", json=chat("sql", f"b{i}"))
             assert reply.status_code == 200, reply.text
             assert reply.headers["x-kvgate-worker"] == kept
+
+
+async def test_an_oversized_model_list_is_refused_and_the_old_one_kept() -> None:
+    engine = FakeEngine(models=["small"])
+    health = quiet_health(models_interval_s=0.05, models_max_bytes=4096, models_max_entries=3)
+    async with fleet(engine) as f, kvgate(f.urls, health=health) as gw:
+        worker = gw.gateway.registry.get(f.urls[0])
+        engine.models = [f"model-{i:05d}" for i in range(400)]  # > 4096 bytes
+        asked = len(engine.seen)
+        await until(lambda: len(engine.seen) > asked + 2, what="two more rounds")
+        assert worker.models == {"small"} and worker.healthy
+        engine.models = ["small", "a", "b", "c"]  # more entries than allowed
+        asked = len(engine.seen)
+        await until(lambda: len(engine.seen) > asked + 2, what="two more rounds")
+        assert worker.models == {"small"}
+        engine.models = ["small", "embed"]
+        await until(lambda: worker.models == {"small", "embed"}, what="the new list")
+        reply = await gw.client.post("/v1/embeddings", json={"model": "embed", "input": "x"})
+        assert reply.status_code == 200 and reply.json()["model"] == "embed"
