@@ -232,10 +232,12 @@ class HealthChecker:
             log.debug("scrape of %s failed: %s", worker.url, exc)
             worker.scraped = ScrapedLoad()
 
-    async def _get(self, worker: Worker, path: str, limit: int = _MAX_ANSWER_BYTES) -> _Answer:
+    async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
         """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
-        trickling worker cannot stall the probe round), up to ``limit`` bytes."""
+        trickling worker cannot stall the probe round), up to ``limit`` bytes (default
+        ``_MAX_ANSWER_BYTES``)."""
         timeout = self._config.timeout_s
+        limit = _MAX_ANSWER_BYTES if limit is None else limit
         try:
             async with asyncio.timeout(timeout):
                 return await self._read(worker.url + path, _headers(worker), limit)
