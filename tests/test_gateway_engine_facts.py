@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from fakes.gateway import Kvgate
 from fakes.simgate import (
     MODEL,
     cached_tokens,
@@ -26,15 +27,15 @@ from fakes.simgate import (
 pytestmark = pytest.mark.anyio
 
 
-async def _predicted_equals_engine(gw: object, tag: str) -> None:
+async def _predicted_equals_engine(gw: Kvgate, tag: str) -> None:
     """Send a prompt, wait for its blocks to be indexed, send it again: kvgate's prediction
     equals what the engine reports cached, and is not zero."""
-    client = gw.client  # type: ignore[attr-defined]
+    client = gw.client
     body = chat(MODEL, long_text(tag))
     first = await client.post("/v1/chat/completions", json=body)
     assert first.status_code == 200, first.text
     worker = first.headers["x-kvgate-worker"]
-    await indexed(gw, body, worker)  # type: ignore[arg-type]
+    await indexed(gw, body, worker)
     again = await client.post("/v1/chat/completions", json=body)
     assert again.headers["x-kvgate-worker"] == worker
     assert predicted(again) == cached_tokens(again) > 0
