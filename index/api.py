@@ -131,6 +131,9 @@ class PromptInput:
     chat_template_kwargs: Mapping[str, Any] | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    add_special_tokens: bool | None = None
+    """The tokenizer's own special tokens (BOS, ...) around the rendered text; None: as the
+    engine does for ``kind`` (completions yes, chats no). vLLM's Responses API adds them."""
 
 
 @dataclass(frozen=True, slots=True)

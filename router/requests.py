@@ -139,9 +139,14 @@ class ResponsesBody(_Routable):
                     return None, f"an input item of type {item.get('type')!r} is not rendered"
                 messages.append(message)
         tools = [{"type": "function", "function": t} for t in self.tools] if self.tools else None
-        return PromptInput(
-            kind="chat", messages=messages, tools=tools, cache_salt=self.cache_salt
-        ), "rendered"
+        prompt = PromptInput(
+            kind="chat",
+            messages=messages,
+            tools=tools,
+            cache_salt=self.cache_salt,
+            add_special_tokens=True,  # vLLM tokenizes Responses prompts with them, unlike chats
+        )
+        return prompt, "rendered"
 
     @property
     def output_limit(self) -> int | None:

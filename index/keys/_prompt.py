@@ -91,8 +91,11 @@ class PromptKeyer:
         if tokenizer is not None and (completion or tokenizer.template):
             try:
                 text = (prompt.prompt or "") if completion else tokenizer.render(prompt)
+                special = (
+                    completion if prompt.add_special_tokens is None else prompt.add_special_tokens
+                )
                 result = await tokenizer.tokenize(
-                    str(text), add_special_tokens=completion, block_size=block_size, seed=seed
+                    str(text), add_special_tokens=special, block_size=block_size, seed=seed
                 )
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)
