@@ -282,7 +282,7 @@ class Gateway:
                 model=model,
                 routed=routed,
                 stream=bool(parsed.stream),
-                usage_mode=UsageMode.NONE,
+                usage_mode=UsageMode.TAP if parsed.stream else UsageMode.BODY,
                 received_at=received_at,
                 answer_tap=self.affinity.tap(),
             )

@@ -1,4 +1,5 @@
-"""Engine-reported usage: prompt tokens and ``prompt_tokens_details.cached_tokens``.
+"""Engine-reported usage: prompt tokens and ``prompt_tokens_details.cached_tokens`` (the
+Responses API's ``input_tokens`` and ``input_tokens_details.cached_tokens`` alike).
 
 Non-streaming bodies are decoded into a tiny struct (msgspec skips every other field).
 Streams pass through ``SseUsageTap``, which frames SSE events at C speed and decodes only
@@ -25,6 +26,8 @@ class _Details(msgspec.Struct):
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
+    input_tokens: int | None = None  # the Responses API's names
+    input_tokens_details: _Details | None = None
 
 
 class _Body(msgspec.Struct):
@@ -45,13 +48,20 @@ class Usage:
 def _from_struct(usage: _Usage | None) -> Usage | None:
     if usage is None:
         return None
-    details = usage.prompt_tokens_details
-    return Usage(usage.prompt_tokens, details.cached_tokens if details is not None else None)
+    prompt, details = usage.prompt_tokens, usage.prompt_tokens_details
+    if prompt is None and details is None:
+        prompt, details = usage.input_tokens, usage.input_tokens_details
+    return Usage(prompt, details.cached_tokens if details is not None else None)
 
 
 def _from_mapping(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
+    if "prompt_tokens" not in usage and "input_tokens" in usage:  # the Responses API
+        usage = {
+            "prompt_tokens": usage.get("input_tokens"),
+            "prompt_tokens_details": usage.get("input_tokens_details"),
+        }
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     prompt = usage.get("prompt_tokens")
@@ -130,7 +140,12 @@ class SseUsageTap:
             obj = _decode_any(payload)
         except msgspec.DecodeError:
             return event
-        if not isinstance(obj, dict) or obj.get("usage") is None:
+        if not isinstance(obj, dict):
+            return event
+        if obj.get("usage") is None:  # a Responses API event carries its response object
+            inner = obj.get("response")
+            if isinstance(inner, dict) and inner.get("usage") is not None:
+                self.usage = _from_mapping(inner["usage"]) or self.usage
             return event
         self.usage = _from_mapping(obj["usage"]) or self.usage
         if not self._hide:

@@ -22,6 +22,7 @@ from fakes.simgate import (
     long_text,
     predicted,
     sim_fleets,
+    until,
     worker_specs,
 )
 
@@ -43,6 +44,15 @@ def _streamed_id(body: bytes) -> str:
             response_id: str = event["response"]["id"]
             return response_id
     raise AssertionError(f"no event in {body[:200]!r}")
+
+
+def _streamed_cached(body: bytes) -> int:
+    """The cached tokens of a stream's ``response.completed`` event."""
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:") and b"response.completed" in line:
+            usage = msgspec.json.decode(line[5:])["response"]["usage"]
+            return int(usage["input_tokens_details"]["cached_tokens"])
+    raise AssertionError("no response.completed event")
 
 
 @pytest.mark.parametrize(
@@ -78,9 +88,21 @@ async def test_responses_are_keyed_as_the_engine_renders_them(body: dict[str, An
         assert first.status_code == 200, first.text
         worker = first.headers["x-kvgate-worker"]
         await indexed(gw, body, worker)
+        labels = {"worker": worker, "model": MODEL}
+        before = gw.metric("kvgate_engine_cached_tokens_total", labels)
         again = await gw.client.post("/v1/responses", json=body)
         assert again.headers["x-kvgate-worker"] == worker
         assert predicted(again) == cached_tokens(again) > 0
+        counted = cached_tokens(again)  # the Responses usage is counted as the engine's
+
+        def engine_cached() -> bool:
+            return gw.metric("kvgate_engine_cached_tokens_total", labels) - before == counted
+
+        await until(engine_cached, what="the engine's cached tokens counted")
+        streamed = await gw.client.post("/v1/responses", json={**body, "stream": True})
+        assert predicted(streamed) == _streamed_cached(streamed.content) > 0
+        counted += predicted(streamed)
+        await until(engine_cached, what="the streamed answer's cached tokens counted")
         # explained: the prompt tokens kvgate counts are the engine's
         explained = (await gw.client.post("/debug/route", json=body)).json()
         assert explained["prompt_tokens"] == again.json()["usage"]["input_tokens"]
