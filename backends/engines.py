@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.config import EngineKind
@@ -44,6 +45,8 @@ class EngineAdapter:
     kv_capacity_info: tuple[str, str] | None = None
     # an info metric and its label carrying the engine's KV block size in tokens
     block_size_info: tuple[str, str] | None = None
+    # else a JSON document of its settings and the key of the block size there
+    server_info: tuple[str, str] | None = None
     health_path: str = "/health"
     models_path: str = "/v1/models"
     metrics_path: str | None = "/metrics"
@@ -98,6 +101,19 @@ class EngineAdapter:
                     sizes.update(_positive_int(sample.labels.get(info[1])))
         return EngineFacts(block_size=sizes.pop() if len(sizes) == 1 else None)
 
+    def parse_server_info(self, content: bytes) -> EngineFacts:
+        """The engine facts of its settings document (SGLang: ``page_size`` in
+        ``/get_server_info``); nothing usable: none."""
+        if self.server_info is None:
+            return EngineFacts()
+        try:
+            settings = msgspec.json.decode(content)
+        except msgspec.DecodeError:
+            return EngineFacts()
+        size = settings.get(self.server_info[1]) if isinstance(settings, dict) else None
+        usable = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        return EngineFacts(block_size=size if usable else None)
+
 
 def _positive_int(label: str | None) -> list[int]:
     """A label's value as a positive int, or nothing (absent, ``None``, garbage)."""
@@ -137,6 +153,7 @@ SGLANG = EngineAdapter(
     running_metrics=("sglang:num_running_reqs",),
     waiting_metrics=("sglang:num_queue_reqs",),
     kv_usage_metrics=("sglang:token_usage",),
+    server_info=("/get_server_info", "page_size"),
     tokenize_path="/tokenize",
 )
 

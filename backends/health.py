@@ -183,15 +183,21 @@ class HealthChecker:
         """What the engine declares on its /metrics (none when it cannot be read: the
         block size its events carry is adopted then)."""
         adapter = worker.adapter
-        if adapter.block_size_info is None or adapter.metrics_path is None:
+        if adapter.block_size_info is not None and adapter.metrics_path is not None:
+            path = adapter.metrics_path
+        elif adapter.server_info is not None:
+            path = adapter.server_info[0]
+        else:
             return EngineFacts()
         try:
-            response = await self._get(worker, adapter.metrics_path)
+            response = await self._get(worker, path)
             if response.status_code != 200:
-                raise _ProbeFailed(f"GET {adapter.metrics_path} answered {response.status_code}")
-            return adapter.parse_facts(response.text)
+                raise _ProbeFailed(f"GET {path} answered {response.status_code}")
+            if path == adapter.metrics_path:
+                return adapter.parse_facts(response.text)
+            return adapter.parse_server_info(response.content)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
-            log.info("%s: engine facts not read from its metrics: %s", worker.url, exc)
+            log.info("%s: engine facts not read from %s: %s", worker.url, path, exc)
             return EngineFacts()
 
     async def _models(self, worker: Worker) -> dict[str, dict[str, Any]]:

@@ -8,9 +8,12 @@ Real uvicorn kvgate, simulated vLLM replicas (real HTTP and ZMQ), no mocks."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
-from fakes.gateway import Kvgate
+from fakes.engine import FakeEngine
+from fakes.engine import _json as send_json
+from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.simgate import (
     MODEL,
     cached_tokens,
@@ -111,3 +114,29 @@ async def test_two_replicas_of_one_model_with_different_block_sizes() -> None:
             for i in range(4):
                 reply = await gw.client.post("/v1/chat/completions", json=chat(MODEL, f"q{i}"))
                 assert reply.headers["x-kvgate-worker"] == small.replicas[0].url
+
+
+class SglangEngine(FakeEngine):
+    """A fake SGLang server: its settings (``page_size``) at ``/get_server_info``."""
+
+    page_size: int = 32
+
+    async def _route(self, method: str, path: str, body: Any, receive: Any, send: Any) -> None:
+        if (method, path) == ("GET", "/get_server_info"):
+            settings = {"model_path": "/models/m", "page_size": self.page_size, "tp_size": 1}
+            await send_json(send, settings)
+            return
+        await super()._route(method, path, body, receive, send)
+
+
+async def test_sglang_page_size_is_read_from_its_server_info() -> None:
+    async with fleet(SglangEngine()) as f:
+        spec = f"{f.urls[0]},engine=sglang"
+        async with kvgate([spec]) as gw:
+            assert gw.gateway.registry.get(f.urls[0]).facts.block_size == 32
+            stats = (await gw.client.get("/debug/index")).json()
+            assert stats["block_sizes"]["declared_by_engines"] == {"fake-model": 32}
+        async with kvgate([spec], index={"block_size": 16}) as gw:
+            ready = await gw.client.get("/ready")
+            assert ready.status_code == 503
+            assert "block size is 32" in ready.json()["not_ready"][f.urls[0]]["block_size"]
