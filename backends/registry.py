@@ -225,6 +225,7 @@ class WorkerRegistry:
         self._workers: dict[WorkerId, Worker] = {}
         self._listeners: list[WorkerListener] = []
         self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
+        self._adapter_bases: dict[str, str] = {}
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -243,6 +244,7 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> Worker:
         worker = self.get(worker_id)
         del self._workers[worker.id]
+        self._index_adapters()
         worker.removed = True
         worker.healthy = False
         for listener in list(self._listeners):
@@ -302,11 +304,19 @@ class WorkerRegistry:
     def base_model(self, model: str) -> tuple[str, str | None]:
         """``model`` as (base model, adapter): a name some worker lists with a ``parent`` is
         that parent's adapter (the first such worker's word); any other name is a base."""
+        base = self._adapter_bases.get(model)
+        return (model, None) if base is None else (base, model)
+
+    def _index_adapters(self) -> None:
+        """adapter → base model over every worker (the first worker's word), kept at hand:
+        ``base_model`` is asked once per request."""
+        bases: dict[str, str] = {}
         for worker in self._workers.values():
-            base = worker.adapter_base(model)
-            if base is not None:
-                return base, model
-        return model, None
+            for model in worker.models:
+                base = worker.adapter_base(model)
+                if base is not None:
+                    bases.setdefault(model, base)
+        self._adapter_bases = bases
 
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of healthy workers' models (first worker's card wins), sorted by id."""
@@ -340,6 +350,7 @@ class WorkerRegistry:
         if cards is not None:
             _log_model_changes(worker, cards)
             worker.set_models(cards)
+            self._index_adapters()
         if facts.block_size is not None:
             worker.facts = facts
         self.check_facts(changed={worker.id: before})
