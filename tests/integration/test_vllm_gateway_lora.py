@@ -112,12 +112,21 @@ def lora_fleet(
 def gateway(
     lora_fleet: Fleet, tiny_model_dir: Path, engine_layout: EngineLayout, ports: PortAllocator
 ) -> Iterator[httpx.Client]:
+    """kvgate without --index-block-size: it adopts the replica's (32, on its /metrics)."""
     log_path = engine_layout.logs / "pytest-lora" / "kvgate.log"
+    flags = lora_fleet.worker_flags()
     with (
-        KvgateServer(lora_fleet.worker_flags(), tiny_model_dir, log_path, ports.one()) as server,
+        KvgateServer(flags, tiny_model_dir, log_path, ports.one(), block_size=None) as server,
         httpx.Client(base_url=server.url, timeout=120.0) as client,
     ):
         yield client
+
+
+def test_the_block_size_is_adopted_from_vllm(gateway: httpx.Client) -> None:
+    stats = gateway.get("/debug/index").json()
+    assert stats["block_sizes"]["declared_by_engines"] == {MODEL: 32}
+    assert stats["config_mismatch"] == {}
+    assert gateway.get("/ready").json()["ready_workers"] == 1
 
 
 def _send(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[int, int]:
