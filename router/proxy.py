@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import httpx
 from starlette.responses import Response
@@ -86,6 +87,13 @@ class Exchange:
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
+    answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
+
+
+class AnswerTap(Protocol):
+    def feed(self, worker: WorkerId, chunk: bytes) -> bool:
+        """The next bytes of ``worker``'s successful answer; True: seen enough."""
+        ...
 
 
 @dataclass(slots=True)
@@ -300,6 +308,8 @@ class ProxyResponse(Response):
             self._proxy.registry.record_failure(worker, f"answered {response.status_code}")
         else:  # a client error is no sign of a sick engine
             self._proxy.registry.record_ok_response(worker)
+            if response.status_code == 404 and self._x.model in worker.models:
+                self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
         error = UpstreamHTTPError(
             response.status_code, body, response.headers.get("content-type"), worker=worker.url
         )
@@ -318,6 +328,8 @@ class ProxyResponse(Response):
         self._proxy.registry.record_ok_response(worker)
         if self._x.usage_mode is UsageMode.BODY:
             outcome.usage = usage_from_body(body)
+        if self._x.answer_tap is not None:
+            self._x.answer_tap.feed(worker.id, body)
         headers = self._client_headers(worker, response)
         headers.append((b"content-length", str(len(body)).encode()))
         await self._start(send, response.status_code, headers)
@@ -343,8 +355,11 @@ class ProxyResponse(Response):
         outcome.status = str(response.status_code)
         self._sse = is_sse
         first = True
+        answer_tap = self._x.answer_tap
         try:
             async for chunk in response.aiter_raw():
+                if answer_tap is not None and answer_tap.feed(worker.id, chunk):
+                    answer_tap = None
                 if first:
                     first = False
                     ticket.first_token()

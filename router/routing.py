@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from backends.registry import WorkerRegistry
@@ -36,6 +36,8 @@ class Routed:
     candidates: Mapping[WorkerId, Candidate]  # with their matches
     decision: Decision
     policy: str
+    base_model: str = ""  # the model whose tokenizer, template and block size keyed it
+    adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -96,15 +98,22 @@ class Router:
         session_key: str | None = None,
         max_tokens: int | None = None,
         spans: RequestSpans | None = None,
+        only: WorkerId | None = None,
     ) -> Routed:
-        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``);
+        """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
+
+        A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
+        chat template, block size) in the adapter's cache domain; only workers listing the
+        adapter are candidates. ``only``: that worker or none (a conversation it holds).
         ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
+        base, adapter = self.registry.base_model(model)
         index = self.block_index
         keys = None
         matches = None
         if index is not None and prompt is not None:
-            keys = await index.keys_for(model, prompt)
+            keyed = prompt if adapter is None else replace(prompt, lora_name=adapter)
+            keys = await index.keys_for(base, keyed)
             if spans is not None:
                 spans.phase("tokenize")
             if keys.block_keys:
@@ -113,6 +122,8 @@ class Router:
                     spans.phase("index match")
         # After the await: the freshest load.
         candidates = self.registry.candidates(model, matches)
+        if only is not None:
+            candidates = [c for c in candidates if c.worker == only]
         if not candidates:
             raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
         request = RouteRequest(
@@ -132,6 +143,8 @@ class Router:
             candidates={c.worker: c for c in candidates},
             decision=decision,
             policy=self.policy.name,
+            base_model=base,
+            adapter=adapter,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
@@ -164,6 +177,7 @@ class Router:
             "chosen": routed.decision.chosen,
             "policy": routed.policy,
             "model": request.model,
+            "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
             "tokenize_mode": keys.mode if keys is not None else None,
             "block_size": request.block_size,
             "prompt_tokens": request.prompt_tokens,
@@ -202,7 +216,11 @@ def _scored_entry(
 def _ineligible_reason(model: str, worker: Any) -> str:
     if model not in worker.models:
         return f"does not serve model {model!r}"
-    return "unhealthy" if not worker.healthy else "not ranked by the policy"
+    if not worker.healthy:
+        return "unhealthy"
+    if worker.problems:
+        return "not ready: " + "; ".join(worker.problems.values())
+    return "not ranked by the policy"
 
 
 def _log_line(routed: Routed) -> str:
