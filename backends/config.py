@@ -198,3 +198,16 @@ class HealthConfig(BaseModel):
     metrics_interval_s: float = Field(
         default=1.0, ge=0, description="seconds between scrapes of each engine's /metrics (0: off)"
     )
+    models_interval_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="seconds between re-reads of each healthy worker's /v1/models and engine "
+        "facts (adapters loaded or unloaded at run time; 0: only when it becomes healthy or "
+        "answers 404 for a model it listed)",
+    )
+    models_max_bytes: int = Field(
+        default=1 << 20, gt=0, description="largest /v1/models answer read from a worker"
+    )
+    models_max_entries: int = Field(
+        default=4096, gt=0, description="most models (adapters included) taken from one worker"
+    )

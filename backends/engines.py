@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.config import EngineKind
@@ -25,6 +26,14 @@ class ScrapedLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """Settings of an engine that kvgate's keys depend on, as the engine declares them
+    (``None``: not declared)."""
+
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineAdapter:
     """What kvgate needs to know about one engine kind."""
 
@@ -34,6 +43,10 @@ class EngineAdapter:
     kv_usage_metrics: tuple[str, ...] = ()  # first present wins; values in 0..1
     # an info metric and its label carrying the engine's KV capacity in blocks
     kv_capacity_info: tuple[str, str] | None = None
+    # an info metric and its label carrying the engine's KV block size in tokens
+    block_size_info: tuple[str, str] | None = None
+    # else a JSON document of its settings and the key of the block size there
+    server_info: tuple[str, str] | None = None
     health_path: str = "/health"
     models_path: str = "/v1/models"
     metrics_path: str | None = "/metrics"
@@ -74,6 +87,33 @@ class EngineAdapter:
             kv_capacity_blocks=min(capacities) if capacities else None,
         )
 
+    def parse_facts(self, text: str) -> EngineFacts:
+        """The engine facts of a /metrics page: the block size of its info metric (several
+        ranks: they must agree, else none is taken)."""
+        info = self.block_size_info
+        if info is None:
+            return EngineFacts()
+        lines = [line for line in text.splitlines() if line.startswith(info[0])]
+        sizes: set[int] = set()
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for sample in family.samples:
+                if sample.name == info[0]:
+                    sizes.update(_positive_int(sample.labels.get(info[1])))
+        return EngineFacts(block_size=sizes.pop() if len(sizes) == 1 else None)
+
+    def parse_server_info(self, content: bytes) -> EngineFacts:
+        """The engine facts of its settings document (SGLang: ``page_size`` in
+        ``/get_server_info``); nothing usable: none."""
+        if self.server_info is None:
+            return EngineFacts()
+        try:
+            settings = msgspec.json.decode(content)
+        except msgspec.DecodeError:
+            return EngineFacts()
+        size = settings.get(self.server_info[1]) if isinstance(settings, dict) else None
+        usable = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        return EngineFacts(block_size=size if usable else None)
+
 
 def _positive_int(label: str | None) -> list[int]:
     """A label's value as a positive int, or nothing (absent, ``None``, garbage)."""
@@ -103,6 +143,7 @@ VLLM = EngineAdapter(
     # vLLM V0 named it gpu_cache_usage_perc; both are fractions in 0..1.
     kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     kv_capacity_info=("vllm:cache_config_info", "num_gpu_blocks"),
+    block_size_info=("vllm:cache_config_info", "block_size"),
     tokenize_path="/tokenize",
     tokenize_accepts_messages=True,
 )
@@ -112,6 +153,7 @@ SGLANG = EngineAdapter(
     running_metrics=("sglang:num_running_reqs",),
     waiting_metrics=("sglang:num_queue_reqs",),
     kv_usage_metrics=("sglang:token_usage",),
+    server_info=("/get_server_info", "page_size"),
     tokenize_path="/tokenize",
 )
 

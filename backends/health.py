@@ -1,8 +1,10 @@
 """Active health checks, model discovery and load scraping of every worker.
 
-* every ``interval_s``: ``GET /health`` (failure threshold, recovery threshold); a worker
-  without configured models gets them from its ``/v1/models`` whenever it (re)becomes
-  healthy;
+* every ``interval_s``: ``GET /health`` (failure threshold, recovery threshold); whenever a
+  worker (re)becomes healthy, its models from ``/v1/models`` (unless configured) and the engine
+  facts it declares (block size, on its ``/metrics``);
+* every ``models_interval_s``, and soon after a worker answered 404 for a model it listed:
+  those again, so adapters loaded or unloaded at run time are followed;
 * every ``metrics_interval_s``: ``GET /metrics`` parsed by the engine's adapter into
   ``Worker.scraped``.
 
@@ -14,7 +16,9 @@ removed worker's failures are no longer counted (its series are dropped by the g
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +27,12 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from backends.config import HealthConfig
-from backends.engines import ScrapedLoad
+from backends.engines import EngineFacts, ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
 
 log = logging.getLogger("kvgate.health")
-_MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe, model list or /metrics page
+_MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page
+_MODELS_MIN_GAP_S = 0.5  # model lists re-read at most this often (404 storms)
 
 
 class HealthMetrics:
@@ -108,6 +113,7 @@ class HealthChecker:
         if self._config.metrics_interval_s > 0:
             interval = self._config.metrics_interval_s
             self._tasks.append(asyncio.create_task(self._every(interval, self.scrape_all)))
+        self._tasks.append(asyncio.create_task(self._follow_models()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -118,7 +124,37 @@ class HealthChecker:
     async def _every(self, interval: float, action: Any) -> None:
         while True:
             await asyncio.sleep(interval)
-            await action()
+            await _supervised(action)
+
+    async def _follow_models(self) -> None:
+        """Every ``models_interval_s``, every healthy worker's models and engine facts read
+        again; at once (at most every ``_MODELS_MIN_GAP_S``) those of a worker that answered
+        404 for a model it listed."""
+        interval = self._config.models_interval_s
+        stale = self._registry.stale_models
+        while True:
+            due = False
+            try:
+                async with asyncio.timeout(interval if interval > 0 else None):
+                    await stale.wait()
+            except TimeoutError:
+                due = True
+            stale.clear()
+            await _supervised(functools.partial(self.refresh_models, every=due))
+            await asyncio.sleep(_MODELS_MIN_GAP_S)
+
+    async def refresh_models(self, *, every: bool = True) -> None:
+        """Read the models (and engine facts) of every healthy worker again (``every``), or of
+        those marked stale; a worker that cannot answer keeps what it had."""
+        workers = [w for w in self._registry if w.healthy and (every or w.models_stale)]
+        await asyncio.gather(*(self._refresh(w) for w in workers))
+
+    async def _refresh(self, worker: Worker) -> None:
+        try:
+            await self.discover(worker)
+        except (httpx.HTTPError, _ProbeFailed) as exc:
+            worker.models_stale = False
+            log.info("%s: models not read again: %s", worker.url, exc or type(exc).__name__)
 
     # -- health -----------------------------------------------------------------------
     async def probe_all(self) -> None:
@@ -132,7 +168,7 @@ class HealthChecker:
                 raise _ProbeFailed(
                     f"GET {worker.adapter.health_path} answered {response.status_code}"
                 )
-            if worker.config.models is None and (not worker.healthy or not worker.models):
+            if not worker.healthy or not worker.models:
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
             self._metrics.probe_failed(worker)
@@ -143,8 +179,35 @@ class HealthChecker:
         return worker.healthy
 
     async def discover(self, worker: Worker) -> None:
-        """Read the models a worker serves from its ``/v1/models``."""
-        response = await self._get(worker, worker.adapter.models_path)
+        """Read the models a worker serves from its ``/v1/models`` (unless configured) and
+        the engine facts it declares; the registry checks them."""
+        cards = await self._models(worker) if worker.config.models is None else None
+        self._registry.update_models(worker, cards, await self._facts(worker))
+
+    async def _facts(self, worker: Worker) -> EngineFacts:
+        """What the engine declares on its /metrics (none when it cannot be read: the
+        block size its events carry is adopted then)."""
+        adapter = worker.adapter
+        if adapter.block_size_info is not None and adapter.metrics_path is not None:
+            path = adapter.metrics_path
+        elif adapter.server_info is not None:
+            path = adapter.server_info[0]
+        else:
+            return EngineFacts()
+        try:
+            response = await self._get(worker, path)
+            if response.status_code != 200:
+                raise _ProbeFailed(f"GET {path} answered {response.status_code}")
+            if path == adapter.metrics_path:
+                return adapter.parse_facts(response.text)
+            return adapter.parse_server_info(response.content)
+        except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
+            log.info("%s: engine facts not read from %s: %s", worker.url, path, exc)
+            return EngineFacts()
+
+    async def _models(self, worker: Worker) -> dict[str, dict[str, Any]]:
+        limit = self._config.models_max_bytes
+        response = await self._get(worker, worker.adapter.models_path, limit)
         if response.status_code != 200:
             raise _ProbeFailed(f"GET {worker.adapter.models_path} answered {response.status_code}")
         try:
@@ -154,7 +217,11 @@ class HealthChecker:
         cards = {str(m["id"]): m for m in models if isinstance(m.get("id"), str)}
         if not cards:
             raise _ProbeFailed("the worker lists no models")
-        worker.set_models(cards)
+        if len(cards) > self._config.models_max_entries:
+            raise _ProbeFailed(
+                f"the worker lists more than {self._config.models_max_entries} models"
+            )
+        return cards
 
     # -- load -------------------------------------------------------------------------
     async def scrape_all(self) -> None:
@@ -176,27 +243,37 @@ class HealthChecker:
             log.debug("scrape of %s failed: %s", worker.url, exc)
             worker.scraped = ScrapedLoad()
 
-    async def _get(self, worker: Worker, path: str) -> _Answer:
+    async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
         """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
-        trickling worker cannot stall the probe round), up to ``_MAX_ANSWER_BYTES``."""
+        trickling worker cannot stall the probe round), up to ``limit`` bytes (default
+        ``_MAX_ANSWER_BYTES``)."""
         timeout = self._config.timeout_s
+        limit = _MAX_ANSWER_BYTES if limit is None else limit
         try:
             async with asyncio.timeout(timeout):
-                return await self._read(worker.url + path, _headers(worker))
+                return await self._read(worker.url + path, _headers(worker), limit)
         except TimeoutError as exc:
             raise _ProbeFailed(f"GET {path}: no whole answer within {timeout:g} s") from exc
 
-    async def _read(self, url: str, headers: dict[str, str]) -> _Answer:
+    async def _read(self, url: str, headers: dict[str, str], limit: int) -> _Answer:
         timeout = self._config.timeout_s  # also httpx's, for its own pool and connect waits
         async with self._client.stream("GET", url, headers=headers, timeout=timeout) as response:
             chunks: list[bytes] = []
             size = 0
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
-                if size > _MAX_ANSWER_BYTES:
-                    raise _ProbeFailed(f"answer over {_MAX_ANSWER_BYTES} bytes")
+                if size > limit:
+                    raise _ProbeFailed(f"answer over {limit} bytes")
                 chunks.append(chunk)
         return _Answer(response.status_code, b"".join(chunks))
+
+
+async def _supervised(action: Callable[[], Awaitable[None]]) -> None:
+    """One round of a background loop: whatever it raises costs that round, never the loop."""
+    try:
+        await action()
+    except Exception:  # a loop's supervisor: logged with its traceback, the loop goes on
+        log.exception("a background round of the health checker failed")
 
 
 class _ProbeFailed(Exception):

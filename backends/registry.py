@@ -19,18 +19,21 @@ The registry is the one list of workers: whoever needs to follow it (the KV inde
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.config import HealthConfig, WorkerConfig, normalise_url
-from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
+from backends.engines import EngineAdapter, EngineFacts, ScrapedLoad, adapter_for
 from backends.errors import WorkerExists, WorkerNotFound
 from index.api import Endpoints, EngineWorker, WorkerListener
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from scoring.api import Candidate, WorkerLoad
 
+log = logging.getLogger("kvgate.registry")
 _FOOTPRINT_REBASE_EXPONENT = 256.0
 """Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
 
@@ -49,6 +52,10 @@ class Worker:
     active_decode_blocks: int = 0
     footprint: float = 0.0  # see WorkerRegistry.record_footprint
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    facts: EngineFacts = field(default_factory=EngineFacts)  # as the engine declares them
+    events_block_size: int | None = None  # the block size its KV events carry, when seen
+    problems: dict[str, str] = field(default_factory=dict)  # engine fact -> why not ready
+    models_stale: bool = False  # answered 404 for a model it listed: read its models again
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_error: str | None = None
@@ -65,6 +72,20 @@ class Worker:
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def ready(self) -> bool:
+        """Healthy, and nothing it declares contradicts what kvgate keys its prompts with."""
+        return self.healthy and not self.problems
+
+    def base_models(self) -> list[str]:
+        """The models it serves that are not adapters of another (``parent`` unset)."""
+        return [m for m, card in self.model_cards.items() if not card.get("parent")]
+
+    def adapter_base(self, model: str) -> str | None:
+        """The base model of adapter ``model`` on this worker (None: not an adapter here)."""
+        parent = self.model_cards.get(model, {}).get("parent")
+        return parent if isinstance(parent, str) and parent else None
 
     def load(self) -> WorkerLoad:
         """The worker's load now (an immutable snapshot)."""
@@ -105,14 +126,16 @@ class Worker:
         """What the KV index needs of this worker, as it is now."""
         config = self.config
         endpoints = (Endpoints(config.events, config.replay, 0),) if config.events else ()
+        bases = self.base_models()
         return EngineWorker(
             id=self.id,
             url=self.url,
             engine=config.engine,
             endpoints=endpoints,
-            model=next(iter(self.models)) if len(self.models) == 1 else None,
+            model=bases[0] if len(bases) == 1 else None,
             authorization=config.authorization(),
             healthy=self.healthy,
+            block_size=None if self.problems else self.facts.block_size,
         )
 
     def set_models(self, cards: Mapping[str, dict[str, Any]]) -> None:
@@ -129,6 +152,9 @@ class Worker:
             "events": self.config.events,
             "replay": self.config.replay,
             "healthy": self.healthy,
+            "ready": self.ready,
+            "block_size": self.facts.block_size,
+            "problems": dict(self.problems),
             "in_flight": self.in_flight,
             "pending_prefill_tokens": self.pending_prefill_tokens,
             "active_decode_blocks": self.active_decode_blocks,
@@ -187,13 +213,19 @@ class WorkerRegistry:
         *,
         footprint_half_life_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        explicit_block_size: Callable[[str], int | None] | None = None,
     ) -> None:
+        """``explicit_block_size``: the block size kvgate was told to use for a model (None:
+        not set; the engines' own is adopted)."""
         self._health = health or HealthConfig()
+        self._explicit_block_size = explicit_block_size or (lambda model: None)
         self._footprint_half_life_s = footprint_half_life_s
         self._clock = clock
         self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
         self._listeners: list[WorkerListener] = []
+        self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
+        self._adapter_bases: dict[str, str] = {}
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -212,6 +244,7 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> Worker:
         worker = self.get(worker_id)
         del self._workers[worker.id]
+        self._index_adapters()
         worker.removed = True
         worker.healthy = False
         for listener in list(self._listeners):
@@ -258,17 +291,32 @@ class WorkerRegistry:
     def candidates(
         self, model: str, matches: Mapping[WorkerId, PrefixMatch] | None = None
     ) -> list[Candidate]:
-        """Healthy workers serving ``model``, each with its entry of ``matches`` (the index's
+        """Ready workers serving ``model``, each with its entry of ``matches`` (the index's
         prefix matches; none given: ``NO_MATCH``)."""
         if not matches:
-            return [
-                w.candidate() for w in self._workers.values() if w.healthy and model in w.models
-            ]
+            return [w.candidate() for w in self._workers.values() if w.ready and model in w.models]
         return [
             w.candidate(matches.get(w.id, NO_MATCH))
             for w in self._workers.values()
-            if w.healthy and model in w.models
+            if w.ready and model in w.models
         ]
+
+    def base_model(self, model: str) -> tuple[str, str | None]:
+        """``model`` as (base model, adapter): a name some worker lists with a ``parent`` is
+        that parent's adapter (the first such worker's word); any other name is a base."""
+        base = self._adapter_bases.get(model)
+        return (model, None) if base is None else (base, model)
+
+    def _index_adapters(self) -> None:
+        """adapter → base model over every worker (the first worker's word), kept at hand:
+        ``base_model`` is asked once per request."""
+        bases: dict[str, str] = {}
+        for worker in self._workers.values():
+            for model in worker.models:
+                base = worker.adapter_base(model)
+                if base is not None:
+                    bases.setdefault(model, base)
+        self._adapter_bases = bases
 
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of healthy workers' models (first worker's card wins), sorted by id."""
@@ -281,6 +329,66 @@ class WorkerRegistry:
 
     def healthy_count(self) -> int:
         return sum(1 for w in self._workers.values() if w.healthy)
+
+    def ready_count(self) -> int:
+        return sum(1 for w in self._workers.values() if w.ready)
+
+    def problems(self) -> dict[str, dict[str, str]]:
+        """Per worker URL, the engine facts that keep it from being ready, and why."""
+        return {w.url: dict(w.problems) for w in self._workers.values() if w.problems}
+
+    # -- what the engines declare -------------------------------------------------------
+    def update_models(
+        self, worker: Worker, cards: Mapping[str, dict[str, Any]] | None, facts: EngineFacts
+    ) -> None:
+        """A worker's model list (None: unchanged) and engine facts as just read from it;
+        whoever follows the fleet hears of it when what it sees of the worker changed."""
+        if worker.removed:
+            return
+        before = worker.engine_view()
+        worker.models_stale = False
+        if cards is not None:
+            _log_model_changes(worker, cards)
+            worker.set_models(cards)
+            self._index_adapters()
+        if facts.block_size is not None:
+            worker.facts = facts
+        self.check_facts(changed={worker.id: before})
+
+    def models_stale(self, worker: Worker) -> None:
+        """The worker answered 404 for a model it listed: its list is read again soon."""
+        if not worker.removed and not worker.models_stale:
+            worker.models_stale = True
+            self.stale_models.set()
+
+    def observe_block_size(self, worker_id: WorkerId, block_size: int) -> None:
+        """A worker's KV events carry ``block_size``: adopted when it declared none, else
+        checked against what it declared."""
+        worker = self._workers.get(worker_id)
+        if worker is None or block_size <= 0:
+            return
+        before = worker.engine_view()
+        worker.events_block_size = block_size
+        if worker.facts.block_size is None:
+            log.info("%s: block size %d adopted from its KV events", worker.url, block_size)
+            worker.facts = EngineFacts(block_size=block_size)
+        self.check_facts(changed={worker.id: before})
+
+    def check_facts(self, changed: Mapping[WorkerId, EngineWorker] | None = None) -> None:
+        """Recompute every worker's problems (a block size that contradicts the configured
+        one, another worker of the same model, or its own events); listeners hear of every
+        worker whose view changed (``changed``: views from before a change made here)."""
+        before = {w.id: w.engine_view() for w in self._workers.values()} | dict(changed or {})
+        found = _block_size_problems(list(self._workers.values()), self._explicit_block_size)
+        for worker in self._workers.values():
+            problems = {"block_size": found[worker.id]} if worker.id in found else {}
+            if problems != worker.problems:
+                _log_problems(worker, problems)
+                worker.problems = problems
+            view = worker.engine_view()
+            if view != before.get(worker.id):
+                for listener in list(self._listeners):
+                    listener.worker_health_changed(view)
 
     # -- load -------------------------------------------------------------------------
     def begin(self, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> LoadTicket:
@@ -338,3 +446,59 @@ class WorkerRegistry:
             worker.consecutive_failures = 0
         for listener in list(self._listeners):
             listener.worker_health_changed(worker.engine_view())
+
+
+def _block_size_problems(
+    workers: list[Worker], explicit: Callable[[str], int | None]
+) -> dict[WorkerId, str]:
+    """Workers whose declared block size cannot be used, and why: it contradicts the
+    configured size of its model, the size of an earlier worker of the same model, or the size
+    its own KV events carry."""
+    problems: dict[WorkerId, str] = {}
+    adopted: dict[str, tuple[int, Worker]] = {}
+    for worker in workers:
+        size = worker.facts.block_size
+        if size is None:
+            continue
+        events = worker.events_block_size
+        if events is not None and events != size:
+            problems[worker.id] = (
+                f"its KV events have block_size {events} but its /metrics declares {size}"
+            )
+            continue
+        for model in worker.base_models():
+            configured = explicit(model)
+            if configured is not None and configured != size:
+                problems[worker.id] = (
+                    f"the engine's block size is {size} but kvgate is configured with "
+                    f"{configured} for model {model!r}: set --index-block-size {size} (or "
+                    f"index.model_block_sizes {model}={size}), or leave it unset to adopt the "
+                    "engine's"
+                )
+                break
+            first = adopted.setdefault(model, (size, worker))
+            if first[0] != size:
+                problems[worker.id] = (
+                    f"block size {size} but {first[1].url} serves {model!r} with {first[0]}: "
+                    "every replica of a model must use the same --block-size"
+                )
+                break
+    return problems
+
+
+def _log_problems(worker: Worker, problems: Mapping[str, str]) -> None:
+    if problems:
+        for fact, reason in problems.items():
+            log.error("%s is not ready (%s): %s", worker.url, fact, reason)
+    else:
+        log.info(
+            "%s: its engine facts agree again: %s resolved", worker.url, sorted(worker.problems)
+        )
+
+
+def _log_model_changes(worker: Worker, cards: Mapping[str, dict[str, Any]]) -> None:
+    if not worker.models:
+        return
+    added, gone = sorted(cards.keys() - worker.models), sorted(worker.models - cards.keys())
+    if added or gone:
+        log.info("%s: models added %s, gone %s", worker.url, added, gone)

@@ -131,6 +131,9 @@ class PromptInput:
     chat_template_kwargs: Mapping[str, Any] | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    add_special_tokens: bool | None = None
+    """The tokenizer's own special tokens (BOS, ...) around the rendered text; None: as the
+    engine does for ``kind`` (completions yes, chats no). vLLM's Responses API adds them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +177,8 @@ class EngineWorker:
     endpoints (none: asked of a vLLM worker, ``GET /kv_event_sources``, else approximate
     mode), the one model it serves if known (its events' block size), the ``Authorization``
     header value for the index's own calls to it (``/kv_event_sources``, ``/tokenize``; never
-    shown), and whether it is healthy (only healthy workers are asked to tokenize)."""
+    shown), whether it is healthy (only healthy workers are asked to tokenize), and the KV block
+    size its engine declares (None: not declared, or contradicted: the configured one applies)."""
 
     id: WorkerId
     url: str
@@ -183,6 +187,7 @@ class EngineWorker:
     model: str | None = None
     authorization: str | None = field(default=None, repr=False)
     healthy: bool = False
+    block_size: int | None = None
 
 
 class WorkerListener(Protocol):
@@ -197,5 +202,6 @@ class WorkerListener(Protocol):
         ...
 
     def worker_health_changed(self, worker: EngineWorker) -> None:
-        """A worker became healthy or unhealthy (``worker`` as it is now, models included)."""
+        """A worker became healthy or unhealthy, or what it serves or declares changed
+        (``worker`` as it is now, models and block size included)."""
         ...

@@ -21,9 +21,15 @@ DEFAULT_MEDIUM_TIERS: dict[str, Tier] = {
 class IndexConfig(BaseModel):
     """Knobs of tokenization, block keys, the indexes and event ingestion."""
 
-    block_size: int = Field(16, gt=0, description="Engine KV block size in tokens (default).")
+    block_size: int = Field(
+        16,
+        gt=0,
+        description="Engine KV block size in tokens. Unset: each model's engines' own "
+        "(vllm:cache_config_info, KV events) is adopted, 16 until one is known; set: an engine "
+        "declaring another is not ready.",
+    )
     model_block_sizes: dict[str, int] = Field(
-        default_factory=dict, description="Per-model block size overrides."
+        default_factory=dict, description="Per-model block sizes (set: as block_size)."
     )
     tokenizers: dict[str, Path] = Field(
         default_factory=dict,
@@ -119,6 +125,14 @@ class IndexConfig(BaseModel):
         return (
             self.block_size if model is None else self.model_block_sizes.get(model, self.block_size)
         )
+
+    def explicit_block_size(self, model: str) -> int | None:
+        """The block size set for ``model`` (its own entry, or ``block_size`` given
+        explicitly); None: not set, the engines' declared size is adopted."""
+        size = self.model_block_sizes.get(model)
+        if size is None and "block_size" in self.model_fields_set:
+            size = self.block_size
+        return size
 
     def tokenizer_dir(self, model: str) -> Path | None:
         return self.tokenizers.get(model, self.default_tokenizer)

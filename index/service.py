@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,9 +45,12 @@ class KvIndexService:
         *,
         clock: Callable[[], float] = time.monotonic,
         endpoint_allowed: EndpointCheck | None = None,
+        on_block_size: Callable[[WorkerId, int], None] | None = None,
     ) -> None:
         """``endpoint_allowed``: whether a KV-event endpoint a worker declares on another host
-        than its own may be subscribed to (the router's allowlist; none: never)."""
+        than its own may be subscribed to (the router's allowlist; none: never).
+        ``on_block_size``: told (from the event loop, never during ingestion) when a worker's
+        KV events carry another block size than the index expected of it."""
         self.config = config
         self.metrics = IndexMetrics(registry)
         kind = config.table_kind()
@@ -55,13 +59,26 @@ class KvIndexService:
             config.approx_ttl_s, config.approx_worker_capacity, clock, new_table(kind)
         )
         self._workers: dict[WorkerId, EngineWorker] = {}
+        self._model_block_sizes: dict[str, int] = {}  # declared by the engines
+        self._on_block_size = on_block_size
         discovery = Discovery(
             http, timeout_s=config.discovery_timeout_s, endpoint_allowed=endpoint_allowed
         )
         self._subscriptions = Subscriptions(
-            config, self.events, self.metrics, discovery, on_discovered=self.approx.remove_worker
+            config,
+            self.events,
+            self.metrics,
+            discovery,
+            on_discovered=self.approx.remove_worker,
+            on_block_size=self._events_block_size,
         )
-        self._keyer = PromptKeyer(config, self.metrics, http, lambda: list(self._workers.values()))
+        self._keyer = PromptKeyer(
+            config,
+            self.metrics,
+            http,
+            lambda: list(self._workers.values()),
+            block_size_for=self.block_size_for,
+        )
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -91,12 +108,14 @@ class KvIndexService:
         if worker.id in self._workers:
             self.worker_removed(worker.id)
         self._workers[worker.id] = worker
+        self._learn_block_sizes()
         self._subscriptions.join(worker)
 
     def worker_removed(self, worker: WorkerId) -> None:
         """Stop the worker's event tasks and drop everything known of it, at once."""
         if self._workers.pop(worker, None) is None:
             return
+        self._learn_block_sizes()
         try:
             self._subscriptions.leave(worker)
         finally:
@@ -104,13 +123,15 @@ class KvIndexService:
             self.metrics.resets.labels(worker, "removed").inc()
 
     def worker_health_changed(self, worker: EngineWorker) -> None:
-        """Health (asked before ``/tokenize``) and models: a worker whose one model turns out
-        to have another block size than its events were checked against joins again."""
+        """Health (asked before ``/tokenize``), models and block size: a worker whose events
+        are to be read with another block size than before joins again (a replay from the
+        start brings back what it holds)."""
         known = self._workers.get(worker.id)
         if known is None:
             return
         self._workers[worker.id] = worker
-        if self.config.block_size_for(worker.model) != self.config.block_size_for(known.model):
+        self._learn_block_sizes()
+        if self._subscriptions.block_size_of(worker) != self._subscriptions.block_size_of(known):
             self._subscriptions.join(worker)
 
     def resync(self, worker: WorkerId, *, replay: bool) -> bool:
@@ -120,6 +141,21 @@ class KvIndexService:
         if done:
             self.metrics.resets.labels(worker, "resync").inc()
         return done
+
+    def _learn_block_sizes(self) -> None:
+        """Per model, the block size its engines declare (the registry has checked that
+        they agree: a worker that contradicts declares none here)."""
+        learned: dict[str, int] = {}
+        for worker in self._workers.values():
+            if worker.model is not None and worker.block_size is not None:
+                learned.setdefault(worker.model, worker.block_size)
+        self._model_block_sizes = learned
+
+    def _events_block_size(self, worker: WorkerId, block_size: int) -> None:
+        """A worker's events carry another block size than expected: told to the fleet's
+        keeper on the next loop turn (it may make this worker join again)."""
+        if self._on_block_size is not None and worker in self._workers:
+            asyncio.get_running_loop().call_soon(self._on_block_size, worker, block_size)
 
     def workers(self) -> list[WorkerId]:
         return list(self._workers)
@@ -146,7 +182,12 @@ class KvIndexService:
 
     # ------------------------------------------------------------------ keys
     def block_size_for(self, model: str) -> int:
-        return self.config.block_size_for(model)
+        """The configured block size of ``model``, else the one its engines declare, else
+        the default."""
+        explicit = self.config.explicit_block_size(model)
+        if explicit is not None:
+            return explicit
+        return self._model_block_sizes.get(model, self.config.block_size)
 
     async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
         return await self._keyer.keys_for(model, prompt)
@@ -172,6 +213,11 @@ class KvIndexService:
         return {
             "entries": {"events": self.events.entry_count(), "approx": self.approx.entry_count()},
             "blocks": self.events.block_count(),
+            "block_sizes": {
+                "default": self.config.block_size,
+                "configured": dict(self.config.model_block_sizes),
+                "declared_by_engines": dict(self._model_block_sizes),
+            },
             "pruned": self.events.pruned,
             "workers": {worker: self._describe(state) for worker, state in self._workers.items()},
             "domains": [
@@ -203,6 +249,8 @@ class KvIndexService:
             "url": worker.url,
             "engine": worker.engine,
             "healthy": worker.healthy,
+            "model": worker.model,
+            "block_size": self._subscriptions.block_size_of(worker),
             "mode": "events" if subscribers else "approx",
             "subscribers": subscribers,
         }

@@ -21,6 +21,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.accesslog import AccessLog
+from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
@@ -65,7 +66,9 @@ def build_gateway(
     """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
     metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
     registry = WorkerRegistry(
-        settings.health, footprint_half_life_s=settings.scoring.footprint_half_life_s
+        settings.health,
+        footprint_half_life_s=settings.scoring.footprint_half_life_s,
+        explicit_block_size=settings.index.explicit_block_size,
     )
     for worker in settings.workers:
         registry.add(worker)
@@ -82,6 +85,7 @@ def build_gateway(
             metrics_registry,
             client,
             endpoint_allowed=allowlist.permits_endpoint,  # what workers declare at run time
+            on_block_size=registry.observe_block_size,
         )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
@@ -111,6 +115,9 @@ def build_gateway(
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,
+        affinity=ResponseAffinity(
+            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
+        ),
     )
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
@@ -203,6 +210,7 @@ def create_app(
     app.fast_routes = {
         ("POST", "/v1/chat/completions"): lambda request: gateway.generate(request, ChatBody),
         ("POST", "/v1/completions"): lambda request: gateway.generate(request, CompletionBody),
+        ("POST", "/v1/responses"): gateway.responses,
     }
     _add_error_handlers(app)
     _add_openai_routes(app, gateway)
@@ -236,6 +244,10 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, CompletionBody)
+
+    @app.post("/v1/responses", tags=["openai"])
+    async def responses(request: Request) -> Response:
+        return await gateway.responses(request)
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models(request: Request) -> Response:

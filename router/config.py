@@ -40,6 +40,17 @@ from scoring.policies import POLICY_NAMES
 _SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
 
 
+class ResponsesConfig(BaseModel):
+    """The Responses API: which worker holds which stored response."""
+
+    affinity_max_ids: int = Field(
+        default=100_000, gt=0, description="response ids remembered (previous_response_id)"
+    )
+    affinity_ttl_s: float = Field(
+        default=3600.0, gt=0, description="how long a response id is remembered"
+    )
+
+
 class UpstreamConfig(BaseModel):
     """How kvgate talks to engines."""
 
@@ -239,6 +250,7 @@ class Settings(BaseSettings):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
     index_watch: IndexWatchConfig = Field(default_factory=IndexWatchConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 

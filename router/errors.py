@@ -13,12 +13,14 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── RequestTimeout               408 (head or body too slow; connection closed)
     ├── NotFound                     404 (and 405 for a known path, another method)
     │   ├── ModelNotFound            404
+    │   ├── PreviousResponseGone     404 (the worker holding a previous_response_id left)
     │   └── WorkerNotFound           404 <- backends.errors.WorkerNotFound
     ├── WorkerExists                 409 <- backends.errors.WorkerExists
     ├── PayloadTooLarge              413
     ├── ClientClosed                 499 (nobody reads it: the client is gone)
     ├── TooManyConnections           503 + Retry-After (connection closed)
     ├── NoHealthyWorker              503 + Retry-After
+    ├── PreviousResponseUnavailable  503 + Retry-After (its worker is down or not ready)
     ├── UpstreamError                502 upstream_error <- httpx.HTTPError
     │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
     │   ├── UpstreamProtocolError    502 (retryable before the first token)
@@ -205,6 +207,20 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model '{model}' does not exist", param="model")
 
 
+class PreviousResponseGone(NotFound):
+    """The worker that produced a ``previous_response_id`` has left: its store went with it."""
+
+    code = "previous_response_not_found"
+
+    def __init__(self, response_id: str, worker: str) -> None:
+        super().__init__(
+            f"previous_response_id '{response_id}' was produced by worker {worker}, which has "
+            "left the fleet: the stored conversation is gone. Send the conversation again "
+            "without previous_response_id",
+            param="previous_response_id",
+        )
+
+
 class WorkerNotFound(NotFound):
     code = "worker_not_found"
 
@@ -241,6 +257,22 @@ class NoHealthyWorker(KvgateError):
         super().__init__(
             f"no healthy worker serves model '{model}'",
             param="model",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class PreviousResponseUnavailable(KvgateError):
+    """The worker holding a ``previous_response_id`` cannot take it now (503 + Retry-After)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "previous_response_worker_unavailable"
+
+    def __init__(self, response_id: str, worker: str, why: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"previous_response_id '{response_id}' is held by worker {worker}, which is {why}: "
+            "only that worker can continue it; retry later",
+            param="previous_response_id",
             headers={"retry-after": str(retry_after_s)},
         )
 

@@ -31,6 +31,7 @@ from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
 from index.types import WorkerId
 from router.accesslog import client_key_id
+from router.affinity import ResponseAffinity
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
@@ -39,6 +40,8 @@ from router.errors import (
     KvgateError,
     ModelNotFound,
     PayloadTooLarge,
+    PreviousResponseGone,
+    PreviousResponseUnavailable,
     RequestTimeout,
     Unauthorized,
     WorkerNotAllowed,
@@ -52,6 +55,7 @@ from router.requests import (
     AnyModelBody,
     ChatBody,
     CompletionBody,
+    ResponsesBody,
     decode_json_object,
     raw_with_usage_requested,
     upstream_target,
@@ -62,6 +66,7 @@ from router.routing import Router
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
+_RESPONSES = "/v1/responses/"
 
 
 class IndexLifecycle(WorkerListener, Protocol):
@@ -163,6 +168,7 @@ class Gateway:
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
     request_ids: RequestIds = field(default_factory=RequestIds)
+    affinity: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 3600.0))
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
     observer: Observer = field(default_factory=lambda: Observer(None, None))
@@ -280,6 +286,65 @@ class Gateway:
             )
         )
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: keyed like a chat when kvgate renders its prompt as the
+        engine does (else by load, ``ResponsesBody.prompt_input`` says why); a turn naming a
+        ``previous_response_id`` goes to the worker that produced that response."""
+        received_at = time.perf_counter()
+        request_id = self.request_ids.of(request)
+        observation = self._observe(request, request_id, received_at)
+        model = "none"
+        try:
+            observation.client = self.check_client(request)
+            raw = await self.read_body(request)
+            parsed = validate(ResponsesBody, decode_json_object(raw))
+            model = parsed.model
+            observation.parsed(model, len(raw), stream=bool(parsed.stream))
+            prompt, _ = parsed.prompt_input()
+            routed = await self.router.decide(
+                model,
+                prompt,
+                session_key=request.headers.get("x-session-id") or parsed.user,
+                max_tokens=parsed.output_limit,
+                spans=observation.spans,
+                only=self._holder(parsed.previous_response_id),
+            )
+        except KvgateError as exc:
+            return self._refuse(exc, observation, model)
+        return self.proxy.respond(
+            Exchange(
+                request_id=request_id,
+                method="POST",
+                path=request.scope["path"],
+                body=raw,
+                headers=forwardable_headers(request.headers.raw),
+                model=model,
+                routed=routed,
+                stream=bool(parsed.stream),
+                usage_mode=UsageMode.TAP if parsed.stream else UsageMode.BODY,
+                received_at=received_at,
+                observation=observation,
+                answer_tap=self.affinity.tap(),
+            )
+        )
+
+    def _holder(self, response_id: str | None) -> WorkerId | None:
+        """The worker holding a stored response (None: not one kvgate routed, or forgotten:
+        routed by load, the engine answers for it); its absence is a clear error."""
+        if response_id is None:
+            return None
+        holder = self.affinity.worker_of(response_id)
+        if holder is None:
+            return None
+        worker = self.registry.find(holder)
+        if worker is None:
+            raise PreviousResponseGone(response_id, holder)
+        if not worker.ready:
+            why = "not ready" if worker.healthy else "unhealthy"
+            retry = self.settings.retry_after_s
+            raise PreviousResponseUnavailable(response_id, worker.url, why, retry_after_s=retry)
+        return holder
+
     async def pass_through(self, request: Request) -> Response:
         """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model."""
         received_at = time.perf_counter()
@@ -290,13 +355,15 @@ class Gateway:
             path = upstream_target(request.scope["path"], request.scope.get("query_string", b""))
             observation.client = self.check_client(request)
             raw = await self.read_body(request)
-            model = self._model_of(request, raw)
+            stored, holder = self._stored_response(request.scope["path"])
+            model = stored or self._model_of(request, raw)
             observation.parsed(model, len(raw), stream=False)
             routed = await self.router.decide(
                 model,
                 None,
                 session_key=request.headers.get("x-session-id"),
                 spans=observation.spans,
+                only=holder,
             )
         except KvgateError as exc:
             return self._refuse(exc, observation, model)
@@ -315,6 +382,16 @@ class Gateway:
                 observation=observation,
             )
         )
+
+    def _stored_response(self, path: str) -> tuple[str | None, WorkerId | None]:
+        """``/v1/responses/{id}[/...]`` of a response kvgate routed: to the worker holding it
+        (a model it serves, and its id); anything else: (None, None)."""
+        response_id = path.removeprefix(_RESPONSES).partition("/")[0]
+        holder = self._holder(response_id) if path.startswith(_RESPONSES) else None
+        models = self.registry.get(holder).models if holder is not None else None
+        if holder is None or not models:
+            return None, None
+        return min(models), holder
 
     def _model_of(self, request: Request, raw: bytes) -> str:
         if raw.strip():
@@ -355,9 +432,19 @@ class Gateway:
         return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
 
     def ready(self) -> Response:
-        healthy = self.registry.healthy_count()
-        body = {"ready": healthy > 0, "healthy_workers": healthy, "workers": len(self.registry)}
-        return json_response(body, 200 if healthy else 503)
+        """Ready with one ready worker (healthy, engine facts agreeing); the workers kept out
+        by what their engines declare are listed with why."""
+        ready = self.registry.ready_count()
+        body: dict[str, Any] = {
+            "ready": ready > 0,
+            "ready_workers": ready,
+            "healthy_workers": self.registry.healthy_count(),
+            "workers": len(self.registry),
+        }
+        problems = self.registry.problems()
+        if problems:
+            body["not_ready"] = problems
+        return json_response(body, 200 if ready else 503)
 
     # -- admin --------------------------------------------------------------------------
     def describe_workers(self) -> dict[str, Any]:
@@ -408,17 +495,32 @@ class Gateway:
         """``POST /debug/route``: the routing decision for a body, without sending it."""
         self.check_admin(request)
         data = decode_json_object(await self.read_body(request))
+        session = request.headers.get("x-session-id")
+        if "input" in data:  # a Responses API body
+            body = validate(ResponsesBody, data)
+            prompt, keyed = body.prompt_input()
+            routed = await self.router.decide(
+                body.model,
+                prompt,
+                session_key=session or body.user,
+                max_tokens=body.output_limit,
+                only=self._holder(body.previous_response_id),
+            )
+            return json_response({**self.router.explain(routed), "responses_prompt": keyed})
         parsed: ChatBody | CompletionBody
         parsed = validate(ChatBody, data) if "messages" in data else validate(CompletionBody, data)
-        session = request.headers.get("x-session-id") or parsed.user
         routed = await self.router.decide(
-            parsed.model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
+            parsed.model,
+            parsed.prompt_input(),
+            session_key=session or parsed.user,
+            max_tokens=parsed.output_limit,
         )
         return json_response(self.router.explain(routed))
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
-        return self.index.stats() if self.index is not None else {"index": None}
+        stats = self.index.stats() if self.index is not None else {"index": None}
+        return {**stats, "config_mismatch": self.registry.problems()}
 
     def resync(self, worker: WorkerId, replay: bool) -> bool:
         """Drop a worker's index entries and subscribe to its events again

@@ -256,6 +256,17 @@ class WorkerStateCollector(Collector):
                 "KV-cache usage (0..1) scraped from the engine's /metrics",
                 labels=["worker"],
             ),
+            "mismatch": GaugeMetricFamily(
+                "kvgate_worker_config_mismatch",
+                "1 when an engine fact (block_size) contradicts kvgate's: the worker is not "
+                "ready (/ready says why)",
+                labels=["worker", "fact"],
+            ),
+            "models": GaugeMetricFamily(
+                "kvgate_worker_models",
+                "Models the worker serves (base models and adapters), from its /v1/models",
+                labels=["worker"],
+            ),
         }
         for w in self._workers:
             labels = [w.url]
@@ -267,6 +278,8 @@ class WorkerStateCollector(Collector):
                 gauges["waiting"].add_metric(labels, w.scraped.waiting)
             if w.scraped.kv_usage is not None:
                 gauges["kv_usage"].add_metric(labels, w.scraped.kv_usage)
+            gauges["mismatch"].add_metric([w.url, "block_size"], float("block_size" in w.problems))
+            gauges["models"].add_metric(labels, len(w.models))
         yield from gauges.values()
 
     def describe(self) -> Iterator[GaugeMetricFamily]:

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import httpx
 from starlette.responses import Response
@@ -112,6 +113,13 @@ class Exchange:
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
+    answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
+
+
+class AnswerTap(Protocol):
+    def feed(self, worker: WorkerId, chunk: bytes) -> bool:
+        """The next bytes of ``worker``'s successful answer; True: seen enough."""
+        ...
 
 
 @dataclass(slots=True)
@@ -200,6 +208,7 @@ class ProxyResponse(Response):
         self._sse = False
         self._tail_open = False  # the last relayed bytes ended inside an SSE event
         self._watch_errors = False  # look for the engine's error events in the stream
+        self._answer_tap: AnswerTap | None = None  # the committed stream's, until fed enough
         self._client_gone = False
         self._late = False  # the whole-exchange deadline passed
         self.status_code = 200
@@ -378,6 +387,8 @@ class ProxyResponse(Response):
             self._proxy.mark_failed(worker, Reason.HTTP_5XX, f"answered {response.status_code}")
             raise AttemptFailed(error, Reason.HTTP_5XX)
         self._proxy.registry.record_ok_response(worker)  # a client error: no sign of sickness
+        if response.status_code == 404 and self._x.model in worker.models:
+            self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
         await self._fail(send, error, outcome)
 
     async def _relay_body(
@@ -393,6 +404,8 @@ class ProxyResponse(Response):
         self._proxy.registry.record_ok_response(worker)
         if self._x.usage_mode is UsageMode.BODY:
             outcome.usage = usage_from_body(body)
+        if self._x.answer_tap is not None:
+            self._x.answer_tap.feed(worker.id, body)
         headers = self._client_headers(worker, outcome.routed, response)
         headers.append((b"content-length", str(len(body)).encode()))
         await self._commit(send, response.status_code, headers, outcome)
@@ -452,6 +465,7 @@ class ProxyResponse(Response):
     ) -> None:
         """After the commit: the held chunks, then the rest as it comes (errors go inside)."""
         self._sse = self._watch_errors = held.sse
+        self._answer_tap = self._x.answer_tap
         mode = self._x.usage_mode
         tap = None
         if held.sse and mode is not UsageMode.NONE:
@@ -476,6 +490,8 @@ class ProxyResponse(Response):
     async def _relay_chunk(
         self, send: Send, chunk: bytes, tap: SseUsageTap | None, worker: Worker
     ) -> None:
+        if self._answer_tap is not None and self._answer_tap.feed(worker.id, chunk):
+            self._answer_tap = None  # it has seen enough
         if self._watch_errors and error_events(chunk):  # the engine's own, after tokens
             self._watch_errors = False  # counted once per stream
             self._stream_error(worker, Reason.ENGINE_ERROR)

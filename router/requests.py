@@ -112,6 +112,68 @@ class CompletionBody(_Routable):
         return self.max_tokens
 
 
+class ResponsesBody(_Routable):
+    """``POST /v1/responses``: what routing reads of it (every other field is forwarded)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = None
+
+    def prompt_input(self) -> tuple[PromptInput | None, str]:
+        """The prompt the engine renders (vLLM: ``instructions`` as a system message, a
+        string ``input`` as one user message, message items as chat messages, through the
+        chat template of ``/v1/chat/completions``), or None and why it cannot be known."""
+        if self.previous_response_id is not None:
+            return None, "continues a stored response: its conversation is on the engine"
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            for item in self.input:
+                message = _item_message(item)
+                if message is None:
+                    return None, f"an input item of type {item.get('type')!r} is not rendered"
+                messages.append(message)
+        tools = [{"type": "function", "function": t} for t in self.tools] if self.tools else None
+        prompt = PromptInput(
+            kind="chat",
+            messages=messages,
+            tools=tools,
+            cache_salt=self.cache_salt,
+            add_special_tokens=True,  # vLLM tokenizes Responses prompts with them, unlike chats
+        )
+        return prompt, "rendered"
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_output_tokens
+
+
+def _item_message(item: dict[str, Any]) -> dict[str, Any] | None:
+    """One Responses input item as the chat message vLLM makes of it (None: a shape whose
+    rendering kvgate does not reproduce: content parts, reasoning, images, ...)."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        role, content = item.get("role"), item.get("content")
+        if role == "assistant" and isinstance(content, list) and content:
+            first = content[0]  # vLLM keeps the first part of an output message
+            content = first.get("text") if isinstance(first, dict) else None
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None
+        return {"role": role, "content": content}
+    if kind == "function_call":
+        function = {"name": item.get("name"), "arguments": item.get("arguments")}
+        call = {"id": item.get("call_id"), "type": "function", "function": function}
+        return {"role": "assistant", "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+    return None
+
+
 class AnyModelBody(BaseModel):
     """Any other /v1/* body: only ``model`` matters (to pick a worker serving it)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from backends.registry import WorkerRegistry
@@ -28,6 +28,15 @@ DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scal
 
 
 @dataclass(frozen=True, slots=True)
+class _Domain:
+    """What a retry's ranking keeps of the first: the cache domain and the pinned worker."""
+
+    base_model: str
+    adapter: str | None
+    only: WorkerId | None
+
+
+@dataclass(frozen=True, slots=True)
 class Routed:
     """One routing decision and the facts it was made on."""
 
@@ -36,6 +45,9 @@ class Routed:
     candidates: Mapping[WorkerId, Candidate]  # with their matches
     decision: Decision
     policy: str
+    base_model: str = ""  # the model whose tokenizer, template and block size keyed it
+    adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
+    only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -96,15 +108,22 @@ class Router:
         session_key: str | None = None,
         max_tokens: int | None = None,
         spans: RequestSpans | None = None,
+        only: WorkerId | None = None,
     ) -> Routed:
-        """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``);
+        """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
+
+        A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
+        chat template, block size) in the adapter's cache domain; only workers listing the
+        adapter are candidates. ``only``: that worker or none (a conversation it holds).
         ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
+        base, adapter = self.registry.base_model(model)
         index = self.block_index
         keys = None
         matches = None
         if index is not None and prompt is not None:
-            keys = await index.keys_for(model, prompt)
+            keyed = prompt if adapter is None else replace(prompt, lora_name=adapter)
+            keys = await index.keys_for(base, keyed)
             if spans is not None:
                 spans.phase("tokenize")
             if keys.block_keys:
@@ -119,7 +138,8 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        routed = self._rank(request, keys, matches)  # after the await: the freshest load
+        domain = _Domain(base, adapter, only)
+        routed = self._rank(request, keys, matches, domain)  # after the await: fresh load
         if spans is not None:
             spans.phase("score")
         return routed
@@ -131,16 +151,20 @@ class Router:
         matches = None
         if self.block_index is not None and routed.request.block_keys:
             matches = self.block_index.match(routed.request.block_keys)
-        return self._rank(routed.request, routed.keys, matches, exclude)
+        domain = _Domain(routed.base_model, routed.adapter, routed.only)
+        return self._rank(routed.request, routed.keys, matches, domain, exclude)
 
     def _rank(
         self,
         request: RouteRequest,
         keys: PromptKeys | None,
         matches: Mapping[WorkerId, PrefixMatch] | None,
+        domain: _Domain,
         exclude: Collection[WorkerId] = (),
     ) -> Routed:
         candidates = self.registry.candidates(request.model, matches)
+        if domain.only is not None:
+            candidates = [c for c in candidates if c.worker == domain.only]
         if exclude:
             candidates = [c for c in candidates if c.worker not in exclude]
         if not candidates:
@@ -152,6 +176,9 @@ class Router:
             candidates={c.worker: c for c in candidates},
             decision=decision,
             policy=self.policy.name,
+            base_model=domain.base_model,
+            adapter=domain.adapter,
+            only=domain.only,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
@@ -184,6 +211,7 @@ class Router:
             "chosen": routed.decision.chosen,
             "policy": routed.policy,
             "model": request.model,
+            "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
             "tokenize_mode": keys.mode if keys is not None else None,
             "block_size": request.block_size,
             "prompt_tokens": request.prompt_tokens,
@@ -222,7 +250,11 @@ def _scored_entry(
 def _ineligible_reason(model: str, worker: Any) -> str:
     if model not in worker.models:
         return f"does not serve model {model!r}"
-    return "unhealthy" if not worker.healthy else "not ranked by the policy"
+    if not worker.healthy:
+        return "unhealthy"
+    if worker.problems:
+        return "not ready: " + "; ".join(worker.problems.values())
+    return "not ranked by the policy"
 
 
 def _log_line(routed: Routed) -> str:

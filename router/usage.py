@@ -1,4 +1,6 @@
-"""Engine-reported usage: prompt, cached (``prompt_tokens_details``) and completion tokens.
+"""Engine-reported usage: prompt, cached (``prompt_tokens_details``) and completion tokens
+(the Responses API's ``input_tokens``, ``input_tokens_details.cached_tokens`` and
+``output_tokens`` alike).
 
 Non-streaming bodies are decoded into a tiny struct (msgspec skips every other field).
 Streams pass through ``SseUsageTap``, which frames SSE events at C speed and decodes only
@@ -26,6 +28,9 @@ class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
+    input_tokens: int | None = None  # the Responses API's names
+    input_tokens_details: _Details | None = None
+    output_tokens: int | None = None
 
 
 class _Body(msgspec.Struct):
@@ -47,14 +52,26 @@ class Usage:
 def _from_struct(usage: _Usage | None) -> Usage | None:
     if usage is None:
         return None
-    details = usage.prompt_tokens_details
-    cached = details.cached_tokens if details is not None else None
-    return Usage(usage.prompt_tokens, cached, usage.completion_tokens)
+    prompt, details, completion = (
+        usage.prompt_tokens,
+        usage.prompt_tokens_details,
+        usage.completion_tokens,
+    )
+    if prompt is None and details is None:
+        prompt, details = usage.input_tokens, usage.input_tokens_details
+        completion = usage.output_tokens
+    return Usage(prompt, details.cached_tokens if details is not None else None, completion)
 
 
 def _from_mapping(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
+    if "prompt_tokens" not in usage and "input_tokens" in usage:  # the Responses API
+        usage = {
+            "prompt_tokens": usage.get("input_tokens"),
+            "prompt_tokens_details": usage.get("input_tokens_details"),
+            "completion_tokens": usage.get("output_tokens"),
+        }
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
@@ -138,7 +155,12 @@ class SseUsageTap:
             obj = _decode_any(payload)
         except msgspec.DecodeError:
             return event
-        if not isinstance(obj, dict) or obj.get("usage") is None:
+        if not isinstance(obj, dict):
+            return event
+        if obj.get("usage") is None:  # a Responses API event carries its response object
+            inner = obj.get("response")
+            if isinstance(inner, dict) and inner.get("usage") is not None:
+                self.usage = _from_mapping(inner["usage"]) or self.usage
             return event
         self.usage = _from_mapping(obj["usage"]) or self.usage
         if not self._hide:

@@ -124,7 +124,7 @@ def check_healthy(server: Hostile) -> None:
     with httpx.Client(base_url=base, timeout=LIMIT_S) as client:
         assert client.get("/health").status_code == 200
         ready = client.get("/ready").json()
-        assert ready == {"ready": True, "healthy_workers": 2, "workers": 2}
+        assert ready == {"ready": True, "ready_workers": 2, "healthy_workers": 2, "workers": 2}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "still fine?"}]}
         for stream in (False, True):
             r = client.post("/v1/chat/completions", json={**body, "stream": stream})

@@ -49,7 +49,10 @@ class EventFeed:
         metrics: IndexMetrics,
         clock: Callable[[], float] = time.time,
         native: bool = True,
+        on_block_size: Callable[[WorkerId, int], None] | None = None,
     ) -> None:
+        """``on_block_size``: told the block size of events that do not have the expected
+        one (once per mismatch: the translator then stops reading them until a restart)."""
         self.worker = worker
         self.dp_rank = dp_rank
         self._index = index
@@ -57,6 +60,7 @@ class EventFeed:
         self._block_size = block_size
         self._metrics = metrics
         self._clock = clock
+        self._on_block_size = on_block_size
         self._native = native and config.tier_of("GPU") == Tier.GPU  # what the C side assumes
         self._decoder = EventDecoder()
         self._translators: dict[int, Translator] = {}
@@ -109,6 +113,10 @@ class EventFeed:
             result = self._apply_batch(translator, batch)
         self._count(result)
         self._batch_done(translator, result.ts)
+        seen = translator.seen_block_size
+        if seen is not None and self._on_block_size is not None:
+            translator.seen_block_size = None
+            self._on_block_size(self.worker, seen)
         return result
 
     def _apply_batch(self, translator: Translator, batch: EventBatch) -> BatchResult:

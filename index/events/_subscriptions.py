@@ -52,13 +52,16 @@ class Subscriptions:
         discovery: Discovery,
         *,
         on_discovered: Callable[[WorkerId], None],
+        on_block_size: Callable[[WorkerId, int], None] | None = None,
     ) -> None:
-        """``on_discovered``: a worker that was in approximate mode publishes after all."""
+        """``on_discovered``: a worker that was in approximate mode publishes after all;
+        ``on_block_size``: a worker's events carry another block size than expected."""
         self._config = config
         self._index = index
         self._metrics = metrics
         self._discovery = discovery
         self._on_discovered = on_discovered
+        self._on_block_size = on_block_size
         self._joined: dict[WorkerId, _Joined] = {}
         self._pending: set[asyncio.Task[None]] = set()  # first discoveries and reapers
         self._context: zmq.asyncio.Context | None = None
@@ -141,8 +144,9 @@ class Subscriptions:
             endpoints.dp_rank,
             self._index,
             self._config,
-            block_size=self._config.block_size_for(worker.model),
+            block_size=self.block_size_of(worker),
             metrics=self._metrics,
+            on_block_size=self._on_block_size,
         )
         self._metrics.declare_feed(worker.id)
         subscriber = Subscriber(feed, endpoints, self._config, self._context, self._metrics)
@@ -222,6 +226,13 @@ class Subscriptions:
         return task
 
     # ------------------------------------------------------------------ reading
+    def block_size_of(self, worker: EngineWorker) -> int:
+        """The block size a worker's events are read with: what its engine declares, else
+        its model's configured one (or the default)."""
+        if worker.block_size is not None:
+            return worker.block_size
+        return self._config.block_size_for(worker.model)
+
     def has_events(self, worker: WorkerId) -> bool:
         joined = self._joined.get(worker)
         return joined is not None and bool(joined.subscribers)

@@ -69,6 +69,7 @@ class Translator:
         self._seeds = BoundedMemo[tuple[str | None, str | None], int](_SEEDS)
         self._root_seed = cache_seed(None, None)
         self.mismatched = False
+        self.seen_block_size: int | None = None  # of mismatched events, until reported
         self.trimmed = False  # hashes of pruned blocks were forgotten since the last clear
         self._max_blocks = config.max_event_blocks
         self._holds = index.holds
@@ -176,13 +177,15 @@ class Translator:
         restart); logged once."""
         if not self.mismatched:
             log.warning(
-                "%s: events have block_size %d but kvgate is configured with %d; "
-                "this worker's events are not indexed",
+                "%s: events have block_size %d but kvgate reads them with %d; this worker's "
+                "events are not indexed (the engine's size is adopted unless the index's block "
+                "size is set: see /ready and /debug/index)",
                 self.worker,
                 block_size,
                 self.block_size,
             )
             self.mismatched = True
+            self.seen_block_size = block_size
             self.clear()
 
     def _map(self, hashes: Sequence[EngineBlockHash], keys: Sequence[BlockKey], tier: Tier) -> None:

@@ -40,6 +40,8 @@ def _tokenize_body(model: str, prompt: PromptInput) -> dict[str, Any]:
         return body
     body["messages"] = list(prompt.messages or [])
     body["add_generation_prompt"] = prompt.add_generation_prompt
+    if prompt.add_special_tokens is not None:
+        body["add_special_tokens"] = prompt.add_special_tokens
     if prompt.tools:
         body["tools"] = list(prompt.tools)
     if prompt.chat_template_kwargs:

@@ -45,9 +45,13 @@ class PromptKeyer:
         metrics: IndexMetrics,
         http: httpx.AsyncClient,
         workers: Callable[[], Iterable[EngineWorker]],
+        *,
+        block_size_for: Callable[[str], int] | None = None,
     ) -> None:
-        """``workers``: the fleet now, asked for the engine ``/tokenize`` fallback."""
+        """``workers``: the fleet now, asked for the engine ``/tokenize`` fallback;
+        ``block_size_for``: a model's block size (default: the configured one)."""
         self._config = config
+        self._block_size_for = block_size_for or config.block_size_for
         self._metrics = metrics
         self._http = http
         self._workers = workers
@@ -74,7 +78,7 @@ class PromptKeyer:
         return keys
 
     async def _keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
-        block_size = self._config.block_size_for(model)
+        block_size = self._block_size_for(model)
         seed = self._seed(prompt)
         completion = prompt.kind == "completion"
         if completion and not isinstance(prompt.prompt, _TEXT_OR_NONE):
@@ -87,8 +91,11 @@ class PromptKeyer:
         if tokenizer is not None and (completion or tokenizer.template):
             try:
                 text = (prompt.prompt or "") if completion else tokenizer.render(prompt)
+                special = (
+                    completion if prompt.add_special_tokens is None else prompt.add_special_tokens
+                )
                 result = await tokenizer.tokenize(
-                    str(text), add_special_tokens=completion, block_size=block_size, seed=seed
+                    str(text), add_special_tokens=special, block_size=block_size, seed=seed
                 )
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)

@@ -26,7 +26,9 @@ class KvgateServer:
         log_path: Path,
         port: int,
         extra_args: Sequence[str] = (),
+        block_size: int | None = 32,
     ) -> None:
+        """``block_size``: given as ``--index-block-size`` (None: kvgate adopts the engines')."""
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.workers = list(workers)
@@ -44,8 +46,7 @@ class KvgateServer:
             "kv",
             "--tokenizer",
             str(tokenizer),
-            "--index-block-size",
-            "32",
+            *(("--index-block-size", str(block_size)) if block_size is not None else ()),
             "--health-interval-s",
             "0.5",
             *(arg for spec in workers for arg in ("--worker", spec)),
