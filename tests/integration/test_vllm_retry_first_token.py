@@ -3,7 +3,10 @@
 vLLM answers a streaming request with ``200`` and its SSE headers as soon as it accepts it,
 then queues and prefills. kvgate holds that response until the first token: when the engine
 is killed (SIGKILL) with the request accepted and not yet answered, kvgate retries it on the
-other replica and the client gets one clean stream. Runs last in this folder (file order):
+other replica and the client gets one clean stream. The tiny model prefills fast on a quiet
+box, so the victim's engine core is frozen (SIGSTOP) mid-prefill of a burst of long prompts
+before ours is sent: its API server still accepts ours, and the kill comes before any token
+can. Runs last in this folder (file order):
 it kills a replica of the shared fleet, and starts it again before it ends.
 """
 
@@ -59,6 +62,24 @@ def accepted(log_path: Path) -> int:
     return text.count('"POST /v1/completions HTTP/1.1" 200')
 
 
+def stop_engine_core(leader: int) -> list[int]:
+    """SIGSTOP every process of the replica's group but its leader (vLLM's API server): the
+    engine core stops where it is, mid-prefill, while the API server still accepts requests
+    and answers them ``200`` at once. Deterministic where a race with a fast prefill is not."""
+    stopped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == leader:
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == leader:  # its process group
+            os.kill(int(entry.name), signal.SIGSTOP)
+            stopped.append(int(entry.name))
+    return stopped
+
+
 def _stream_directly(url: str, prompt: str) -> None:
     """A long request held open on the victim (it dies with the engine)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True}
@@ -103,6 +124,9 @@ def test_a_replica_killed_while_a_long_prompt_prefills_loses_no_request(
             wait_until(
                 lambda: accepted(victim.log_path) >= before + BURST, 60.0, "the burst accepted"
             )
+            victim_pid = victim.pid
+            assert victim_pid is not None
+            assert stop_engine_core(victim_pid)  # frozen mid-prefill of the burst
             result: dict[str, Any] = {}
 
             def call() -> None:
@@ -129,8 +153,6 @@ def test_a_replica_killed_while_a_long_prompt_prefills_loses_no_request(
                 lambda: accepted(victim.log_path) >= before + BURST + 1, 60.0, "ours accepted"
             )
             assert caller.is_alive() and not result  # nothing has reached the client
-            victim_pid = victim.pid
-            assert victim_pid is not None
             os.killpg(victim_pid, signal.SIGKILL)
             caller.join(timeout=300.0)
             assert not caller.is_alive()
