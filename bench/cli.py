@@ -5,6 +5,8 @@ Sub-commands:
   replay   replay a trace against any OpenAI-compatible URL
   compare  every router on a cold simulated fleet, same trace slice, one table
   sweep    kvgate ``kv``: overlap_credit x temperature, hit rate and p99 TTFT curves
+  faults   requests lost, phantom hits and recovery through crashes, restarts and lossy
+           event wires (bench/faults.py; ``kvgate bench faults --help``)
 """
 
 from __future__ import annotations
@@ -369,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["faults"]:  # its own parser: no trace, its own fleet and load
+        from bench import faults  # noqa: PLC0415 - imported only for this sub-command
+
+        return faults.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "oracle":
         return cmd_oracle(args)

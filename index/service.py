@@ -134,6 +134,14 @@ class KvIndexService:
         if self._subscriptions.block_size_of(worker) != self._subscriptions.block_size_of(known):
             self._subscriptions.join(worker)
 
+    def resync(self, worker: WorkerId, *, replay: bool) -> bool:
+        """Drop a worker's event entries and subscribe again, with its replay or live only
+        (``Subscriptions.resync``); False when it has no event subscription."""
+        done = self._subscriptions.resync(worker, replay=replay)
+        if done:
+            self.metrics.resets.labels(worker, "resync").inc()
+        return done
+
     def _learn_block_sizes(self) -> None:
         """Per model, the block size its engines declare (the registry has checked that
         they agree: a worker that contradicts declares none here)."""

@@ -25,6 +25,7 @@ from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
+from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
 from router.observe import Observer, start_tracing
@@ -118,6 +119,14 @@ def build_gateway(
             settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
         ),
     )
+    if index is not None:
+        watch_metrics = IndexWatchMetrics(metrics_registry)
+        watch = IndexWatch(
+            settings.index_watch, gateway.event_progress, gateway.resync, watch_metrics
+        )
+        proxy.served_listeners.append(watch.on_served)
+        gateway.index_watch = watch
+        gateway.worker_series.append(watch_metrics)
     if settings.discover:
         discovery = DiscoveredFleet(
             settings.discover,

@@ -83,6 +83,26 @@ class UpstreamConfig(BaseModel):
     )
 
 
+class IndexWatchConfig(BaseModel):
+    """When a worker's index entries are dropped because they may have outlived its cache
+    (router/index_watch.py)."""
+
+    resync_on_down: bool = Field(
+        default=True,
+        description="a worker marked down has its index entries dropped and its KV-event "
+        "subscription started over (replayed from its engine's ring)",
+    )
+    silence_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="a worker serving requests that store blocks while no KV event arrives for "
+        "this long has its entries dropped and learns from live events only (0: off)",
+    )
+    silent_requests: int = Field(
+        default=3, ge=1, description="... and at least this many such requests finished"
+    )
+
+
 class ClientConfig(BaseModel):
     """Limits on client connections (408, 503)."""
 
@@ -229,6 +249,7 @@ class Settings(BaseSettings):
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
+    index_watch: IndexWatchConfig = Field(default_factory=IndexWatchConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))

@@ -23,16 +23,18 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── PreviousResponseUnavailable  503 + Retry-After (its worker is down or not ready)
     ├── UpstreamError                502 upstream_error <- httpx.HTTPError
     │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
-    │   ├── UpstreamProtocolError    502 (retryable while no response byte arrived)
-    │   ├── UpstreamTimeout          504
+    │   ├── UpstreamProtocolError    502 (retryable before the first token)
+    │   ├── UpstreamStreamError      502 (an error event before the first token, retryable)
+    │   ├── UpstreamTimeout          504 (retryable before the first token)
     │   └── UpstreamResponseTooLarge 502
     └── UpstreamHTTPError            the engine's own 4xx/5xx, status and body passed through
+                                     (a 5xx is retried on another worker first)
 
 Errors of the layers below are mapped here, where HTTP is known, with ``raise ... from exc``:
 ``from_httpx`` for engine failures, ``from_backend`` (and the ``backend_errors`` block) for
 the worker registry's refusals. Before a response has started the error becomes a JSON
-response; once a stream has started it goes inside the stream as an SSE
-``data: {"error": ...}`` event (``sse_bytes``).
+response; once a stream has started (at its first token, ``router.commit``) it goes inside
+the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
 
 Not client errors, and so outside the tree: ``router.config.ConfigError`` (invalid settings
 at start-up), ``router.simfleet.SimFleetError`` (``--sim`` replicas did not come up) and
@@ -62,7 +64,7 @@ class KvgateError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
-    retryable: bool = False  # may the gateway try the next worker (nothing was received yet)?
+    retryable: bool = False  # may the gateway try another worker (before the first token)?
 
     def __init__(
         self,
@@ -300,7 +302,15 @@ class UpstreamProtocolError(UpstreamError):
     """The engine closed the connection or broke HTTP (before or during the response)."""
 
     code = "upstream_protocol_error"
-    retryable = True  # only ever retried when no response byte was received
+    retryable = True  # only ever retried before the first token
+
+
+class UpstreamStreamError(UpstreamError):
+    """The engine's stream carried an error event before any token (``detail``: its message);
+    retried on another worker, a 502 once none is left."""
+
+    code = "upstream_stream_error"
+    retryable = True
 
 
 class UpstreamTimeout(UpstreamError):
@@ -308,6 +318,7 @@ class UpstreamTimeout(UpstreamError):
 
     status = 504
     code = "upstream_timeout"
+    retryable = True  # only ever retried before the first token
 
 
 class UpstreamResponseTooLarge(UpstreamError):
@@ -327,6 +338,7 @@ class UpstreamHTTPError(KvgateError):
         self.status = status
         self.type = "upstream_error"
         self.code = f"upstream_http_{status}"
+        self.retryable = status >= 500  # a server error: another worker may do better
         self.body = body
         self.content_type = content_type or "application/json"
         self.worker = worker

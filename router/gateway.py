@@ -46,6 +46,7 @@ from router.errors import (
     Unauthorized,
     WorkerNotAllowed,
 )
+from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
 from router.metrics import GatewayMetrics, forget_series
 from router.observe import Observation, Observer
@@ -81,6 +82,12 @@ class IndexLifecycle(WorkerListener, Protocol):
     async def stop(self) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def applied_seq(self, worker: WorkerId, dp_rank: int = 0) -> int | None: ...
+
+    def connected(self, worker: WorkerId, dp_rank: int = 0) -> bool: ...
+
+    def resync(self, worker: WorkerId, *, replay: bool) -> bool: ...
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -159,6 +166,7 @@ class Gateway:
     listener: ListenerLimits  # the client connection limits, shared with the listener
     index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
+    index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
     request_ids: RequestIds = field(default_factory=RequestIds)
     affinity: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 3600.0))
     # metric holders whose series labelled with a worker go when it is removed
@@ -514,6 +522,23 @@ class Gateway:
         stats = self.index.stats() if self.index is not None else {"index": None}
         return {**stats, "config_mismatch": self.registry.problems()}
 
+    def resync(self, worker: WorkerId, replay: bool) -> bool:
+        """Drop a worker's index entries and subscribe to its events again
+        (``router.index_watch.Resync``)."""
+        return self.index is not None and self.index.resync(worker, replay=replay)
+
+    def event_progress(self, worker: WorkerId) -> int | None:
+        """The seq of the worker's last applied event batch; ``LookupError`` unless it has
+        exactly one event source, connected (``router.index_watch.EventProgress``)."""
+        index = self.index
+        if index is None or not index.connected(worker):  # KeyError: no event source
+            raise LookupError(worker)
+        try:
+            index.applied_seq(worker, 1)
+        except KeyError:
+            return index.applied_seq(worker)
+        raise LookupError(f"{worker} has several data-parallel event sources")
+
     def _declare_series(self, worker: Worker) -> None:
         """Start the worker's labelled series at zero (its index series start when the index
         subscribes to its events)."""
@@ -529,6 +554,8 @@ class Gateway:
             self._declare_series(worker)
         if self.index is not None:  # from now on the index follows the registry's workers
             self.registry.subscribe(self.index)
+            if self.index_watch is not None:  # after the index: it resyncs what it follows
+                self.registry.subscribe(self.index_watch)
             await self.index.settled()
         self.health.start()
         if self.discovery is not None:
@@ -538,6 +565,8 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        if self.index_watch is not None:
+            self.registry.unsubscribe(self.index_watch)
         if self.index is not None:
             self.registry.unsubscribe(self.index)
             await self.index.stop()

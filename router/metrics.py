@@ -19,6 +19,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
+from router.commit import RETRY_REASONS, STREAM_ERROR_REASONS
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
@@ -30,8 +31,6 @@ LIMITS = (
     "response_deadline",  # an exchange with engines over upstream.response_timeout_s (504)
     "upstream_response_bytes",  # a non-streamed answer over upstream.max_response_bytes (502)
 )
-# the codes of errors retried on the next worker (router.errors: retryable)
-RETRY_REASONS = ("upstream_connect_error", "upstream_protocol_error")
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
@@ -76,7 +75,15 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "kvgate_upstream_retries",
-            "Attempts that failed before any response byte and were retried on another worker",
+            "Attempts that failed before the first token and were retried on another worker, "
+            "by the failed worker and reason",
+            ["worker", "reason"],
+            registry=registry,
+        )
+        self.stream_errors = Counter(
+            "kvgate_stream_errors",
+            "Streams that ended with an error event after their first token (the client must "
+            "retry), by worker and reason",
             ["worker", "reason"],
             registry=registry,
         )
@@ -141,11 +148,14 @@ class GatewayMetrics:
 
     def declare_worker(self, worker: str, models: Iterable[str]) -> None:
         """Start ``worker``'s series at zero for each model it serves (a dashboard shows 0,
-        not "no data", before its first request); its retries by retryable reason too."""
+        not "no data", before its first request); its retries and stream errors by reason
+        too."""
         for model in models:
             self.route(worker, model).declare()
         for reason in RETRY_REASONS:
             self.retries.labels(worker, reason)
+        for reason in STREAM_ERROR_REASONS:
+            self.stream_errors.labels(worker, reason)
 
     def limit_exceeded(self, limit: str) -> None:
         self._limits[limit].inc()

@@ -194,8 +194,11 @@ class Observation:
         worker: Worker | None = None,
         usage: Usage | None = None,
         route: RouteMetrics | None = None,
+        first_choice: str | None = None,
     ) -> None:
-        """The request is over: record the stream metrics, end the trace, write the line."""
+        """The request is over: record the stream metrics, end the trace, write the line.
+        ``routed``: the ranking of the attempt that answered (a retry is ranked afresh);
+        ``first_choice``: the worker first chosen (default: ``routed``'s choice)."""
         duration = time.perf_counter() - self.received_at
         output = self._output_tokens(usage)
         if route is not None and status == "200" and output is not None:
@@ -209,6 +212,8 @@ class Observation:
         if not wanted and spans is None:
             return
         fields = self._fields(status, duration, output, routed=routed, worker=worker, usage=usage)
+        if worker is not None and first_choice is not None:
+            fields["failover"] = worker.id != first_choice
         if spans is not None:
             attributes = {SPAN_ATTRIBUTES[k]: fields[k] for k in SPAN_ATTRIBUTES}
             attributes["kvgate.retries"] = max(self.attempts - 1, 0)

@@ -1,9 +1,30 @@
-"""Forwarding one request to the ranked workers: failover, streaming, disconnects, usage.
+"""Forwarding one request to a worker: retries until the first token, streaming, disconnects.
 
 ``ProxyResponse`` is an ASGI response that does the upstream exchange itself, so that it
 can (1) watch the client connection the whole time and cancel the upstream request the
-moment the client goes, (2) try the next worker when one fails before answering, and
-(3) relay a stream chunk by chunk, putting late errors inside the stream.
+moment the client goes, (2) retry on another worker when one fails before the first token,
+and (3) relay a stream chunk by chunk, putting late errors inside the stream.
+
+One exchange, step by step (each step a method, so hooks have a defined place)::
+
+    _forward                 the attempt loop: at most 1 + upstream.max_failover attempts
+      _attempt               one worker: LoadTicket, upstream request, relay
+        _relay_body          non-streaming: the whole body, then commit
+        _relay_stream        streaming: hold until the first content event, commit, relay
+        AttemptFailed       before the commit: worker marked, the router ranks again
+                             (``Router.reroute``, failed workers excluded), next attempt
+      _commit                the client's response starts (status and headers); from here
+                             errors go inside the stream (``_fail``)
+      _fail                  no attempt succeeded: the last failure as a JSON error
+
+**The commit point.** Nothing reaches the client, not even the status, until the engine has
+produced its first content (``router.commit``: a token, a usage chunk, ``[DONE]``; not an SSE
+comment, an empty role chunk or the Responses API's ``response.created``) or, not streaming,
+its whole body. What arrives before is held (at most ``_MAX_HELD_BYTES``). So an engine that
+is refused, resets, times out, answers 5xx or sends an error event before the first token
+costs a retry, never a ``200`` holding only an error. After the commit a failure ends the
+stream with an OpenAI error event (``kvgate_stream_errors_total{reason}``); the client has
+to retry those itself.
 
 Two limits bound what one exchange holds: the whole exchange (attempts, streaming, a slow
 client reading) ends at ``upstream.response_timeout_s``, and a non-streamed answer is
@@ -16,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -27,13 +48,15 @@ from starlette.types import Receive, Scope, Send
 
 from backends.registry import LoadTicket, Worker, WorkerRegistry
 from index.types import WorkerId
+from router.commit import AttemptFailed, Reason, StreamStart, Verdict, error_events, failure_reason
 from router.config import UpstreamConfig
 from router.errors import (
     KvgateError,
+    NoHealthyWorker,
     UpstreamConnectError,
-    UpstreamError,
     UpstreamHTTPError,
     UpstreamResponseTooLarge,
+    UpstreamStreamError,
     UpstreamTimeout,
     from_httpx,
 )
@@ -63,6 +86,9 @@ _DROP_RESPONSE = frozenset(
 )  # fmt: skip
 _CLIENT_CLOSED = "499"  # nginx's convention for "client closed the request"
 _LAST_WRITE_S = 5.0  # past the deadline: how long the error may take to reach the client
+_MAX_HELD_BYTES = 1 << 20  # a stream's bytes held before its first content, at most
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
+_WORKER_GONE = frozenset({Reason.REFUSED, Reason.RESET})
 
 
 class UsageMode(Enum):
@@ -97,11 +123,26 @@ class AnswerTap(Protocol):
 
 
 @dataclass(slots=True)
+class _Held:
+    """A stream read up to its first content: the chunks, and whether the body ended."""
+
+    chunks: list[bytes]
+    ended: bool
+    sse: bool
+
+
+@dataclass(slots=True)
 class _Outcome:
+    routed: Routed  # the ranking the answering (or last tried) worker was chosen from
     worker: Worker | None = None
     status: str = "500"
     usage: Usage | None = None
     first_choice: WorkerId | None = None
+    sent_at: float = 0.0  # time.monotonic() when the answering attempt was sent
+
+
+ServedListener = Callable[[Worker, Usage, int, float], None]
+"""Told of each answered request with engine usage: (worker, usage, block size, sent at)."""
 
 
 def forwardable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -129,6 +170,7 @@ class Proxy:
         self.router = router
         self.metrics = metrics
         self.config = config
+        self.served_listeners: list[ServedListener] = []
         self._origins: dict[str, Origin] = {}
 
     def origin(self, worker: Worker) -> Origin:
@@ -149,6 +191,11 @@ class Proxy:
     def route_metrics(self, worker: Worker, model: str) -> RouteMetrics:
         return self.metrics.route(self.worker_label(worker), model)
 
+    def mark_failed(self, worker: Worker, reason: str, detail: str) -> None:
+        """Passive health: a refused or broken connection marks the worker down at once;
+        other failures count towards the failure threshold."""
+        self.registry.record_failure(worker, detail, immediate=reason in _WORKER_GONE)
+
 
 class ProxyResponse(Response):
     """Runs the upstream exchange while streaming the answer to the client."""
@@ -156,9 +203,12 @@ class ProxyResponse(Response):
     def __init__(self, proxy: Proxy, exchange: Exchange) -> None:
         self._proxy = proxy
         self._x = exchange
-        self._started = False
+        self._started = False  # the client's response started: the commit point is behind
         self._completed = False
         self._sse = False
+        self._tail_open = False  # the last relayed bytes ended inside an SSE event
+        self._watch_errors = False  # look for the engine's error events in the stream
+        self._answer_tap: AnswerTap | None = None  # the committed stream's, until fed enough
         self._client_gone = False
         self._late = False  # the whole-exchange deadline passed
         self.status_code = 200
@@ -166,7 +216,7 @@ class ProxyResponse(Response):
         self.raw_headers = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        outcome = _Outcome(first_choice=self._x.routed.decision.chosen)
+        outcome = _Outcome(self._x.routed, first_choice=self._x.routed.decision.chosen)
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -201,7 +251,7 @@ class ProxyResponse(Response):
         error = UpstreamTimeout(f"the exchange did not finish within {limit:g} s", worker=worker)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_LAST_WRITE_S):
-                await self._fail(send, error, outcome)
+                await self._fail(send, error, outcome, Reason.DEADLINE)
 
     async def _watch_client(self, receive: Receive, task: asyncio.Task[None]) -> None:
         """Cancel the exchange the moment the client disconnects."""
@@ -213,39 +263,64 @@ class ProxyResponse(Response):
 
     # -- attempts ---------------------------------------------------------------------
     async def _forward(self, send: Send, outcome: _Outcome) -> None:
-        proxy, x = self._proxy, self._x
-        attempts = list(x.routed.decision.ranked[: 1 + proxy.config.max_failover])
-        last_error: UpstreamError | None = None
-        for i, worker_id in enumerate(attempts):
-            worker = proxy.registry.find(worker_id)
-            if worker is None or not (worker.healthy or i == 0):
-                continue  # removed, or marked down by a concurrent failure
-            outcome.worker = worker
-            try:
-                await self._attempt(worker, send, outcome)
-                return
-            except UpstreamError as exc:
-                last_error = exc
-                x.observation.attempt_failed(exc)
-                if not exc.retryable or self._started:
-                    break
-                if i < len(attempts) - 1:
-                    label = proxy.worker_label(worker)
-                    proxy.metrics.retries.labels(label, exc.code or "error").inc()
-                    log.info("%s: trying the next worker after: %s", x.request_id, exc.detail)
-        if last_error is None:  # every ranked worker was removed or marked down meanwhile
-            last_error = UpstreamConnectError("no ranked worker is left", worker="-")
-        await self._fail(send, last_error, outcome)
+        """Attempts until one commits: the policy's choice first, then a fresh ranking
+        without the workers that failed, at most ``1 + upstream.max_failover`` in all."""
+        proxy = self._proxy
+        attempts = 1 + proxy.config.max_failover
+        routed = outcome.routed
+        tried: list[WorkerId] = []
+        failure: AttemptFailed | None = None
+        for attempt in range(attempts):
+            worker = proxy.registry.find(routed.decision.chosen)
+            usable = worker is not None and (worker.healthy or attempt == 0)
+            if worker is not None and usable:  # else removed, or marked down meanwhile
+                outcome.routed, outcome.worker = routed, worker
+                try:
+                    await self._attempt(worker, routed, send, outcome, first=attempt == 0)
+                    return
+                except AttemptFailed as exc:
+                    failure = exc
+                    self._x.observation.attempt_failed(exc.error)
+                    if not exc.error.retryable:
+                        break
+            tried.append(routed.decision.chosen)
+            next_routed = self._reroute(routed, tried) if attempt + 1 < attempts else None
+            if next_routed is None:
+                break
+            routed = next_routed
+            if worker is not None and usable and failure is not None:
+                self._count_retry(worker, failure)
+        error = failure.error if failure is not None else None
+        if error is None:  # every ranked worker was removed or marked down meanwhile
+            error = UpstreamConnectError("no ranked worker is left", worker="-")
+        await self._fail(send, error, outcome)
 
-    async def _attempt(self, worker: Worker, send: Send, outcome: _Outcome) -> None:
+    def _reroute(self, routed: Routed, tried: list[WorkerId]) -> Routed | None:
+        try:
+            return self._proxy.router.reroute(routed, tried)
+        except NoHealthyWorker:
+            return None
+
+    def _count_retry(self, worker: Worker, failure: AttemptFailed) -> None:
+        label = self._proxy.worker_label(worker)
+        self._proxy.metrics.retries.labels(label, failure.reason).inc()
+        detail = getattr(failure.error, "detail", failure.error.message)
+        log.info("%s: retrying on another worker after: %s", self._x.request_id, detail)
+
+    async def _attempt(
+        self, worker: Worker, routed: Routed, send: Send, outcome: _Outcome, *, first: bool
+    ) -> None:
+        """One worker's try; ``AttemptFailed`` when it fails before the commit."""
         proxy, x = self._proxy, self._x
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
         ticket = proxy.registry.begin(
-            worker.id, x.routed.predicted_uncached_tokens(worker.id), x.routed.load_blocks
+            worker.id, routed.predicted_uncached_tokens(worker.id), routed.load_blocks
         )
         try:
-            proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
+            if first:
+                proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
+            outcome.sent_at = time.monotonic()
             try:
                 response = await proxy.upstream.request(
                     proxy.origin(worker),
@@ -256,22 +331,22 @@ class ProxyResponse(Response):
                     sent=spans.sent if spans is not None else None,
                 )
             except httpx.HTTPError as exc:
-                error = from_httpx(exc, worker=worker.url)
-                # Refused/reset: the engine is gone, mark it down at once. A connect timeout
-                # may only mean a starved box: it counts towards the failure threshold.
-                proxy.registry.record_failure(
-                    worker, error.detail, immediate=isinstance(exc, httpx.ConnectError)
-                )
-                raise error from exc
+                raise self._transport_failed(worker, exc) from exc
             if spans is not None:
                 spans.head(response.status_code)
-            proxy.router.record_sent(x.routed, worker.id)
+            proxy.router.record_sent(routed, worker.id)
             try:
                 await self._relay(worker, response, ticket, send, outcome)
             finally:
                 await response.aclose()  # never waits: closes at once when not complete
         finally:
             ticket.finish()
+
+    def _transport_failed(self, worker: Worker, exc: httpx.HTTPError) -> AttemptFailed:
+        error = from_httpx(exc, worker=worker.url)
+        reason = failure_reason(exc)
+        self._proxy.mark_failed(worker, reason, error.detail)
+        return AttemptFailed(error, reason)
 
     def _upstream_headers(self, worker: Worker) -> list[tuple[bytes, bytes]]:
         headers = [
@@ -303,16 +378,17 @@ class ProxyResponse(Response):
     async def _pass_error(
         self, worker: Worker, response: UpstreamResponse, send: Send, outcome: _Outcome
     ) -> None:
+        """The engine's 4xx goes to the client as it is; a 5xx fails the attempt."""
         body = await self._read(worker, response)
-        if response.status_code >= 500:
-            self._proxy.registry.record_failure(worker, f"answered {response.status_code}")
-        else:  # a client error is no sign of a sick engine
-            self._proxy.registry.record_ok_response(worker)
-            if response.status_code == 404 and self._x.model in worker.models:
-                self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
         error = UpstreamHTTPError(
             response.status_code, body, response.headers.get("content-type"), worker=worker.url
         )
+        if error.retryable:
+            self._proxy.mark_failed(worker, Reason.HTTP_5XX, f"answered {response.status_code}")
+            raise AttemptFailed(error, Reason.HTTP_5XX)
+        self._proxy.registry.record_ok_response(worker)  # a client error: no sign of sickness
+        if response.status_code == 404 and self._x.model in worker.models:
+            self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
         await self._fail(send, error, outcome)
 
     async def _relay_body(
@@ -330,11 +406,10 @@ class ProxyResponse(Response):
             outcome.usage = usage_from_body(body)
         if self._x.answer_tap is not None:
             self._x.answer_tap.feed(worker.id, body)
-        headers = self._client_headers(worker, response)
+        headers = self._client_headers(worker, outcome.routed, response)
         headers.append((b"content-length", str(len(body)).encode()))
-        await self._start(send, response.status_code, headers)
+        await self._commit(send, response.status_code, headers, outcome)
         await self._end(send, body)
-        outcome.status = str(response.status_code)
 
     async def _relay_stream(
         self,
@@ -344,36 +419,67 @@ class ProxyResponse(Response):
         send: Send,
         outcome: _Outcome,
     ) -> None:
+        held = await self._hold(worker, response)
+        ticket.first_token()
+        elapsed = time.perf_counter() - self._x.received_at
+        self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
+        self._x.observation.first_byte(elapsed)
+        headers = self._client_headers(worker, outcome.routed, response)
+        await self._commit(send, response.status_code, headers, outcome)
+        await self._relay_rest(worker, response, held, send, outcome)
+
+    async def _hold(self, worker: Worker, response: UpstreamResponse) -> _Held:
+        """Read a stream up to its first content (any byte when it is not SSE).
+        ``AttemptFailed`` when it breaks, stalls or carries an error event first."""
+        sse = (response.headers.get("content-type") or "").startswith("text/event-stream")
+        start = StreamStart(_MAX_HELD_BYTES)
+        while True:
+            try:
+                chunk = await response.next_chunk()
+            except httpx.HTTPError as exc:
+                raise self._transport_failed(worker, exc) from exc
+            if chunk is None:
+                return _Held(start.take(), True, sse)  # ended without content: the answer
+            if not sse:
+                return _Held([chunk], False, sse)
+            verdict = start.feed(chunk)
+            if verdict is Verdict.COMMIT:
+                return _Held(start.take(), False, sse)
+            if verdict is Verdict.FAILED:
+                detail = start.failure or "error event"
+                self._proxy.mark_failed(worker, Reason.ERROR_EVENT, detail)
+                error = UpstreamStreamError(
+                    "the engine failed the request before its first token",
+                    worker=worker.url,
+                    detail=detail,
+                )
+                raise AttemptFailed(error, Reason.ERROR_EVENT)
+
+    async def _relay_rest(
+        self,
+        worker: Worker,
+        response: UpstreamResponse,
+        held: _Held,
+        send: Send,
+        outcome: _Outcome,
+    ) -> None:
+        """After the commit: the held chunks, then the rest as it comes (errors go inside)."""
+        self._sse = self._watch_errors = held.sse
+        self._answer_tap = self._x.answer_tap
         mode = self._x.usage_mode
-        is_sse = (response.headers.get("content-type") or "").startswith("text/event-stream")
-        tap = (
-            SseUsageTap(hide=mode is UsageMode.HIDE)
-            if is_sse and mode is not UsageMode.NONE
-            else None
-        )
-        await self._start(send, response.status_code, self._client_headers(worker, response))
-        outcome.status = str(response.status_code)
-        self._sse = is_sse
-        first = True
-        answer_tap = self._x.answer_tap
+        tap = None
+        if held.sse and mode is not UsageMode.NONE:
+            tap = SseUsageTap(hide=mode is UsageMode.HIDE)
+        for chunk in held.chunks:
+            await self._relay_chunk(send, chunk, tap, worker)
         try:
-            async for chunk in response.aiter_raw():
-                if answer_tap is not None and answer_tap.feed(worker.id, chunk):
-                    answer_tap = None
-                if first:
-                    first = False
-                    ticket.first_token()
-                    elapsed = time.perf_counter() - self._x.received_at
-                    self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
-                    self._x.observation.first_byte(elapsed)
-                out = tap.feed(chunk) if tap is not None else chunk
-                if out:
-                    self._x.observation.chunk(out)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            while not held.ended and (more := await response.next_chunk()) is not None:
+                await self._relay_chunk(send, more, tap, worker)
         except httpx.HTTPError as exc:
             error = from_httpx(exc, worker=worker.url)
-            self._proxy.registry.record_failure(worker, error.detail)
-            await self._fail(send, error, outcome)
+            reason = failure_reason(exc)
+            self._proxy.mark_failed(worker, reason, error.detail)
+            await self._fail(send, error, outcome, reason)
             return
         self._proxy.registry.record_ok_response(worker)
         tail = tap.flush() if tap is not None else b""
@@ -381,28 +487,49 @@ class ProxyResponse(Response):
             outcome.usage = tap.usage
         await self._end(send, tail)
 
+    async def _relay_chunk(
+        self, send: Send, chunk: bytes, tap: SseUsageTap | None, worker: Worker
+    ) -> None:
+        if self._answer_tap is not None and self._answer_tap.feed(worker.id, chunk):
+            self._answer_tap = None  # it has seen enough
+        if self._watch_errors and error_events(chunk):  # the engine's own, after tokens
+            self._watch_errors = False  # counted once per stream
+            self._stream_error(worker, Reason.ENGINE_ERROR)
+        out = tap.feed(chunk) if tap is not None else chunk
+        if out:
+            self._tail_open = not out.endswith(_EVENT_ENDS)
+            self._x.observation.chunk(out)
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+
     async def _read(self, worker: Worker, response: UpstreamResponse) -> bytes:
         limit = self._proxy.config.max_response_bytes
         try:
             return await response.aread(limit)
         except httpx.HTTPError as exc:
-            raise from_httpx(exc, worker=worker.url) from exc
+            raise self._transport_failed(worker, exc) from exc
         except BodyTooLarge as exc:
             self._proxy.metrics.limit_exceeded("upstream_response_bytes")
-            raise UpstreamResponseTooLarge(limit, worker=worker.url) from exc
+            error = UpstreamResponseTooLarge(limit, worker=worker.url)
+            raise AttemptFailed(error, Reason.TOO_LARGE) from exc
 
     # -- client side ------------------------------------------------------------------
     def _client_headers(
-        self, worker: Worker, response: UpstreamResponse
+        self, worker: Worker, routed: Routed, response: UpstreamResponse
     ) -> list[tuple[bytes, bytes]]:
-        x = self._x
-        predicted = x.routed.predicted_cached_tokens(worker.id)
+        predicted = routed.predicted_cached_tokens(worker.id)
         return [
             *_relay_headers(response),
             (b"x-kvgate-worker", worker.url.encode()),
-            (b"x-request-id", x.request_id.encode()),
+            (b"x-request-id", self._x.request_id.encode()),
             (b"x-kvgate-predicted-cached-tokens", str(predicted).encode()),
         ]
+
+    async def _commit(
+        self, send: Send, status: int, headers: list[tuple[bytes, bytes]], outcome: _Outcome
+    ) -> None:
+        """The commit point: the client's response starts; no other worker is tried after."""
+        outcome.status = str(status)
+        await self._start(send, status, headers)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True
@@ -413,13 +540,18 @@ class ProxyResponse(Response):
         self._completed = True
         self._x.observation.wrote(len(body))
 
-    async def _fail(self, send: Send, error: KvgateError, outcome: _Outcome) -> None:
-        """Report ``error``: as the response before it started, inside the stream after."""
+    async def _fail(
+        self, send: Send, error: KvgateError, outcome: _Outcome, reason: str | None = None
+    ) -> None:
+        """Report ``error``: as the response before it started, inside the stream after
+        (counted in ``kvgate_stream_errors_total`` by ``reason``)."""
         outcome.status = str(error.status)
         if self._started:
             detail = getattr(error, "detail", error.message)
             log.warning("%s: error inside the stream: %s", self._x.request_id, detail)
-            await self._end(send, error.sse_bytes() if self._sse else b"")
+            self._stream_error(outcome.worker, reason or Reason.RESET)
+            event = error.sse_bytes() if self._sse else b""
+            await self._end(send, b"\n\n" + event if event and self._tail_open else event)
             return
         content_type = getattr(error, "content_type", "application/json")
         headers = [
@@ -434,6 +566,10 @@ class ProxyResponse(Response):
         await self._start(send, error.status, headers)
         await self._end(send, body)
 
+    def _stream_error(self, worker: Worker | None, reason: str) -> None:
+        label = self._proxy.worker_label(worker) if worker is not None else "-"
+        self._proxy.metrics.stream_errors.labels(label, reason).inc()
+
     # -- accounting -------------------------------------------------------------------
     def _record(self, outcome: _Outcome) -> None:
         x, metrics = self._x, self._proxy.metrics
@@ -441,7 +577,12 @@ class ProxyResponse(Response):
         worker = outcome.worker
         route = self._proxy.route_metrics(worker, x.model) if worker is not None else None
         x.observation.finish(
-            status, routed=x.routed, worker=worker, usage=outcome.usage, route=route
+            status,
+            routed=outcome.routed,
+            worker=worker,
+            usage=outcome.usage,
+            route=route,
+            first_choice=outcome.first_choice,
         )
         if worker is None or route is None:
             metrics.route("none", x.model).answered(status)
@@ -451,10 +592,11 @@ class ProxyResponse(Response):
         if worker.id != outcome.first_choice:
             route.failovers.inc()
         if status == "200" and x.usage_mode is not UsageMode.NONE:
-            self._record_cache(route, worker, outcome.usage)
+            self._record_cache(route, outcome)
 
-    def _record_cache(self, route: RouteMetrics, worker: Worker, usage: Usage | None) -> None:
-        routed = self._x.routed
+    def _record_cache(self, route: RouteMetrics, outcome: _Outcome) -> None:
+        routed, worker, usage = outcome.routed, outcome.worker, outcome.usage
+        assert worker is not None
         prompt_tokens = routed.request.prompt_tokens
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens = usage.prompt_tokens
@@ -464,3 +606,6 @@ class ProxyResponse(Response):
             best_available=routed.best_available_cached_tokens,
             engine_cached=usage.cached_tokens if usage is not None else None,
         )
+        if usage is not None:
+            for listener in self._proxy.served_listeners:
+                listener(worker, usage, routed.request.block_size, outcome.sent_at)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,15 @@ DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scal
 
 
 @dataclass(frozen=True, slots=True)
+class _Domain:
+    """What a retry's ranking keeps of the first: the cache domain and the pinned worker."""
+
+    base_model: str
+    adapter: str | None
+    only: WorkerId | None
+
+
+@dataclass(frozen=True, slots=True)
 class Routed:
     """One routing decision and the facts it was made on."""
 
@@ -38,6 +47,7 @@ class Routed:
     policy: str
     base_model: str = ""  # the model whose tokenizer, template and block size keyed it
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
+    only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -120,12 +130,6 @@ class Router:
                 matches = index.match(keys.block_keys)
                 if spans is not None:
                     spans.phase("index match")
-        # After the await: the freshest load.
-        candidates = self.registry.candidates(model, matches)
-        if only is not None:
-            candidates = [c for c in candidates if c.worker == only]
-        if not candidates:
-            raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -134,17 +138,47 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        decision = self.policy.rank(request, candidates)
+        domain = _Domain(base, adapter, only)
+        routed = self._rank(request, keys, matches, domain)  # after the await: fresh load
         if spans is not None:
             spans.phase("score")
+        return routed
+
+    def reroute(self, routed: Routed, exclude: Collection[WorkerId]) -> Routed:
+        """Rank again for a retry after failed attempts: the same request and keys, fresh
+        index matches and load, the workers in ``exclude`` left out (``NoHealthyWorker``
+        when nobody is left). A prefix cached on a failed worker counts for nothing."""
+        matches = None
+        if self.block_index is not None and routed.request.block_keys:
+            matches = self.block_index.match(routed.request.block_keys)
+        domain = _Domain(routed.base_model, routed.adapter, routed.only)
+        return self._rank(routed.request, routed.keys, matches, domain, exclude)
+
+    def _rank(
+        self,
+        request: RouteRequest,
+        keys: PromptKeys | None,
+        matches: Mapping[WorkerId, PrefixMatch] | None,
+        domain: _Domain,
+        exclude: Collection[WorkerId] = (),
+    ) -> Routed:
+        candidates = self.registry.candidates(request.model, matches)
+        if domain.only is not None:
+            candidates = [c for c in candidates if c.worker == domain.only]
+        if exclude:
+            candidates = [c for c in candidates if c.worker not in exclude]
+        if not candidates:
+            raise NoHealthyWorker(request.model, retry_after_s=self.retry_after_s)
+        decision = self.policy.rank(request, candidates)
         routed = Routed(
             request=request,
             keys=keys,
             candidates={c.worker: c for c in candidates},
             decision=decision,
             policy=self.policy.name,
-            base_model=base,
-            adapter=adapter,
+            base_model=domain.base_model,
+            adapter=domain.adapter,
+            only=domain.only,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))

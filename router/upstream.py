@@ -195,7 +195,8 @@ class UpstreamResponse:
         self.status_code = conn.status
         self.headers = Headers(conn.headers)
 
-    async def _next(self) -> bytes | None:
+    async def next_chunk(self) -> bytes | None:
+        """The body bytes received since the last call (waiting for some), None at its end."""
         conn = self._conn
         while True:
             if conn.chunks:
@@ -212,14 +213,14 @@ class UpstreamResponse:
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body chunk by chunk as it arrives (chunked transfer already decoded)."""
-        while (chunk := await self._next()) is not None:
+        while (chunk := await self.next_chunk()) is not None:
             yield chunk
 
     async def aread(self, limit: int | None = None) -> bytes:
         """The whole body; ``BodyTooLarge`` as soon as it exceeds ``limit`` bytes."""
         parts = []
         size = 0
-        while (chunk := await self._next()) is not None:
+        while (chunk := await self.next_chunk()) is not None:
             size += len(chunk)
             if limit is not None and size > limit:
                 raise BodyTooLarge(f"the response body exceeds {limit} bytes")

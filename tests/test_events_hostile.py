@@ -419,3 +419,27 @@ async def test_an_oversized_message_is_never_applied(zmq_context: zmq.asyncio.Co
             assert service.events.entry_count() == 5
     finally:
         await pub.close()
+
+
+@pytest.mark.anyio
+async def test_a_worker_is_not_matched_while_its_history_is_replayed(
+    zmq_context: zmq.asyncio.Context,
+) -> None:
+    """Half applied, a join replay is a past state of the engine's cache (blocks stored, their
+    eviction not applied yet): the worker matches nothing until the replay ended, then again."""
+    registry = CollectorRegistry()
+    pub = KvPublisher(zmq_context)
+    replay = EndlessReplay(zmq_context, 0.05)  # drips the first block until its time bound
+    try:
+        async with service_with(registry, replay_max_s=1.5) as service:
+            await connect(service, pub.events_endpoint, replay.endpoint)
+            await wait_until(lambda: service.events.entry_count() > 0)  # replayed, applied
+            assert matched(service) is None
+            limit = {"worker": WORKER, "limit": "replay_seconds"}
+            await wait_until(lambda: metric(registry, "kvgate_index_limits_total", **limit) == 1)
+            seq = await pub.send_raw(batch(event_stored(0, 3)))
+            await service.wait_applied(WORKER, seq, timeout_s=5)
+            assert matched(service) == PrefixMatch(gpu=3)  # matched again after the replay
+    finally:
+        await replay.close()
+        await pub.close()

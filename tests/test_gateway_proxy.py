@@ -181,7 +181,7 @@ async def test_failover_on_refused_connection() -> None:
         assert (
             gw.metric(
                 "kvgate_upstream_retries_total",
-                {"worker": f.urls[0], "reason": "upstream_connect_error"},
+                {"worker": f.urls[0], "reason": "refused"},
             )
             == 1
         )

@@ -15,9 +15,10 @@ event, mapped hashes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from index.api import BatchResult
 from index.config import IndexConfig
@@ -170,6 +171,15 @@ class EventFeed:
         for translator in self._translators.values():
             translator.clear(restarted=restarted)
         self._metrics.resets.labels(self.worker, reason).inc()
+
+    @contextlib.contextmanager
+    def hidden(self) -> Iterator[None]:
+        """The worker matches nothing meanwhile (``EventIndex.hide``): a join replay."""
+        self._index.hide(self.worker)
+        try:
+            yield
+        finally:
+            self._index.unhide(self.worker)
 
     def close(self) -> None:
         for translator in self._translators.values():

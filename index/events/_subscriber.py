@@ -256,7 +256,13 @@ class Subscriber:
     async def _replay(self, start: int, upto: int, *, joining: bool) -> None:
         """Apply the batches from ``start`` as they stream in; clear first if they cannot
         cover the gap up to ``upto``, and again if the replay breaks off or goes past a
-        bound (what came before stays: a prefix of the history)."""
+        bound (what came before stays: a prefix of the history). A join replay (the whole
+        history) is not matched on until it ends: half applied, it is a past state of the
+        cache (``EventFeed.hidden``)."""
+        with self.feed.hidden() if joining else contextlib.nullcontext():
+            await self._replay_batches_applied(start, upto, joining=joining)
+
+    async def _replay_batches_applied(self, start: int, upto: int, *, joining: bool) -> None:
         settled = False
         outcome = "failed"
         try:

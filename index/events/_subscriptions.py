@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq.asyncio
@@ -183,6 +183,25 @@ class Subscriptions:
                 delay = self._config.reconnect_backoff_s
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._config.reconnect_backoff_max_s)
+
+    def resync(self, worker: WorkerId, *, replay: bool) -> bool:
+        """Drop a worker's event entries and subscribe to it again: as it joined (``replay``:
+        its configured or rediscovered endpoints, replay included), or to the endpoints it is
+        subscribed to now without replay (it learns from live events only, until its next
+        resync with replay). False when it is not subscribed to (unknown, approximate mode,
+        still being discovered) and nothing was done."""
+        joined = self._joined.get(worker)
+        if joined is None or not joined.subscribers:
+            return False
+        if replay:
+            self.join(joined.worker)
+            return True
+        endpoints = [replace(s.endpoints, replay=None) for s in joined.subscribers]
+        self.leave(worker)
+        again = self._joined[worker] = _Joined(joined.worker)  # as it joined, for later resyncs
+        for each in endpoints:
+            self._subscribe(again, each)
+        return True
 
     # ------------------------------------------------------------------ leaving
     def leave(self, worker: WorkerId) -> None:

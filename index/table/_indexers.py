@@ -58,12 +58,32 @@ class EventIndex(_OverTable):
         super().__init__(table)
         self._max_entries = max_entries
         self.pruned = 0
+        self._hidden: dict[WorkerId, int] = {}  # workers learning their history (see hide)
         # the table's own method: asked for every stored event on the general path
         self.holds = self._table.holds  # type: ignore[method-assign]
 
     @property
     def max_entries(self) -> int:
         return self._max_entries
+
+    def hide(self, worker: WorkerId) -> None:
+        """Match nothing on ``worker`` until ``unhide`` (as often as hidden): while a replay
+        of its history is applied, the index holds a past state of its cache (blocks stored,
+        their later removal not applied yet), which would predict hits it no longer has."""
+        self._hidden[worker] = self._hidden.get(worker, 0) + 1
+
+    def unhide(self, worker: WorkerId) -> None:
+        left = self._hidden.get(worker, 0) - 1
+        if left > 0:
+            self._hidden[worker] = left
+        else:
+            self._hidden.pop(worker, None)
+
+    def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
+        found = self._table.find_matches(keys)
+        if not self._hidden:
+            return found
+        return {domain: m for domain, m in found.items() if domain.worker not in self._hidden}
 
     def apply(self, worker: WorkerKey, op: IndexOp) -> None:
         if isinstance(op, StoreBlocks):
@@ -103,9 +123,6 @@ class EventIndex(_OverTable):
         if result is not None:
             self.pruned += result.pruned
         return result
-
-    def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
-        return self._table.find_matches(keys)
 
     def entry_count(self) -> int:
         return self._table.entry_count()
