@@ -38,5 +38,11 @@ class BoundedMemo(Generic[K, V]):
         items[key] = value
         return value
 
+    def forget_where(self, drop: Callable[[K], bool]) -> None:
+        """Forget every remembered key for which ``drop`` is true."""
+        items = self._items
+        for key in [key for key in items if drop(key)]:
+            del items[key]
+
     def __len__(self) -> int:
         return len(self._items)

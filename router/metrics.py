@@ -19,6 +19,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
+from index.memo import BoundedMemo
 from router.commit import RETRY_REASONS, STREAM_ERROR_REASONS
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
@@ -144,7 +145,7 @@ class GatewayMetrics:
         )
         self.build.info(build_labels(native_core=native_core))
 
-        self._routes: dict[tuple[str, str], RouteMetrics] = {}
+        self._routes: BoundedMemo[tuple[str, str], RouteMetrics] = BoundedMemo(_MAX_CACHED_ROUTES)
 
     def declare_worker(self, worker: str, models: Iterable[str]) -> None:
         """Start ``worker``'s series at zero for each model it serves (a dashboard shows 0,
@@ -162,17 +163,14 @@ class GatewayMetrics:
 
     def forget_worker(self, worker: str) -> None:
         """Drop every series labelled with ``worker`` (it was removed)."""
-        for key in [key for key in self._routes if key[0] == worker]:
-            del self._routes[key]
+        self._routes.forget_where(lambda key: key[0] == worker)
         forget_series(vars(self).values(), worker)
 
     def route(self, worker: str, model: str) -> RouteMetrics:
         """The labelled children of one (worker, model) pair, looked up once and kept."""
         found = self._routes.get((worker, model))
         if found is None:
-            if len(self._routes) >= _MAX_CACHED_ROUTES:
-                self._routes.clear()
-            found = self._routes[(worker, model)] = RouteMetrics(self, worker, model)
+            found = self._routes.put((worker, model), RouteMetrics(self, worker, model))
         return found
 
 

@@ -47,6 +47,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from backends.registry import LoadTicket, Worker, WorkerRegistry
+from index.memo import BoundedMemo
 from index.types import WorkerId
 from router.commit import AttemptFailed, Reason, StreamStart, Verdict, error_events, failure_reason
 from router.config import UpstreamConfig
@@ -171,14 +172,12 @@ class Proxy:
         self.metrics = metrics
         self.config = config
         self.served_listeners: list[ServedListener] = []
-        self._origins: dict[str, Origin] = {}
+        self._origins: BoundedMemo[str, Origin] = BoundedMemo(4096)  # workers come and go
 
     def origin(self, worker: Worker) -> Origin:
         origin = self._origins.get(worker.url)
         if origin is None:
-            if len(self._origins) > 4096:  # workers come and go: stay bounded
-                self._origins.clear()
-            origin = self._origins[worker.url] = Origin.of(worker.url)
+            origin = self._origins.put(worker.url, Origin.of(worker.url))
         return origin
 
     def respond(self, exchange: Exchange) -> ProxyResponse:
