@@ -75,11 +75,13 @@ def tiny_model_dir(engine_layout: EngineLayout) -> Path:
 
 
 def plan_free_replicas(count: int, run_dir: Path, ports: PortAllocator) -> list[ReplicaSpec]:
-    """Replicas on free ports with ipc publishers."""
+    """Replicas on free ports with ipc publishers, each socket named by its replica's HTTP
+    port too: fleets started by different tests never bind (and so steal) one another's."""
     taken = ports.take(2 * count)
+    pid = os.getpid()
     return [
-        ReplicaSpec(i, taken[2 * i], taken[2 * i + 1], f"ipc://{run_dir}/r{i}-{os.getpid()}.events")
-        for i in range(count)
+        ReplicaSpec(i, http, events, f"ipc://{run_dir}/r{i}-{pid}-{http}.events")
+        for i, (http, events) in enumerate(zip(taken[0::2], taken[1::2], strict=True))
     ]
 
 
