@@ -22,6 +22,7 @@ from starlette.routing import Route
 from index.api import Endpoints, EngineWorker, PromptInput
 from index.config import IndexConfig
 from index.events import BlockStored, _sources, parse_sources, resolve_endpoint
+from index.events._sources import on_worker_host
 from index.keys import _engine, block_keys, cache_seed
 from index.service import KvIndexService
 from index.types import PrefixMatch, WorkerId
@@ -273,3 +274,12 @@ async def test_discovery_is_retried_until_the_worker_answers(http: httpx.AsyncCl
         await service.stop()
         await publisher.close()
         context.term()
+
+
+def test_an_ipc_path_is_on_the_host_of_a_loopback_worker_only() -> None:
+    assert on_worker_host("ipc:///tmp/r0.events", "http://127.0.0.1:8000")
+    assert on_worker_host("ipc:///tmp/r0.events", "http://localhost:8000")
+    assert not on_worker_host("ipc:///tmp/r0.events", "http://10.0.0.5:8000")
+    assert not on_worker_host("ipc://", "http://127.0.0.1:8000")
+    assert on_worker_host("tcp://10.0.0.5:5557", "http://10.0.0.5:8000")
+    assert not on_worker_host("inproc://x", "http://127.0.0.1:8000")

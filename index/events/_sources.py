@@ -2,7 +2,8 @@
 
 What a worker declares is untrusted: the call sends the worker's credentials and reads a
 bounded answer, and a declared endpoint is subscribed only if it is on the worker's own host
-(a ``*`` or ``0.0.0.0`` bind means that host) or the router's allowlist admits it (the
+(a ``*`` or ``0.0.0.0`` bind means that host; an ``ipc://`` path only for a worker on
+loopback, which shares kvgate's host) or the router's allowlist admits it (the
 ``endpoint_allowed`` check, the one run-time workers' configured endpoints pass). Anything else
 would let a worker point kvgate's subscribers at any host it likes.
 """
@@ -75,11 +76,18 @@ def parse_sources(body: Any, worker_url: str) -> list[Endpoints]:
     return sorted(out, key=lambda e: e.dp_rank)
 
 
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
 def on_worker_host(endpoint: str, worker_url: str) -> bool:
-    """A ``tcp://`` endpoint on the worker's own host (as its URL names it)."""
+    """A ``tcp://`` endpoint on the worker's own host (as its URL names it), or an ``ipc://``
+    path declared by a worker on kvgate's own host (its URL is loopback)."""
     scheme, _, rest = endpoint.partition("://")
+    worker_host = (urlsplit(worker_url).hostname or "").lower()
+    if scheme == "ipc":
+        return bool(rest) and worker_host in _LOOPBACK
     host = rest.rpartition(":")[0].strip("[]").lower()
-    return scheme == "tcp" and bool(host) and host == (urlsplit(worker_url).hostname or "")
+    return scheme == "tcp" and bool(host) and host == worker_host
 
 
 class Discovery:
