@@ -147,7 +147,7 @@ async def test_engine_calls_carry_the_workers_credentials() -> None:
         ("tcp://127.0.0.2:5999", "127.0.0.1/32", False),  # another host the rules refuse
         ("tcp://127.0.0.2:5999", "127.0.0.0/8", True),  # another host the rules admit
         ("tcp://*:5999", "127.0.0.1/32", True),  # the worker's own host
-        ("ipc:///tmp/kvgate-events", "127.0.0.0/8", False),  # not a tcp:// endpoint
+        ("ipc:///tmp/kvgate-events", "127.0.0.0/8", True),  # a loopback worker: kvgate's host
     ],
 )
 async def test_declared_event_endpoints_pass_the_allowlist(
