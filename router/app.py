@@ -20,12 +20,14 @@ from backends.health import HealthChecker, HealthMetrics
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
+from router.admission import AdmissionQueue
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, register_worker_gauges
 from router.proxy import Proxy
+from router.queue_metrics import QueueMetrics
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
 from router.routing import Router
 from router.upstream import UpstreamPool
@@ -104,6 +106,13 @@ def build_gateway(
         allowlist=allowlist,
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
+        admission=AdmissionQueue(
+            settings.queue,
+            router,
+            registry,
+            QueueMetrics(metrics_registry),
+            retry_after_s=settings.retry_after_s,
+        ),
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
     )
     if settings.discover:

@@ -28,7 +28,7 @@ from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
-from index.types import WorkerId
+from router.admission import AdmissionQueue, Grant, client_timeout_s, disconnect_of
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
@@ -53,7 +53,7 @@ from router.requests import (
     upstream_target,
     validate,
 )
-from router.routing import Router
+from router.routing import Routed, Router
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -116,11 +116,22 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def _secret_matches(given: str | None, secrets: list[str]) -> bool:
+ANONYMOUS = "anonymous"  # the key id of every caller when no client keys are configured
+
+
+def _secret_index(given: str | None, secrets: list[str]) -> int | None:
+    """The position of ``given`` among ``secrets`` (constant-time compares), or None."""
     if not given:
-        return False
+        return None
     encoded = given.encode()
-    return any(hmac.compare_digest(encoded, s.encode()) for s in secrets)
+    for position, secret in enumerate(secrets):
+        if hmac.compare_digest(encoded, secret.encode()):
+            return position
+    return None
+
+
+def _secret_matches(given: str | None, secrets: list[str]) -> bool:
+    return _secret_index(given, secrets) is not None
 
 
 def is_loopback(host: str | None) -> bool:
@@ -151,15 +162,25 @@ class Gateway:
     listener: ListenerLimits  # the client connection limits, shared with the listener
     index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
+    admission: AdmissionQueue | None = None  # the router-side queue (settings.queue)
     request_ids: RequestIds = field(default_factory=RequestIds)
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
 
     # -- auth ---------------------------------------------------------------------------
-    def check_client(self, request: Request) -> None:
-        keys = [k.get_secret_value() for k in self.settings.api_keys]
-        if keys and not _secret_matches(_bearer(request), keys):
+    def check_client(self, request: Request) -> str:
+        """The caller's key id: ``key-N`` (its key's place in ``api_keys``, never the key)
+        or ``anonymous`` when no keys are configured; 401 without a valid key."""
+        if not self.settings.api_keys:
+            return ANONYMOUS
+        key = self._key_id(_bearer(request))
+        if key is None:
             raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+        return key
+
+    def _key_id(self, given: str | None) -> str | None:
+        position = _secret_index(given, [k.get_secret_value() for k in self.settings.api_keys])
+        return None if position is None else f"key-{position + 1}"
 
     def check_admin(self, request: Request) -> None:
         """The admin token, or (none set) a loopback-only listener; else 401 / 403."""
@@ -208,7 +229,7 @@ class Gateway:
         request_id = self.request_ids.of(request)
         model = "none"
         try:
-            self.check_client(request)
+            key = self.check_client(request)
             raw = await self.read_body(request)
             data = decode_json_object(raw)
             parsed = validate(body_type, data)
@@ -217,6 +238,7 @@ class Gateway:
             routed = await self.router.decide(
                 model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
             )
+            grant = await self._admit(request, routed, key, session)
         except KvgateError as exc:
             return self._refuse(exc, request_id, model)
         stream = bool(parsed.stream)
@@ -237,11 +259,27 @@ class Gateway:
                 body=body,
                 headers=forwardable_headers(request.headers.raw),
                 model=model,
-                routed=routed,
+                routed=routed if grant is None else grant.routed,
                 stream=stream,
                 usage_mode=usage_mode,
                 received_at=received_at,
+                admission=grant,
             )
+        )
+
+    async def _admit(
+        self, request: Request, routed: Routed, key: str, session: str | None
+    ) -> Grant | None:
+        """Through the router-side queue (``router/admission.py``), when it is on."""
+        queue = self.admission
+        if queue is None or not queue.config.enabled:
+            return None
+        return await queue.admit(
+            routed,
+            key=key,
+            session=session,
+            timeout_s=client_timeout_s(request.headers),
+            disconnected=disconnect_of(request.receive),
         )
 
     async def pass_through(self, request: Request) -> Response:
@@ -362,7 +400,11 @@ class Gateway:
         routed = await self.router.decide(
             parsed.model, parsed.prompt_input(), session_key=session, max_tokens=parsed.output_limit
         )
-        return json_response(self.router.explain(routed))
+        explained = self.router.explain(routed)
+        if self.admission is not None:  # for the client key in X-Api-Key (Bearer is admin's)
+            key = self._key_id(request.headers.get("x-api-key")) or ANONYMOUS
+            explained["admission"] = self.admission.explain(routed, key)
+        return json_response(explained)
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
@@ -376,6 +418,8 @@ class Gateway:
             self.registry.subscribe(self.index)
             await self.index.settled()
         self.health.start()
+        if self.admission is not None:
+            self.admission.start()
         if self.discovery is not None:
             await self.discovery.start()
 
@@ -383,6 +427,8 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        if self.admission is not None:
+            self.admission.stop()
         if self.index is not None:
             self.registry.unsubscribe(self.index)
             await self.index.stop()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.responses import Response
@@ -40,6 +41,9 @@ from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
 from router.routing import Routed, Router
 from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
+
+if TYPE_CHECKING:
+    from router.admission import Grant
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -84,6 +88,7 @@ class Exchange:
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
+    admission: Grant | None = None  # from the router-side queue: released when it ends
 
 
 @dataclass(slots=True)
@@ -174,6 +179,8 @@ class ProxyResponse(Response):
         finally:
             deadline.cancel()
             watcher.cancel()
+            if self._x.admission is not None:
+                self._x.admission.release()
             self._record(outcome)
 
     def _too_late(self, task: asyncio.Task[None]) -> None:
@@ -232,6 +239,8 @@ class ProxyResponse(Response):
         ticket = proxy.registry.begin(
             worker.id, x.routed.predicted_uncached_tokens(worker.id), x.routed.load_blocks
         )
+        if x.admission is not None:
+            x.admission.started()  # the queue's reservation of a worker, now counted here
         try:
             proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
             try:

@@ -95,14 +95,29 @@ class Router:
     ) -> Routed:
         """Rank the healthy workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``)."""
         self.require_servable(model)
-        index = self.block_index
         keys = None
+        if self.block_index is not None and prompt is not None:
+            keys = await self.block_index.keys_for(model, prompt)
+        # After the await: the freshest matches and load.
+        return self._rank(model, keys, session_key, max_tokens)
+
+    def redecide(self, routed: Routed) -> Routed:
+        """``routed``'s request ranked again on the index and load as they are now (its keys
+        kept: no await). ``ModelNotFound`` / ``NoHealthyWorker`` as ``decide``."""
+        request = routed.request
+        self.require_servable(request.model)
+        return self._rank(request.model, routed.keys, request.session_key, request.max_tokens)
+
+    def _rank(
+        self,
+        model: str,
+        keys: PromptKeys | None,
+        session_key: str | None,
+        max_tokens: int | None,
+    ) -> Routed:
         matches = None
-        if index is not None and prompt is not None:
-            keys = await index.keys_for(model, prompt)
-            if keys.block_keys:
-                matches = index.match(keys.block_keys)
-        # After the await: the freshest load.
+        if self.block_index is not None and keys is not None and keys.block_keys:
+            matches = self.block_index.match(keys.block_keys)
         candidates = self.registry.candidates(model, matches)
         if not candidates:
             raise NoHealthyWorker(model, retry_after_s=self.retry_after_s)
