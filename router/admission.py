@@ -1,9 +1,10 @@
 """Admission control: the router-side queue (docs/scoring.md, *Admission and the queue*).
 
-``AdmissionQueue.admit`` lets a routed request through at once when a worker it may go to
-is not busy (``scoring.busy.BusyGauge``), its API key and model are under their concurrency
-limits and nothing of its model is queued ahead of it. Otherwise it waits here, not in an
-engine's queue, bounded in number (429 ``QueueFull``) and in time (503 ``QueueTimeout``):
+``AdmissionQueue.admit`` lets a routed request through at once, as the policy ranked it,
+when some worker it may go to is not busy (``scoring.busy.BusyGauge``), its API key and
+model are under their concurrency limits and nothing of its model is queued ahead of it.
+Otherwise it waits here, not in an engine's queue, bounded in number (429 ``QueueFull``)
+and in time (503 ``QueueTimeout``); dispatched, it goes to the best worker not busy then:
 
     routed ──admit──▶ free worker, limits ok, none queued ──▶ Grant (sent now)
                    └▶ queued entry ── a worker frees up (registry.watch_load) ──▶ dispatch pass:
@@ -165,6 +166,12 @@ class _Counts:
         self._move(self.flight_model, model, delta)
 
 
+def any_free(routed: Routed, gauge: BusyGauge) -> bool:
+    """Is some ranked worker not busy (the policy's first choice asked first)?"""
+    candidates = routed.candidates
+    return any(gauge.busy(candidates[w]) is None for w in routed.decision.ranked)
+
+
 def free_first(routed: Routed, gauge: BusyGauge) -> Routed | None:
     """``routed`` with its non-busy workers ranked first (in the policy's order), or ``None``
     when every ranked worker is busy."""
@@ -175,7 +182,8 @@ def free_first(routed: Routed, gauge: BusyGauge) -> Routed | None:
     free = [w for w in ranked if gauge.busy(candidates[w]) is None]
     if not free:
         return None
-    order = free + [w for w in ranked if w not in set(free)]
+    chosen = set(free)
+    order = free + [w for w in ranked if w not in chosen]
     scores = {s.worker: s for s in routed.decision.scores}
     decision = Decision(
         ranked=order,
@@ -242,10 +250,9 @@ class AdmissionQueue:
         the decision then). ``QueueFull``, ``QueueTimeout``, ``ClientClosed`` (the client
         went while queued: ``disconnected`` returned), or a routing error at dispatch."""
         model = routed.request.model
-        if self._may_pass(key, model):
-            chosen = free_first(routed, self.gauge)
-            if chosen is not None:
-                return self._grant(chosen, key, reservation=None, waited_s=None)
+        if self._may_pass(key, model) and any_free(routed, self.gauge):
+            # the policy's choice stands (busy or not): the queue acts only when all are busy
+            return self._grant(routed, key, reservation=None, waited_s=None)
         self._check_room(key, model)
         entry = _Entry(
             seq=next(self._seq),
@@ -423,7 +430,7 @@ class AdmissionQueue:
             reason = f"{self._counts.queued_model[model]} requests of this model are queued ahead"
         elif not self._under_limits(key, model):
             reason = f"key {key} or model {model} is at its concurrency limit"
-        elif free_first(routed, self.gauge) is None:
+        elif not any_free(routed, self.gauge):
             reason = "every eligible worker is busy"
         return {
             "enabled": self.config.enabled,

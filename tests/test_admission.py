@@ -17,6 +17,9 @@ from test_sim_support import fault, sim_config, sim_fleet
 
 from backends.sim.tokenizer import tokenizer_dir
 from router.admission import AdmissionQueue
+from router.config import Settings, load_settings
+from router.flags import given_settings
+from router.serve import build_parser
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"
@@ -297,3 +300,45 @@ async def test_dispatch_goes_to_the_worker_free_at_that_moment() -> None:
                 assert reply.headers["x-kvgate-worker"] == urls[1]
                 await fault(a, kind="clear")
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_model_limits_hold_requests_even_with_a_free_worker() -> None:
+    queue = {"max_in_flight_per_model": 1, "max_queued_per_model": 1}
+    async with _setup(queue) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            second = _send(gw, _body("second"))
+            await _queued(gw, 1)
+            explained = (await gw.client.post("/debug/route", json=_body())).json()["admission"]
+            assert explained["busy_workers"] == {}  # the worker is free: the model's limit holds
+            third = await gw.client.post("/v1/completions", json=_body("third"))
+            assert third.status_code == 429
+            assert _error(third)["code"] == "model_queue_full"
+        assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+
+
+async def test_queued_requests_get_a_503_when_kvgate_stops() -> None:
+    async with _setup({"busy_in_flight": 1}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            second = _send(gw, _body("second"))
+            await _queued(gw, 1)
+            _queue(gw).stop()
+            reply = await second
+            assert reply.status_code == 503
+            assert _error(reply)["code"] == "queue_timeout"
+            assert len(_queue(gw)) == 0
+        assert (await first).status_code == 200
+
+
+def test_queue_settings_have_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["--queue-busy-in-flight", "3", "--no-queue-enabled", "--queue-max-length", "7"]
+    namespace = build_parser().parse_args(args)
+    settings = load_settings(None, given_settings(namespace, Settings))
+    assert (settings.queue.busy_in_flight, settings.queue.enabled) == (3, False)
+    assert settings.queue.max_length == 7
+    monkeypatch.setenv("KVGATE_QUEUE__MAX_WAIT_S", "2.5")
+    assert load_settings().queue.max_wait_s == 2.5
+    assert load_settings().queue.busy_pending_prefill_tokens == 16384
