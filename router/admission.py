@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backends.registry import LoadTicket, WorkerRegistry
+from index.types import WorkerId
 from router.config import QueueConfig
 from router.errors import ClientClosed, InvalidRequest, KvgateError, QueueFull, QueueTimeout
 from router.queue_metrics import QueueMetrics
@@ -131,7 +132,6 @@ class Grant:
 class _Entry:
     seq: int
     enqueued_at: float
-    work_tokens: int
     session: str | None
     key: str
     routed: Routed
@@ -257,7 +257,6 @@ class AdmissionQueue:
         entry = _Entry(
             seq=next(self._seq),
             enqueued_at=self._clock(),
-            work_tokens=_work_tokens(routed),
             session=session,
             key=key,
             routed=routed,
@@ -369,14 +368,19 @@ class AdmissionQueue:
     def _dispatch(self) -> None:
         """Send queued requests while some worker is free, best first (one pass)."""
         self._scheduled = False
-        blocked: set[str] = set()  # models none of whose workers is free now
         now = self._clock()
+        free = self._free_workers()
 
-        def eligible(entry: _Entry) -> bool:
-            return entry.model not in blocked and self._under_limits(entry.key, entry.model)
+        def work(entry: _Entry) -> int | None:
+            """Its uncached tokens on the free worker holding most of its prompt."""
+            if not self._under_limits(entry.key, entry.model):
+                return None
+            routed = entry.routed
+            tokens = [routed.predicted_uncached_tokens(w) for w in routed.candidates if w in free]
+            return min(tokens) if tokens else None
 
         while (
-            entry := next_to_dispatch(self._entries.values(), now, self._order, eligible)
+            entry := next_to_dispatch(self._entries.values(), now, self._order, work)
         ) is not None:
             try:
                 routed = self._router.redecide(entry.routed)
@@ -386,8 +390,9 @@ class AdmissionQueue:
                 entry.future.set_exception(exc)
                 continue
             chosen = free_first(routed, self.gauge)
-            if chosen is None:
-                blocked.add(entry.model)
+            if chosen is None:  # the free workers it could use turned out busy
+                free.difference_update(routed.candidates)
+                free.difference_update(entry.routed.candidates)  # (its workers then: progress)
                 continue
             self._remove(entry)
             grant = self._grant(
@@ -397,6 +402,12 @@ class AdmissionQueue:
                 waited_s=now - entry.enqueued_at,
             )
             entry.future.set_result(grant)
+            free = self._free_workers()  # the chosen worker now carries it
+
+    def _free_workers(self) -> set[WorkerId]:
+        """Healthy workers not busy now (any model)."""
+        gauge = self.gauge
+        return {w.id for w in self._registry if w.healthy and gauge.busy(w.candidate()) is None}
 
     def _remove(self, entry: _Entry) -> None:
         if self._entries.pop(entry.seq, None) is not None:
@@ -442,10 +453,3 @@ class AdmissionQueue:
             "key_in_flight": self._counts.flight_key[key],
             "busy_workers": busy,
         }
-
-
-def _work_tokens(routed: Routed) -> int:
-    """Prompt tokens the request must still prefill on the worker holding most of it."""
-    if not routed.candidates:
-        return routed.request.prompt_tokens
-    return min(routed.predicted_uncached_tokens(w) for w in routed.candidates)

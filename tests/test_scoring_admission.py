@@ -18,6 +18,10 @@ class Entry:
     session: str | None = None
 
 
+def _all(entry: Entry) -> int:
+    return entry.work_tokens
+
+
 def test_busy_at_any_limit_and_never_on_a_limit_that_is_off() -> None:
     limits = BusyLimits(pending_prefill_tokens=1000, in_flight=4, waiting_requests=2, kv_usage=0.9)
     assert over_limits(WorkerLoad(), limits) is None
@@ -37,7 +41,7 @@ def test_busy_at_any_limit_and_never_on_a_limit_that_is_off() -> None:
 def test_cheapest_work_first_ties_by_arrival() -> None:
     config = OrderConfig(aging_tokens_per_s=100.0, base_tokens=0)
     entries = [Entry(0, 0.0, 5000), Entry(1, 0.0, 100), Entry(2, 0.0, 100)]
-    chosen = next_to_dispatch(entries, 0.0, config, lambda e: True)
+    chosen = next_to_dispatch(entries, 0.0, config, _all)
     assert chosen is entries[1]
 
 
@@ -47,18 +51,20 @@ def test_aging_bounds_how_long_large_work_is_passed() -> None:
     big = Entry(0, 0.0, 5000)
     for now in (10.0, 49.0, 50.0, 51.0):
         fresh = Entry(1, now, 0)
-        chosen = next_to_dispatch([big, fresh], now, config, lambda e: True)
+        chosen = next_to_dispatch([big, fresh], now, config, _all)
         assert chosen is (big if now >= 50.0 else fresh), now
-    assert dispatch_priority(big, 50.0, config) == 0.0
+    assert dispatch_priority(big, big.work_tokens, 50.0, config) == 0.0
 
 
-def test_only_a_sessions_oldest_turn_and_eligible_entries_go() -> None:
+def test_only_a_sessions_oldest_turn_and_entries_that_may_go_are_taken() -> None:
     config = OrderConfig(aging_tokens_per_s=1.0, base_tokens=0)
     first = Entry(0, 0.0, 9000, session="s")
     second = Entry(1, 0.0, 10, session="s")
     other = Entry(2, 0.0, 500)
     entries = [second, first, other]
-    assert next_to_dispatch(entries, 0.0, config, lambda e: True) is other
-    assert next_to_dispatch(entries, 0.0, config, lambda e: e is not other) is first
-    assert next_to_dispatch(entries, 0.0, config, lambda e: e is second) is None
-    assert next_to_dispatch([], 0.0, config, lambda e: True) is None
+    assert next_to_dispatch(entries, 0.0, config, _all) is other
+    but_other = next_to_dispatch(entries, 0.0, config, lambda e: None if e is other else 1)
+    assert but_other is first
+    only_second = next_to_dispatch(entries, 0.0, config, lambda e: 1 if e is second else None)
+    assert only_second is None  # a session's later turn never passes its first
+    assert next_to_dispatch([], 0.0, config, _all) is None
