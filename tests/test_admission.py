@@ -4,6 +4,7 @@ in them) behind a real kvgate on 127.0.0.1. Every wait is on a condition, never 
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -342,3 +343,45 @@ def test_queue_settings_have_flags_and_variables(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("KVGATE_QUEUE__MAX_WAIT_S", "2.5")
     assert load_settings().queue.max_wait_s == 2.5
     assert load_settings().queue.busy_pending_prefill_tokens == 16384
+
+
+async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_elsewhere() -> None:
+    """Cache-affine dispatch: the worker that frees up holds nothing of a queued turn's
+    history (cached on a busy replica), so a new request that costs it less goes first,
+    although the turn (queued earlier) is the cheaper one on its own home."""
+    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+    history = " ".join(["the long shared history of one session"] * 40)
+    async with sim_fleet(sim_config(replicas=2, speedup=1000.0, block_size=16)) as fleet:
+        urls = [r.url for r in fleet.replicas]
+        workers = [f"{u},models={MODEL}" for u in urls]
+        queue = {"busy_in_flight": 1, "aging_tokens_per_s": 0.001}
+        async with kvgate(
+            workers, queue=queue, policy="kv", tokenizers=tokenizers, kv_index=True
+        ) as gw:
+            s = {"x-session-id": "s"}
+            first = await gw.client.post("/v1/completions", json=_body(history), headers=s)
+            home = first.headers["x-kvgate-worker"]
+            other = next(u for u in urls if u != home)
+            async with (
+                httpx.AsyncClient(base_url=home) as h,
+                httpx.AsyncClient(base_url=other) as o,
+            ):
+                await fault(h, kind="pause")
+                await fault(o, kind="pause")
+                held = []
+                for n in (1, 2):  # one on each replica (the loaded one costs more)
+                    words = " ".join([f"held number {n} waiting"] * 60)
+                    held.append(_send(gw, _body(words)))
+                    await _in_flight(gw, n)
+                assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+                turn = _send(gw, _body(history + " and one more question"), **s)
+                await _queued(gw, 1)
+                newcomer = _send(gw, _body("a short new conversation"))
+                await _queued(gw, 2)
+                await fault(o, kind="clear")  # the other replica frees up first
+                done, _ = await asyncio.wait({newcomer, turn}, return_when=FIRST_COMPLETED)
+                assert done == {newcomer}  # it went before the turn, cheaper there
+                assert newcomer.result().headers["x-kvgate-worker"] == other
+                await fault(h, kind="clear")
+                assert (await turn).status_code == 200
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
