@@ -228,6 +228,7 @@ class HealthChecker:
         await asyncio.gather(
             *(self.scrape(w) for w in self._registry if w.healthy and w.adapter.scrapes_load)
         )
+        self._registry.load_changed()  # a busy worker may have been seen freeing up
 
     async def scrape(self, worker: Worker) -> None:
         path = worker.adapter.metrics_path

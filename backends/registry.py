@@ -11,7 +11,10 @@ Load is accounted per request with a ``LoadTicket``::
         ticket.finish()       # in-flight and decode blocks released (idempotent)
 
 These counters are kvgate's *predicted* load; the health checker adds what it scrapes from
-each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``.
+each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``. Whoever
+waits for a worker to free up (the router-side queue) registers with ``watch_load`` and is
+called when load is released (a first token, a request's end), a scrape lands or a worker
+becomes healthy.
 
 The registry is the one list of workers: whoever needs to follow it (the KV index) subscribes
 (``subscribe``) and is told of every worker added, removed or changing health.
@@ -172,10 +175,17 @@ class Worker:
 class LoadTicket:
     """One request's share of a worker's predicted load; every release is idempotent."""
 
-    __slots__ = ("_blocks", "_finished", "_prefill_done", "_prompt_tokens", "worker")
+    __slots__ = ("_blocks", "_finished", "_on_release", "_prefill_done", "_prompt_tokens", "worker")
 
-    def __init__(self, worker: Worker, prompt_tokens: int, blocks: int) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        prompt_tokens: int,
+        blocks: int,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self.worker = worker
+        self._on_release = on_release
         self._prompt_tokens = prompt_tokens
         self._blocks = blocks
         self._prefill_done = False
@@ -193,15 +203,21 @@ class LoadTicket:
         if not self._prefill_done:
             self._prefill_done = True
             self.worker.pending_prefill_tokens -= self._prompt_tokens
+            if self._on_release is not None and not self._finished:
+                self._on_release()
 
     def finish(self) -> None:
         """The request is over (done, failed or cancelled): release everything."""
         if self._finished:
             return
-        self.first_token()
-        self._finished = True
+        self._finished = True  # before first_token: one release call, below
+        if not self._prefill_done:
+            self._prefill_done = True
+            self.worker.pending_prefill_tokens -= self._prompt_tokens
         self.worker.in_flight -= 1
         self.worker.active_decode_blocks -= self._blocks
+        if self._on_release is not None:
+            self._on_release()
 
 
 class WorkerRegistry:
@@ -226,6 +242,7 @@ class WorkerRegistry:
         self._listeners: list[WorkerListener] = []
         self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
         self._adapter_bases: dict[str, str] = {}
+        self._load_watchers: list[Callable[[], None]] = []
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -261,6 +278,19 @@ class WorkerRegistry:
     def unsubscribe(self, listener: WorkerListener) -> None:
         if listener in self._listeners:
             self._listeners.remove(listener)
+
+    def watch_load(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (synchronously, cheap) whenever a worker may have freed up."""
+        self._load_watchers.append(callback)
+
+    def unwatch_load(self, callback: Callable[[], None]) -> None:
+        if callback in self._load_watchers:
+            self._load_watchers.remove(callback)
+
+    def load_changed(self) -> None:
+        """Load was released or re-measured somewhere: tell the watchers."""
+        for callback in self._load_watchers:
+            callback()
 
     def get(self, worker_id: str) -> Worker:
         worker = self.find(worker_id)
@@ -396,7 +426,7 @@ class WorkerRegistry:
         prefill until its first token; ``blocks`` are active decode blocks until it ends."""
         worker = self.get(worker_id)
         self.record_footprint(worker, blocks)
-        return LoadTicket(worker, prefill_tokens, blocks)
+        return LoadTicket(worker, prefill_tokens, blocks, self.load_changed)
 
     def record_footprint(self, worker: Worker, blocks: int) -> None:
         """Add a routed prompt's ``blocks`` to the worker's decayed footprint.
@@ -446,6 +476,8 @@ class WorkerRegistry:
             worker.consecutive_failures = 0
         for listener in list(self._listeners):
             listener.worker_health_changed(worker.engine_view())
+        if healthy:
+            self.load_changed()
 
 
 def _block_size_problems(

@@ -7,6 +7,7 @@ Sub-commands:
   sweep    kvgate ``kv``: overlap_credit x temperature, hit rate and p99 TTFT curves
   faults   requests lost, phantom hits and recovery through crashes, restarts and lossy
            event wires (bench/faults.py; ``kvgate bench faults --help``)
+  overload routers side by side from below to above the saturating session rate (goodput)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench import report
 from bench.compare import (
     ALL_ROUTERS,
     KVGATE_POLICIES,
+    KVGATE_VARIANTS,
     CompareConfig,
     RouterRun,
     compare,
@@ -31,6 +33,7 @@ from bench.compare import (
 )
 from bench.fleet import FleetSpec
 from bench.oracle import oracle
+from bench.overload import PointResult, run_point, write_ramp
 from bench.peers import PEERS
 from bench.replay import ReplayConfig, replay, select_slice, write_records
 from bench.traces import (
@@ -231,7 +234,7 @@ def _parse_routers(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(ALL_ROUTERS)
-    known = set(KVGATE_POLICIES) | set(PEERS)
+    known = set(KVGATE_POLICIES) | set(KVGATE_VARIANTS) | set(PEERS)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown router(s) {unknown}; choose from {sorted(known)} or 'all'")
@@ -327,6 +330,34 @@ def cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_overload(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each repeat, each point: every router on the slice at ``factor x saturation``."""
+    out = _out_dir(args, "overload")
+    _record_command(out, argv)
+    runs = [RouterRun(n, router_label(n)) for n in _parse_routers(args.routers)]
+    title = _trace_title(args) + f", overload ramp (saturation {args.saturation_rate:g})"
+    results: list[PointResult] = []
+    for repeat in range(args.repeat):
+        for factor in _floats(args.points):
+            args.session_rate = factor * args.saturation_rate
+            reqs, block = load_requests(args)
+            point_title = f"{_trace_title(args)}, {factor:g} x saturation, run {repeat + 1}"
+            cfg = _compare_config(args, block, out / f"x{factor:g}-run{repeat + 1}", point_title)
+            results += run_point(
+                runs,
+                reqs,
+                cfg,
+                factor=factor,
+                rate=args.session_rate,
+                repeat=repeat,
+                slo_s=args.slo,
+            )
+            write_ramp(results, out, args.slo, title)  # kept current: a cut run keeps its points
+    print(write_ramp(results, out, args.slo, title))
+    print(f"results in {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate bench",
@@ -367,6 +398,23 @@ def build_parser() -> argparse.ArgumentParser:
     _fleet_args(p)
     p.add_argument("--overlap-credit", default="0,0.25,0.5,1,2,4")
     p.add_argument("--temperature", default="0,0.1")
+    p = sub.add_parser(
+        "overload", help="routers side by side on a ramp of session rates around saturation"
+    )
+    _trace_args(p)
+    _replay_args(p)
+    _fleet_args(p)
+    p.add_argument("--routers", default="kv,kv_noqueue,vllm_kv_aware")
+    p.add_argument(
+        "--saturation-rate",
+        type=float,
+        default=0.22 / 1.5,
+        help="the session rate that saturates the fleet (default: agentic_sessions on 4 "
+        "replicas, docs/benchmarks.md)",
+    )
+    p.add_argument("--points", default="0.5,1,1.5,2", help="load points, x saturation")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every point")
+    p.add_argument("--slo", type=float, default=5.0, help="goodput's TTFT objective, seconds")
     return parser
 
 
@@ -382,4 +430,6 @@ def main(argv: list[str]) -> int:
         return cmd_replay(args)
     if args.command == "compare":
         return cmd_compare(args, argv)
+    if args.command == "overload":
+        return cmd_overload(args, argv)
     return cmd_sweep(args, argv)

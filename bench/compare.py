@@ -53,9 +53,17 @@ ALL_ROUTERS = (
 )
 
 
+KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kv_noqueue": ("kv", ("--no-queue-enabled",)),  # kv without the router-side queue
+}
+"""Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
+
+
 def router_label(name: str) -> str:
     if name in PEERS:
         return PEERS[name].label
+    if name in KVGATE_VARIANTS:
+        return f"kvgate {name.replace('_', ' ')}"
     return f"kvgate {name}"
 
 
@@ -121,14 +129,21 @@ def _start_router(
 ) -> tuple[ManagedProcess, str]:
     if run.name in PEERS:
         return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
-    spec = KvgateSpec(run.name, (), (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args))
+    policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
+    args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
+    spec = KvgateSpec(policy, (), args)
     return start_kvgate(spec, fleet, log_dir)
+
+
+ROUTER_METRICS = ("kvgate_queue_entered_total", "kvgate_queue_rejected_total")
+"""Router-side counters read after each replay (kvgate's queue; absent for peers)."""
 
 
 @dataclass(slots=True)
 class RunOutput:
     summary: report.RunSummary
     result: ReplayResult
+    router_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def run_one(
@@ -151,6 +166,7 @@ def run_one(
         t0 = time.perf_counter()
         result = asyncio.run(replay(requests, rcfg))
         wall = time.perf_counter() - t0
+        router_metrics = _scrape_router(url)
         cpu1 = _cpu_snapshot(router, fleet)
         box1 = system_cpu_times()[0]
     finally:
@@ -186,7 +202,16 @@ def run_one(
     warning = report.saturation_warning([summary])
     if warning:
         cfg.log(warning)
-    return RunOutput(summary, result)
+    return RunOutput(summary, result, router_metrics)
+
+
+def _scrape_router(url: str) -> dict[str, float]:
+    with httpx.Client(timeout=5.0) as client:
+        try:
+            resp = client.get(f"{url}/metrics")
+        except httpx.HTTPError:
+            return {}
+    return parse_prometheus(resp.text, ROUTER_METRICS) if resp.status_code == 200 else {}
 
 
 def _cpu_snapshot(router: ManagedProcess, fleet: SimFleet) -> dict[str, float]:

@@ -21,6 +21,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.accesslog import AccessLog
+from router.admission import AdmissionQueue
 from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
@@ -30,6 +31,7 @@ from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
 from router.observe import Observer, start_tracing
 from router.proxy import Proxy
+from router.queue_metrics import QueueMetrics
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
 from router.routing import Router
 from router.upstream import UpstreamPool
@@ -112,6 +114,13 @@ def build_gateway(
         allowlist=allowlist,
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
+        admission=AdmissionQueue(
+            settings.queue,
+            router,
+            registry,
+            QueueMetrics(metrics_registry),
+            retry_after_s=settings.retry_after_s,
+        ),
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,

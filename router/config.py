@@ -125,6 +125,70 @@ class ClientConfig(BaseModel):
     )
 
 
+class QueueConfig(BaseModel):
+    """Admission control: the router-side queue (docs/scoring.md, *Admission and the queue*).
+
+    A request waits in kvgate when every eligible worker is busy (at or over one of the
+    ``busy_*`` limits) or its API key or model is at its concurrency limit; it is sent when
+    a worker frees up, to the best worker not busy then. While any worker is free the
+    policy's choice stands. A worker is busy by default with two full steps of vLLM's
+    default prefill budget (2 x 8192 tokens) sent and not yet prefilled, or as many waiting
+    requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32).
+    """
+
+    enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
+    max_length: int = Field(
+        default=1024, ge=0, description="requests queued at once; more get 429 (queue_full)"
+    )
+    max_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest a request waits queued (503 queue_timeout past it); a client's "
+        "own shorter timeout (X-Request-Timeout or X-Stainless-Timeout, seconds) wins",
+    )
+    busy_pending_prefill_tokens: int | None = Field(
+        default=16384,
+        ge=1,
+        description="a worker is busy with this many predicted prompt tokens sent and not "
+        "yet prefilled (none: no limit)",
+    )
+    busy_in_flight: int | None = Field(
+        default=None, ge=1, description="a worker is busy with this many requests in flight"
+    )
+    busy_waiting_requests: int | None = Field(
+        default=32,
+        ge=1,
+        description="a worker is busy when its engine reports this many waiting requests",
+    )
+    busy_kv_usage: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="a worker is busy when its engine reports this KV-cache usage (0..1)",
+    )
+    aging_tokens_per_s: float = Field(
+        default=4096.0,
+        gt=0,
+        description="dispatch order: each second queued counts as this many prompt tokens "
+        "less work (bounds how long a large prefill can be passed by cheaper requests)",
+    )
+    base_tokens: int = Field(
+        default=256, ge=0, description="dispatch order: work counted for every request"
+    )
+    max_in_flight_per_key: int | None = Field(
+        default=None, ge=1, description="requests one API key may have in flight; more wait"
+    )
+    max_queued_per_key: int | None = Field(
+        default=None, ge=0, description="requests one API key may have queued; more get 429"
+    )
+    max_in_flight_per_model: int | None = Field(
+        default=None, ge=1, description="requests one model may have in flight; more wait"
+    )
+    max_queued_per_model: int | None = Field(
+        default=None, ge=0, description="requests one model may have queued; more get 429"
+    )
+
+
 def _split_words(value: Any) -> Any:
     """Env/flag lists: JSON, or whitespace-separated words."""
     if isinstance(value, str):
@@ -251,6 +315,7 @@ class Settings(BaseSettings):
     client: ClientConfig = Field(default_factory=ClientConfig)
     index_watch: IndexWatchConfig = Field(default_factory=IndexWatchConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 

@@ -18,6 +18,8 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── WorkerExists                 409 <- backends.errors.WorkerExists
     ├── PayloadTooLarge              413
     ├── ClientClosed                 499 (nobody reads it: the client is gone)
+    ├── QueueFull                    429 + Retry-After (the queue, or a key's or model's share)
+    ├── QueueTimeout                 503 + Retry-After (waited queued past the deadline)
     ├── TooManyConnections           503 + Retry-After (connection closed)
     ├── NoHealthyWorker              503 + Retry-After
     ├── PreviousResponseUnavailable  503 + Retry-After (its worker is down or not ready)
@@ -273,6 +275,33 @@ class PreviousResponseUnavailable(KvgateError):
             f"previous_response_id '{response_id}' is held by worker {worker}, which is {why}: "
             "only that worker can continue it; retry later",
             param="previous_response_id",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class QueueFull(KvgateError):
+    """The router-side queue, or the share of it one API key or model may hold, is full
+    (429 + Retry-After); ``code`` names which."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, code=code, headers={"retry-after": str(retry_after_s)})
+
+
+class QueueTimeout(KvgateError):
+    """A request waited queued until its deadline without a worker freeing up (503)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "queue_timeout"
+
+    def __init__(self, waited_s: float, *, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"every worker stayed busy for the {waited_s:.3g} s this request could wait; "
+            "retry later",
             headers={"retry-after": str(retry_after_s)},
         )
 

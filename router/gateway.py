@@ -31,6 +31,7 @@ from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
 from index.types import WorkerId
 from router.accesslog import client_key_id
+from router.admission import AdmissionQueue, Grant, client_timeout_s, disconnect_of
 from router.affinity import ResponseAffinity
 from router.config import Settings, validation_problems
 from router.errors import (
@@ -50,7 +51,7 @@ from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
 from router.metrics import GatewayMetrics, forget_series
 from router.observe import Observation, Observer
-from router.proxy import Exchange, Proxy, UsageMode, forwardable_headers
+from router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
 from router.requests import (
     AnyModelBody,
     ChatBody,
@@ -61,7 +62,7 @@ from router.requests import (
     upstream_target,
     validate,
 )
-from router.routing import Router
+from router.routing import Routed, Router
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -132,10 +133,28 @@ def _bearer(request: Request) -> str | None:
 
 
 def _secret_matches(given: str | None, secrets: list[str]) -> bool:
+    """Is ``given`` one of ``secrets``? (constant-time compares, every one made)"""
     if not given:
         return False
     encoded = given.encode()
     return any(hmac.compare_digest(encoded, s.encode()) for s in secrets)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One proxied request on its way through the gateway: what its refusal or its
+    ``Exchange`` is built from."""
+
+    request: Request
+    request_id: str
+    received_at: float  # time.perf_counter() when it arrived
+    observation: Observation
+    model: str = "none"  # the body's model, once read
+    stream: bool = False
+
+    def parsed(self, model: str, body_bytes: int, stream: bool) -> None:
+        self.model, self.stream = model, stream
+        self.observation.parsed(model, body_bytes, stream=stream)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -167,6 +186,7 @@ class Gateway:
     index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
+    admission: AdmissionQueue | None = None  # the router-side queue (settings.queue)
     request_ids: RequestIds = field(default_factory=RequestIds)
     affinity: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 3600.0))
     # metric holders whose series labelled with a worker go when it is removed
@@ -185,16 +205,19 @@ class Gateway:
         keys); 401 without a valid key."""
         if not self._client_keys:
             return "-"
-        given = _bearer(request)
-        if given:
-            encoded = given.encode()
-            # every key compared in constant time, none skipped once one matched
-            found = [
-                key_id for key, key_id in self._client_keys if hmac.compare_digest(encoded, key)
-            ]
-            if found:
-                return found[0]
-        raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+        key = self._key_id(_bearer(request))
+        if key is None:
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+        return key
+
+    def _key_id(self, given: str | None) -> str | None:
+        """The id of the client key ``given`` is, or None; every key compared in constant
+        time, none skipped once one matched."""
+        if not given:
+            return None
+        encoded = given.encode()
+        found = [key_id for key, key_id in self._client_keys if hmac.compare_digest(encoded, key)]
+        return found[0] if found else None
 
     def check_admin(self, request: Request) -> None:
         """The admin token, or (none set) a loopback-only listener; else 401 / 403."""
@@ -239,28 +262,24 @@ class Gateway:
         self, request: Request, body_type: type[ChatBody | CompletionBody]
     ) -> Response:
         """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
-        received_at = time.perf_counter()
-        request_id = self.request_ids.of(request)
-        observation = self._observe(request, request_id, received_at)
-        model = "none"
+        call = self._begin(request)
         try:
-            observation.client = self.check_client(request)
-            raw = await self.read_body(request)
+            raw = await self._read_client(call)
             data = decode_json_object(raw)
             parsed = validate(body_type, data)
-            model = parsed.model
-            observation.parsed(model, len(raw), stream=bool(parsed.stream))
+            stream = bool(parsed.stream)
+            call.parsed(parsed.model, len(raw), stream)
             session = request.headers.get("x-session-id") or parsed.user
             routed = await self.router.decide(
-                model,
+                parsed.model,
                 parsed.prompt_input(),
                 session_key=session,
                 max_tokens=parsed.output_limit,
-                spans=observation.spans,
+                spans=call.observation.spans,
             )
+            grant = await self._admit(call, routed, session)
         except KvgateError as exc:
-            return self._refuse(exc, observation, model)
-        stream = bool(parsed.stream)
+            return self._refuse(exc, call)
         usage_mode, body = UsageMode.BODY, raw
         if stream:
             asked = parsed.stream_options is not None and parsed.stream_options.include_usage
@@ -270,62 +289,33 @@ class Gateway:
                 usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
             else:
                 usage_mode = UsageMode.NONE
-        return self.proxy.respond(
-            Exchange(
-                request_id=request_id,
-                method="POST",
-                path=request.scope["path"],
-                body=body,
-                headers=forwardable_headers(request.headers.raw),
-                model=model,
-                routed=routed,
-                stream=stream,
-                usage_mode=usage_mode,
-                received_at=received_at,
-                observation=observation,
-            )
-        )
+        return self._send(call, routed, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: keyed like a chat when kvgate renders its prompt as the
         engine does (else by load, ``ResponsesBody.prompt_input`` says why); a turn naming a
         ``previous_response_id`` goes to the worker that produced that response."""
-        received_at = time.perf_counter()
-        request_id = self.request_ids.of(request)
-        observation = self._observe(request, request_id, received_at)
-        model = "none"
+        call = self._begin(request)
         try:
-            observation.client = self.check_client(request)
-            raw = await self.read_body(request)
+            raw = await self._read_client(call)
             parsed = validate(ResponsesBody, decode_json_object(raw))
-            model = parsed.model
-            observation.parsed(model, len(raw), stream=bool(parsed.stream))
+            call.parsed(parsed.model, len(raw), bool(parsed.stream))
             prompt, _ = parsed.prompt_input()
+            session = request.headers.get("x-session-id") or parsed.user
             routed = await self.router.decide(
-                model,
+                parsed.model,
                 prompt,
-                session_key=request.headers.get("x-session-id") or parsed.user,
+                session_key=session,
                 max_tokens=parsed.output_limit,
-                spans=observation.spans,
+                spans=call.observation.spans,
                 only=self._holder(parsed.previous_response_id),
             )
+            grant = await self._admit(call, routed, session)
         except KvgateError as exc:
-            return self._refuse(exc, observation, model)
-        return self.proxy.respond(
-            Exchange(
-                request_id=request_id,
-                method="POST",
-                path=request.scope["path"],
-                body=raw,
-                headers=forwardable_headers(request.headers.raw),
-                model=model,
-                routed=routed,
-                stream=bool(parsed.stream),
-                usage_mode=UsageMode.TAP if parsed.stream else UsageMode.BODY,
-                received_at=received_at,
-                observation=observation,
-                answer_tap=self.affinity.tap(),
-            )
+            return self._refuse(exc, call)
+        usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
+        return self._send(
+            call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=self.affinity.tap()
         )
 
     def _holder(self, response_id: str | None) -> WorkerId | None:
@@ -346,40 +336,80 @@ class Gateway:
         return holder
 
     async def pass_through(self, request: Request) -> Response:
-        """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model."""
-        received_at = time.perf_counter()
-        request_id = self.request_ids.of(request)
-        observation = self._observe(request, request_id, received_at)
-        model = "none"
+        """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model.
+        A POST (work for the engine, e.g. embeddings) goes through the router-side queue."""
+        call = self._begin(request)
         try:
             path = upstream_target(request.scope["path"], request.scope.get("query_string", b""))
-            observation.client = self.check_client(request)
-            raw = await self.read_body(request)
+            raw = await self._read_client(call)
             stored, holder = self._stored_response(request.scope["path"])
-            model = stored or self._model_of(request, raw)
-            observation.parsed(model, len(raw), stream=False)
+            call.parsed(stored or self._model_of(request, raw), len(raw), False)
+            session = request.headers.get("x-session-id")
             routed = await self.router.decide(
-                model,
-                None,
-                session_key=request.headers.get("x-session-id"),
-                spans=observation.spans,
-                only=holder,
+                call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
+            grant = await self._admit(call, routed, session) if request.method == "POST" else None
         except KvgateError as exc:
-            return self._refuse(exc, observation, model)
+            return self._refuse(exc, call)
+        return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=path)
+
+    def _begin(self, request: Request) -> _Call:
+        """A proxied request arrives: its id, arrival time and observation (access log,
+        trace, stream metrics)."""
+        received_at = time.perf_counter()
+        request_id = self.request_ids.of(request)
+        scope = request.scope
+        observation = self.observer.begin(
+            request_id, scope["method"], scope["path"], scope["headers"], received_at
+        )
+        return _Call(request, request_id, received_at, observation)
+
+    async def _read_client(self, call: _Call) -> bytes:
+        """The client's key checked (401), then its body read (bounded)."""
+        call.observation.client = self.check_client(call.request)
+        return await self.read_body(call.request)
+
+    async def _admit(self, call: _Call, routed: Routed, session: str | None) -> Grant | None:
+        """Through the router-side queue (``router/admission.py``), when it is on."""
+        queue = self.admission
+        if queue is None or not queue.config.enabled:
+            return None
+        return await queue.admit(
+            routed,
+            key=call.observation.client,
+            session=session,
+            timeout_s=client_timeout_s(call.request.headers),
+            disconnected=disconnect_of(call.request.receive),
+        )
+
+    def _send(
+        self,
+        call: _Call,
+        routed: Routed,
+        grant: Grant | None,
+        *,
+        body: bytes,
+        usage_mode: UsageMode,
+        path: str | None = None,
+        answer_tap: AnswerTap | None = None,
+    ) -> Response:
+        """Proxy the accepted request (to the worker its queue grant chose, if it waited)."""
+        request = call.request
         return self.proxy.respond(
             Exchange(
-                request_id=request_id,
+                request_id=call.request_id,
                 method=request.method,
-                path=path,
-                body=raw,
+                path=path if path is not None else request.scope["path"],
+                body=body,
                 headers=forwardable_headers(request.headers.raw),
-                model=model,
-                routed=routed,
-                stream=True,
-                usage_mode=UsageMode.NONE,
-                received_at=received_at,
-                observation=observation,
+                model=call.model,
+                routed=routed if grant is None else grant.routed,
+                stream=call.stream if path is None else True,
+                usage_mode=usage_mode,
+                received_at=call.received_at,
+                observation=call.observation,
+                answer_tap=answer_tap,
+                admission=grant,
             )
         )
 
@@ -401,15 +431,10 @@ class Gateway:
             raise InvalidRequest("model: a model is required to choose a worker", param="model")
         return model
 
-    def _observe(self, request: Request, request_id: str, received_at: float) -> Observation:
-        scope = request.scope
-        return self.observer.begin(
-            request_id, scope["method"], scope["path"], scope["headers"], received_at
-        )
-
-    def _refuse(self, error: KvgateError, observation: Observation, model: str) -> Response:
-        if isinstance(error, ModelNotFound):
-            model = "unknown"  # never one label series per made-up model name
+    def _refuse(self, error: KvgateError, call: _Call) -> Response:
+        observation = call.observation
+        # never one label series per made-up model name
+        model = "unknown" if isinstance(error, ModelNotFound) else call.model
         self.metrics.route("none", model).answered(str(error.status))
         if error.status >= 500:
             log.warning("%s: %s", observation.request_id, error.message)
@@ -515,7 +540,11 @@ class Gateway:
             session_key=session or parsed.user,
             max_tokens=parsed.output_limit,
         )
-        return json_response(self.router.explain(routed))
+        explained = self.router.explain(routed)
+        if self.admission is not None:  # for the client key in X-Api-Key (Bearer is admin's)
+            key = self._key_id(request.headers.get("x-api-key")) or "-"
+            explained["admission"] = self.admission.explain(routed, key)
+        return json_response(explained)
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
@@ -558,6 +587,8 @@ class Gateway:
                 self.registry.subscribe(self.index_watch)
             await self.index.settled()
         self.health.start()
+        if self.admission is not None:
+            self.admission.start()
         if self.discovery is not None:
             await self.discovery.start()
 
@@ -567,6 +598,8 @@ class Gateway:
         await self.health.stop()
         if self.index_watch is not None:
             self.registry.unsubscribe(self.index_watch)
+        if self.admission is not None:
+            self.admission.stop()
         if self.index is not None:
             self.registry.unsubscribe(self.index)
             await self.index.stop()

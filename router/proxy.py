@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 from starlette.responses import Response
@@ -66,6 +66,9 @@ from router.observe import Observation
 from router.routing import Routed, Router
 from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
+
+if TYPE_CHECKING:
+    from router.admission import Grant
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -115,6 +118,7 @@ class Exchange:
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
     answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
+    admission: Grant | None = None  # from the router-side queue: released when it ends
 
 
 class AnswerTap(Protocol):
@@ -233,6 +237,8 @@ class ProxyResponse(Response):
         finally:
             deadline.cancel()
             watcher.cancel()
+            if self._x.admission is not None:
+                self._x.admission.release()
             self._record(outcome)
 
     def _too_late(self, task: asyncio.Task[None]) -> None:
@@ -316,6 +322,8 @@ class ProxyResponse(Response):
         ticket = proxy.registry.begin(
             worker.id, routed.predicted_uncached_tokens(worker.id), routed.load_blocks
         )
+        if x.admission is not None:
+            x.admission.started()  # the queue's reservation of a worker, now counted here
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)

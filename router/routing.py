@@ -154,6 +154,13 @@ class Router:
         domain = _Domain(routed.base_model, routed.adapter, routed.only)
         return self._rank(routed.request, routed.keys, matches, domain, exclude)
 
+    def redecide(self, routed: Routed) -> Routed:
+        """``routed``'s request ranked again on the index and load as they are now (its keys
+        and domain kept: no await), for a queued request at dispatch. ``ModelNotFound`` /
+        ``NoHealthyWorker`` as ``decide``."""
+        self.require_servable(routed.request.model)
+        return self.reroute(routed, ())
+
     def _rank(
         self,
         request: RouteRequest,

@@ -1,0 +1,136 @@
+"""The overload ramp: the same routers side by side at session rates from below to above the
+fleet's saturating rate, each point repeated, summarised as served-TTFT percentiles, goodput
+(answered requests whose TTFT is within an SLO, per second), rejections and hit rate.
+
+Each (point, repeat) is one ``bench.compare`` run (every router on a cold fleet, the same
+slice); the ramp table gives, per point and router, the median over repeats of each figure
+and the range of p99 and goodput.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.compare import CompareConfig, RouterRun, RunOutput, compare
+from bench.replay import RequestRecord
+from bench.traces import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    """One router at one load point in one repeat."""
+
+    factor: float  # session rate / saturating session rate
+    session_rate: float
+    repeat: int
+    router: str
+    sent: int
+    ok: int
+    rejected_429: int
+    rejected_503: int
+    other_failed: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    goodput_rps: float
+    hit_rate: float
+    wall_s: float
+    queued: int  # requests that waited in kvgate's queue (0 for peers)
+
+
+def goodput(records: Sequence[RequestRecord], slo_s: float, wall_s: float) -> float:
+    """Answered requests whose TTFT is within ``slo_s``, per second of the replay."""
+    good = sum(
+        1 for r in records if r.status == "ok" and r.ttft_s is not None and r.ttft_s <= slo_s
+    )
+    return good / wall_s if wall_s > 0 else 0.0
+
+
+def point_result(
+    output: RunOutput, *, factor: float, rate: float, repeat: int, slo_s: float
+) -> PointResult:
+    records = output.result.records
+    summary = output.summary
+    statuses = [r.status for r in records]
+    rejected_429 = statuses.count("http_429")
+    rejected_503 = statuses.count("http_503")
+    return PointResult(
+        factor=factor,
+        session_rate=rate,
+        repeat=repeat,
+        router=summary.label,
+        sent=len(records),
+        ok=summary.ok,
+        rejected_429=rejected_429,
+        rejected_503=rejected_503,
+        other_failed=len(records) - summary.ok - rejected_429 - rejected_503,
+        ttft_p50_s=summary.ttft_p50_s,
+        ttft_p99_s=summary.ttft_p99_s,
+        goodput_rps=goodput(records, slo_s, output.result.wall_s),
+        hit_rate=summary.hit_rate,
+        wall_s=output.result.wall_s,
+        queued=round(output.router_metrics.get("kvgate_queue_entered_total", 0.0)),
+    )
+
+
+def run_point(
+    runs: Sequence[RouterRun],
+    requests: Sequence[TraceRequest],
+    cfg: CompareConfig,
+    *,
+    factor: float,
+    rate: float,
+    repeat: int,
+    slo_s: float,
+) -> list[PointResult]:
+    outputs = compare(runs, requests, cfg)
+    return [point_result(o, factor=factor, rate=rate, repeat=repeat, slo_s=slo_s) for o in outputs]
+
+
+def _span(values: Sequence[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def ramp_table(results: Sequence[PointResult], slo_s: float) -> str:
+    """Markdown: one row per (point, router), medians over repeats (ranges for p99, goodput)."""
+    lines = [
+        f"| load (× saturation) | router | runs | ok/sent | 429 | 503 | TTFT p50 (s) | "
+        f"TTFT p99 (s), median (range) | goodput ≤{slo_s:g} s (req/s), median (range) | "
+        "hit rate | queued |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys: list[tuple[float, str]] = []
+    for r in results:
+        if (r.factor, r.router) not in keys:
+            keys.append((r.factor, r.router))
+    for factor, router in keys:
+        group = [r for r in results if r.factor == factor and r.router == router]
+        p99 = [r.ttft_p99_s for r in group]
+        good = [r.goodput_rps for r in group]
+
+        def med(values: Sequence[float]) -> float:
+            return statistics.median(values)
+
+        lines.append(
+            f"| {factor:g} | {router} | {len(group)} | "
+            f"{med([r.ok for r in group]):.0f}/{med([r.sent for r in group]):.0f} | "
+            f"{med([r.rejected_429 for r in group]):.0f} | "
+            f"{med([r.rejected_503 for r in group]):.0f} | "
+            f"{med([r.ttft_p50_s for r in group]):.3f} | {med(p99):.2f} ({_span(p99)}) | "
+            f"{med(good):.2f} ({_span(good)}) | {med([r.hit_rate for r in group]):.3f} | "
+            f"{med([r.queued for r in group]):.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_ramp(results: Sequence[PointResult], out: Path, slo_s: float, title: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = f"## {title}\n\n{ramp_table(results, slo_s)}"
+    (out / "ramp.md").write_text(text)
+    (out / "ramp.json").write_text(
+        json.dumps([asdict(r) for r in results], indent=2, default=str) + "\n"
+    )
+    return text

@@ -1,0 +1,455 @@
+"""Admission control: the router-side queue (docs/scoring.md, *Admission and the queue*).
+
+``AdmissionQueue.admit`` lets a routed request through at once, as the policy ranked it,
+when some worker it may go to is not busy (``scoring.busy.BusyGauge``), its API key and
+model are under their concurrency limits and nothing of its model is queued ahead of it.
+Otherwise it waits here, not in an engine's queue, bounded in number (429 ``QueueFull``)
+and in time (503 ``QueueTimeout``); dispatched, it goes to the best worker not busy then:
+
+    routed ──admit──▶ free worker, limits ok, none queued ──▶ Grant (sent now)
+                   └▶ queued entry ── a worker frees up (registry.watch_load) ──▶ dispatch pass:
+                        next_to_dispatch (scoring/dispatch_order.py) → Router.redecide
+                        → the best non-busy worker now → Grant (with a reservation)
+                   └▶ client gone: removed at once (499); deadline: 503; full: 429
+
+A dispatch pass runs (``loop.call_soon``, coalesced) when load is released or re-measured,
+a worker becomes healthy, a grant ends, or a request is queued: no polling. A dispatched
+request's worker is charged at once (a ``LoadTicket`` reservation, handed over when the
+proxy counts the request itself), so one pass never sends a burst to the worker that just
+freed up. Each ``Grant`` holds its key's and model's concurrency share until ``release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from backends.registry import LoadTicket, WorkerRegistry
+from index.types import WorkerId
+from router.config import QueueConfig
+from router.errors import ClientClosed, InvalidRequest, KvgateError, QueueFull, QueueTimeout
+from router.queue_metrics import QueueMetrics
+from router.routing import Routed, Router
+from scoring.api import Decision
+from scoring.busy import BusyGauge, BusyLimits, ThresholdGauge
+from scoring.dispatch_order import OrderConfig, next_to_dispatch
+
+TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+"""Headers in which a client states its own timeout, in seconds (the OpenAI SDKs send the
+second): a queued request waits no longer than that."""
+_MAX_HEADER_CHARS = 32
+
+
+def client_timeout_s(headers: Mapping[str, str]) -> float | None:
+    """The client's own timeout from ``TIMEOUT_HEADERS`` (first found), or None; a value
+    that is not a positive finite number of seconds is a 400 naming the header."""
+    for name in TIMEOUT_HEADERS:
+        text = headers.get(name)
+        if text is None:
+            continue
+        try:
+            value = float(text) if len(text) <= _MAX_HEADER_CHARS else math.nan
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidRequest(f"{name}: expected a positive number of seconds", param=name)
+        return value
+    return None
+
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+def disconnect_of(receive: Receive) -> Callable[[], Awaitable[None]]:
+    """An awaitable factory that returns when the ASGI client disconnects (the request
+    body already read: the next message is the disconnect)."""
+
+    async def disconnected() -> None:
+        for _ in range(1_000_000):  # bounded; a body-less message may come before
+            if (await receive())["type"] == "http.disconnect":
+                return
+        await asyncio.Event().wait()  # never: a client flooding empty messages waits out
+
+    return disconnected
+
+
+def gauge_of(config: QueueConfig) -> ThresholdGauge:
+    """The default ``BusyGauge``: ``config``'s ``busy_*`` limits."""
+    return ThresholdGauge(
+        BusyLimits(
+            pending_prefill_tokens=config.busy_pending_prefill_tokens,
+            in_flight=config.busy_in_flight,
+            waiting_requests=config.busy_waiting_requests,
+            kv_usage=config.busy_kv_usage,
+        )
+    )
+
+
+class Grant:
+    """One request let through: its key's and model's concurrency share, and (dispatched from
+    the queue) a reservation of its worker's load until the proxy counts it (``started``)."""
+
+    __slots__ = ("_queue", "_released", "_reservation", "key", "model", "routed", "waited_s")
+
+    def __init__(
+        self,
+        queue: AdmissionQueue,
+        routed: Routed,
+        key: str,
+        reservation: LoadTicket | None,
+        waited_s: float | None,
+    ) -> None:
+        self._queue = queue
+        self.routed = routed
+        self.key = key
+        self.model = routed.request.model
+        self._reservation = reservation
+        self.waited_s = waited_s  # None: never queued
+        self._released = False
+
+    def started(self) -> None:
+        """The proxy charged the worker itself: the reservation is handed over."""
+        if self._reservation is not None:
+            self._reservation.finish()
+            self._reservation = None
+
+    def release(self) -> None:
+        """The exchange is over (idempotent): the concurrency share goes back."""
+        if not self._released:
+            self._released = True
+            self.started()
+            self._queue._released(self)
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    seq: int
+    enqueued_at: float
+    session: str | None
+    key: str
+    routed: Routed
+    future: asyncio.Future[Grant]
+
+    @property
+    def model(self) -> str:
+        return self.routed.request.model
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Queued and in-flight (granted, not released) requests, per key and per model."""
+
+    queued_key: Counter[str] = field(default_factory=Counter)
+    queued_model: Counter[str] = field(default_factory=Counter)
+    flight_key: Counter[str] = field(default_factory=Counter)
+    flight_model: Counter[str] = field(default_factory=Counter)
+
+    @staticmethod
+    def _move(counter: Counter[str], name: str, delta: int) -> None:
+        counter[name] += delta
+        if counter[name] <= 0:
+            del counter[name]
+
+    def queued(self, key: str, model: str, delta: int) -> None:
+        self._move(self.queued_key, key, delta)
+        self._move(self.queued_model, model, delta)
+
+    def flying(self, key: str, model: str, delta: int) -> None:
+        self._move(self.flight_key, key, delta)
+        self._move(self.flight_model, model, delta)
+
+
+def any_free(routed: Routed, gauge: BusyGauge) -> bool:
+    """Is some ranked worker not busy (the policy's first choice asked first)?"""
+    candidates = routed.candidates
+    return any(gauge.busy(candidates[w]) is None for w in routed.decision.ranked)
+
+
+def free_first(routed: Routed, gauge: BusyGauge) -> Routed | None:
+    """``routed`` with its non-busy workers ranked first (in the policy's order), or ``None``
+    when every ranked worker is busy."""
+    ranked = routed.decision.ranked
+    candidates = routed.candidates
+    if gauge.busy(candidates[ranked[0]]) is None:
+        return routed
+    free = [w for w in ranked if gauge.busy(candidates[w]) is None]
+    if not free:
+        return None
+    chosen = set(free)
+    order = free + [w for w in ranked if w not in chosen]
+    scores = {s.worker: s for s in routed.decision.scores}
+    decision = Decision(
+        ranked=order,
+        scores=[scores[w] for w in order if w in scores] if scores else (),
+    )
+    return replace(routed, decision=decision)
+
+
+class AdmissionQueue:
+    """Requests waiting in kvgate for a worker, and each key's and model's share."""
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        router: Router,
+        registry: WorkerRegistry,
+        metrics: QueueMetrics,
+        *,
+        gauge: BusyGauge | None = None,
+        retry_after_s: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.gauge = gauge if gauge is not None else gauge_of(config)
+        self._router = router
+        self._registry = registry
+        self._metrics = metrics
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._order = OrderConfig(config.aging_tokens_per_s, config.base_tokens)
+        self._entries: dict[int, _Entry] = {}
+        self._counts = _Counts()
+        self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        metrics.watch(self)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._registry.watch_load(self._wake)
+
+    def stop(self) -> None:
+        """Stop dispatching; every queued request gets a 503 (kvgate is shutting down)."""
+        self._registry.unwatch_load(self._wake)
+        for entry in list(self._entries.values()):
+            self._remove(entry)
+            if not entry.future.done():
+                waited = self._clock() - entry.enqueued_at
+                entry.future.set_exception(QueueTimeout(waited, retry_after_s=self._retry_after_s))
+        self._loop = None
+
+    # -- the request side -----------------------------------------------------------------
+    async def admit(
+        self,
+        routed: Routed,
+        *,
+        key: str,
+        session: str | None,
+        timeout_s: float | None,
+        disconnected: Callable[[], Awaitable[None]],
+    ) -> Grant:
+        """Let ``routed`` through now or once a worker frees up (the grant's ``routed`` is
+        the decision then). ``QueueFull``, ``QueueTimeout``, ``ClientClosed`` (the client
+        went while queued: ``disconnected`` returned), or a routing error at dispatch."""
+        model = routed.request.model
+        if self._may_pass(key, model) and any_free(routed, self.gauge):
+            # the policy's choice stands (busy or not): the queue acts only when all are busy
+            return self._grant(routed, key, reservation=None, waited_s=None)
+        self._check_room(key, model)
+        entry = _Entry(
+            seq=next(self._seq),
+            enqueued_at=self._clock(),
+            session=session,
+            key=key,
+            routed=routed,
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._entries[entry.seq] = entry
+        self._counts.queued(key, model, 1)
+        self._metrics.entered(key)
+        self._wake()
+        limit = (
+            self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
+        )
+        return await self._wait(entry, limit, disconnected)
+
+    async def _wait(
+        self, entry: _Entry, limit_s: float, disconnected: Callable[[], Awaitable[None]]
+    ) -> Grant:
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait(
+                (entry.future, gone), timeout=limit_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:
+            self._abandon(entry)
+            raise
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        if entry.future.done():
+            return entry.future.result()
+        self._abandon(entry)
+        waited = self._clock() - entry.enqueued_at
+        if gone in done:
+            self._metrics.rejected(entry.key, "client_gone")
+            raise ClientClosed
+        self._metrics.rejected(entry.key, "deadline")
+        raise QueueTimeout(waited, retry_after_s=self._retry_after_s)
+
+    def _abandon(self, entry: _Entry) -> None:
+        """The waiter is leaving: out of the queue, or its grant (if just made) released."""
+        self._remove(entry)
+        future = entry.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+        else:
+            future.cancel()
+
+    def _may_pass(self, key: str, model: str) -> bool:
+        """Nothing of ``model`` queued ahead, and ``key`` and ``model`` under their limits."""
+        return self._counts.queued_model[model] == 0 and self._under_limits(key, model)
+
+    def _under_limits(self, key: str, model: str) -> bool:
+        cfg, counts = self.config, self._counts
+        key_limit, model_limit = cfg.max_in_flight_per_key, cfg.max_in_flight_per_model
+        return (key_limit is None or counts.flight_key[key] < key_limit) and (
+            model_limit is None or counts.flight_model[model] < model_limit
+        )
+
+    def _check_room(self, key: str, model: str) -> None:
+        cfg, counts = self.config, self._counts
+        checks = (
+            ("queue_full", len(self._entries), cfg.max_length, "the queue"),
+            ("key_queue_full", counts.queued_key[key], cfg.max_queued_per_key, f"key {key}'s"),
+            (
+                "model_queue_full",
+                counts.queued_model[model],
+                cfg.max_queued_per_model,
+                f"model {model}'s",
+            ),
+        )
+        for code, held, limit, whose in checks:
+            if limit is not None and held >= limit:
+                self._metrics.rejected(key, code)
+                message = (
+                    f"every worker is busy and {whose} share of the queue is full "
+                    f"({limit} requests); retry later"
+                )
+                raise QueueFull(message, code=code, retry_after_s=self._retry_after_s)
+
+    # -- grants -----------------------------------------------------------------------------
+    def _grant(
+        self, routed: Routed, key: str, *, reservation: LoadTicket | None, waited_s: float | None
+    ) -> Grant:
+        self._counts.flying(key, routed.request.model, 1)
+        if waited_s is not None:
+            self._metrics.waited(key, waited_s)
+        return Grant(self, routed, key, reservation, waited_s)
+
+    def _released(self, grant: Grant) -> None:
+        self._counts.flying(grant.key, grant.model, -1)
+        self._wake()
+
+    def _reserve(self, routed: Routed) -> LoadTicket | None:
+        """Charge the chosen worker now, as the proxy will (no footprint: not sent yet)."""
+        worker = self._registry.find(routed.decision.chosen)
+        if worker is None:
+            return None
+        uncached = routed.predicted_uncached_tokens(worker.id)
+        return LoadTicket(worker, uncached, routed.load_blocks, self._registry.load_changed)
+
+    # -- the dispatch side ------------------------------------------------------------------
+    def _wake(self) -> None:
+        loop = self._loop
+        if self._entries and not self._scheduled and loop is not None:
+            self._scheduled = True
+            loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        """Send queued requests while some worker is free, best first (one pass)."""
+        self._scheduled = False
+        now = self._clock()
+        free = self._free_workers()
+
+        def work(entry: _Entry) -> int | None:
+            """Its uncached tokens on the free worker holding most of its prompt."""
+            if not self._under_limits(entry.key, entry.model):
+                return None
+            routed = entry.routed
+            tokens = [routed.predicted_uncached_tokens(w) for w in routed.candidates if w in free]
+            return min(tokens) if tokens else None
+
+        while (
+            entry := next_to_dispatch(self._entries.values(), now, self._order, work)
+        ) is not None:
+            try:
+                routed = self._router.redecide(entry.routed)
+            except KvgateError as exc:  # the model's workers went away meanwhile
+                self._remove(entry)
+                self._metrics.rejected(entry.key, "no_worker")
+                entry.future.set_exception(exc)
+                continue
+            chosen = free_first(routed, self.gauge)
+            if chosen is None:  # the free workers it could use turned out busy
+                free.difference_update(routed.candidates)
+                free.difference_update(entry.routed.candidates)  # (its workers then: progress)
+                continue
+            self._remove(entry)
+            grant = self._grant(
+                chosen,
+                entry.key,
+                reservation=self._reserve(chosen),
+                waited_s=now - entry.enqueued_at,
+            )
+            entry.future.set_result(grant)
+            free = self._free_workers()  # the chosen worker now carries it
+
+    def _free_workers(self) -> set[WorkerId]:
+        """Ready workers not busy now (any model)."""
+        gauge = self.gauge
+        return {w.id for w in self._registry if w.ready and gauge.busy(w.candidate()) is None}
+
+    def _remove(self, entry: _Entry) -> None:
+        if self._entries.pop(entry.seq, None) is not None:
+            self._counts.queued(entry.key, entry.model, -1)
+
+    # -- views --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def queued_by(self) -> Iterator[tuple[str, str, int]]:
+        """(key, model, queued requests) for every pair with some queued."""
+        pairs = Counter((e.key, e.model) for e in self._entries.values())
+        for (key, model), n in pairs.items():
+            yield key, model, n
+
+    def in_flight_by_key(self) -> dict[str, int]:
+        return dict(self._counts.flight_key)
+
+    def explain(self, routed: Routed, key: str) -> dict[str, Any]:
+        """Would a request routed as ``routed`` for ``key`` queue now, and why."""
+        model = routed.request.model
+        busy = {
+            c.url: reason
+            for c in routed.candidates.values()
+            if (reason := self.gauge.busy(c)) is not None
+        }
+        reason = None
+        if not self.config.enabled:
+            pass
+        elif self._counts.queued_model[model]:
+            reason = f"{self._counts.queued_model[model]} requests of this model are queued ahead"
+        elif not self._under_limits(key, model):
+            reason = f"key {key} or model {model} is at its concurrency limit"
+        elif not any_free(routed, self.gauge):
+            reason = "every eligible worker is busy"
+        return {
+            "enabled": self.config.enabled,
+            "would_queue": reason is not None,
+            "reason": reason,
+            "key": key,
+            "queued": len(self._entries),
+            "queued_for_model": self._counts.queued_model[model],
+            "key_in_flight": self._counts.flight_key[key],
+            "busy_workers": busy,
+        }

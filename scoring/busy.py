@@ -1,0 +1,55 @@
+"""Is a worker too busy to take one more request now? The admission predicate of the queue.
+
+``router/admission.py`` holds a request in kvgate when every eligible worker is busy by its
+``BusyGauge``. The gauge sees one candidate (its load and match) and answers a reason or
+``None``; ``ThresholdGauge`` is the default over the load kvgate measures today (predicted
+pending prefill and in-flight requests, the engine's scraped waiting queue and KV usage). A
+gauge in seconds (predicted time to first token) fits the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from scoring.api import Candidate, WorkerLoad
+
+
+class BusyGauge(Protocol):
+    """Says why ``candidate`` should take no more requests now (``None``: it may)."""
+
+    def busy(self, candidate: Candidate) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BusyLimits:
+    """Per-worker limits; a worker over any of them is busy. ``None`` turns a limit off."""
+
+    pending_prefill_tokens: int | None = None  # kvgate's prediction: sent, no first token yet
+    in_flight: int | None = None  # kvgate's prediction: requests sent and not finished
+    waiting_requests: int | None = None  # scraped: the engine's waiting queue
+    kv_usage: float | None = None  # scraped: KV-cache usage, 0..1
+
+
+def over_limits(load: WorkerLoad, limits: BusyLimits) -> str | None:
+    """The first limit ``load`` is over, as a reason, or ``None``."""
+    checks: tuple[tuple[str, float | None, float | None], ...] = (
+        ("pending prefill tokens", load.pending_prefill_tokens, limits.pending_prefill_tokens),
+        ("in flight", load.in_flight, limits.in_flight),
+        ("waiting", load.scraped_waiting, limits.waiting_requests),
+        ("kv usage", load.scraped_kv_usage, limits.kv_usage),
+    )
+    for name, value, limit in checks:
+        if value is not None and limit is not None and value >= limit and value > 0:
+            return f"{name} {value:g} >= {limit:g}"
+    return None
+
+
+class ThresholdGauge:
+    """``BusyGauge`` over fixed per-worker limits (``BusyLimits``)."""
+
+    def __init__(self, limits: BusyLimits) -> None:
+        self.limits = limits
+
+    def busy(self, candidate: Candidate) -> str | None:
+        return over_limits(candidate.load, self.limits)

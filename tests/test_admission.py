@@ -1,0 +1,386 @@
+"""The router-side queue against real servers: simulated replicas (paused: requests pile up
+in them) behind a real kvgate on 127.0.0.1. Every wait is on a condition, never a sleep."""
+
+from __future__ import annotations
+
+import asyncio
+from asyncio import FIRST_COMPLETED
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fakes.gateway import Kvgate, kvgate
+from fakes.rawhttp import request_bytes
+from fakes.server import wait_for
+from test_sim_support import fault, sim_config, sim_fleet
+
+from backends.sim.tokenizer import tokenizer_dir
+from router.accesslog import client_key_id
+from router.admission import AdmissionQueue
+from router.config import Settings, load_settings
+from router.flags import given_settings
+from router.serve import build_parser
+
+pytestmark = pytest.mark.anyio
+MODEL = "kvgate-sim"
+KEYS = ["key-one-secret", "key-two-secret"]
+ONE, TWO = (client_key_id(key) for key in KEYS)  # their public ids (metric labels)
+
+
+def _body(prompt: str = "hello there", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
+
+
+def _queue(gw: Kvgate) -> AdmissionQueue:
+    queue = gw.gateway.admission
+    assert queue is not None
+    return queue
+
+
+@asynccontextmanager
+async def _setup(queue: dict[str, Any], **overrides: Any) -> AsyncIterator[tuple[Kvgate, str]]:
+    """One simulated replica behind kvgate (``queue`` settings), replica URL."""
+    async with sim_fleet(sim_config(replicas=1, speedup=1000.0)) as fleet:
+        url = fleet.replicas[0].url
+        overrides.setdefault("kv_index", False)
+        async with kvgate([f"{url},models={MODEL}"], queue=queue, **overrides) as gw:
+            yield gw, url
+
+
+@asynccontextmanager
+async def _paused(url: str) -> AsyncIterator[None]:
+    """The replica runs no engine step inside the block (requests accepted, held)."""
+    async with httpx.AsyncClient(base_url=url) as sim:
+        await fault(sim, kind="pause")
+        try:
+            yield
+        finally:
+            await fault(sim, kind="clear")
+
+
+def _send(gw: Kvgate, body: dict[str, Any], **headers: str) -> asyncio.Task[httpx.Response]:
+    return asyncio.ensure_future(gw.client.post("/v1/completions", json=body, headers=headers))
+
+
+async def _in_flight(gw: Kvgate, n: int) -> None:
+    await wait_for(lambda: sum(w.in_flight for w in gw.gateway.registry) == n, what="in flight")
+
+
+async def _queued(gw: Kvgate, n: int) -> None:
+    await wait_for(lambda: len(_queue(gw)) == n, what=f"{n} queued")
+
+
+def _error(reply: httpx.Response) -> dict[str, Any]:
+    body = reply.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert {"message", "type", "param", "code"} <= set(error)
+    return error
+
+
+async def test_light_load_never_queues() -> None:
+    """Default thresholds: sequential and concurrent requests go straight through."""
+    async with _setup({}) as (gw, _):
+        for _ in range(3):
+            assert (await gw.client.post("/v1/completions", json=_body())).status_code == 200
+        replies = await asyncio.gather(*(_send(gw, _body(f"request {i}")) for i in range(8)))
+        assert [r.status_code for r in replies] == [200] * 8
+        assert gw.metric("kvgate_queue_entered_total", {"key": "-"}) == 0
+        explained = (await gw.client.post("/debug/route", json=_body())).json()
+        assert explained["admission"]["would_queue"] is False
+        assert explained["admission"]["busy_workers"] == {}
+
+
+async def test_full_queue_is_a_429_and_the_queued_request_is_sent_when_a_worker_frees() -> None:
+    async with _setup({"busy_in_flight": 1, "max_length": 1}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            second = _send(gw, _body("second"))
+            await _queued(gw, 1)
+            explained = (await gw.client.post("/debug/route", json=_body())).json()["admission"]
+            assert explained["would_queue"] is True
+            assert "queued ahead" in explained["reason"]
+            assert list(explained["busy_workers"]) == [url]
+            third = await gw.client.post("/v1/completions", json=_body("third"))
+            assert third.status_code == 429
+            assert third.headers["retry-after"] == "1"
+            error = _error(third)
+            assert error["code"] == "queue_full"
+            assert error["type"] == "rate_limit_error"
+            assert sum(w.in_flight for w in gw.gateway.registry) == 1  # second still held here
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+        assert len(_queue(gw)) == 0
+        assert gw.metric("kvgate_queue_rejected_total", {"key": "-", "reason": "queue_full"}) == 1
+        assert gw.metric("kvgate_queue_wait_seconds_count", {"key": "-"}) == 1
+        metrics = (await gw.client.get("/metrics")).text
+        assert "kvgate_queue_wait_seconds_bucket" in metrics
+
+
+async def test_deadline_is_a_503_from_the_client_timeout_or_the_configured_one() -> None:
+    async with _setup({"busy_in_flight": 1, "max_wait_s": 0.2}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            late = await gw.client.post(
+                "/v1/completions", json=_body("late"), headers={"x-request-timeout": "0.05"}
+            )
+            assert late.status_code == 503
+            assert late.headers["retry-after"] == "1"
+            assert _error(late)["code"] == "queue_timeout"
+            configured = await gw.client.post("/v1/completions", json=_body("configured"))
+            assert configured.status_code == 503
+            assert _error(configured)["type"] == "service_unavailable_error"
+            bad = await gw.client.post(
+                "/v1/completions", json=_body(), headers={"x-stainless-timeout": "soon"}
+            )
+            assert bad.status_code == 400
+            assert _error(bad)["param"] == "x-stainless-timeout"
+            assert len(_queue(gw)) == 0
+        assert (await first).status_code == 200
+        labels = {"key": "-", "reason": "deadline"}
+        assert gw.metric("kvgate_queue_rejected_total", labels) == 2
+
+
+async def test_a_client_that_disconnects_while_queued_is_removed_at_once() -> None:
+    async with _setup({"busy_in_flight": 1}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first", stream=True))
+            await _in_flight(gw, 1)
+            host, port = gw.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = httpx.Request("POST", "/", json=_body("leaving", stream=True)).read()
+            writer.write(
+                request_bytes(
+                    "POST",
+                    "/v1/completions",
+                    headers=[("content-type", "application/json")],
+                    body=body,
+                )
+            )
+            await writer.drain()
+            await _queued(gw, 1)
+            writer.close()
+            await writer.wait_closed()
+            await _queued(gw, 0)  # gone from the queue while the replica is still paused
+            labels = {"key": "-", "reason": "client_gone"}
+            assert gw.metric("kvgate_queue_rejected_total", labels) == 1
+            assert sum(w.in_flight for w in gw.gateway.registry) == 1
+            assert await reader.read() == b""  # nothing was ever written to it
+        assert (await first).status_code == 200
+        await _in_flight(gw, 0)
+        ok = {"worker": url, "model": MODEL, "status": "200"}
+        assert gw.metric("kvgate_requests_total", ok) == 1  # the leaver never reached it
+
+
+async def test_streaming_client_sees_nothing_until_dispatched() -> None:
+    async with _setup({"busy_in_flight": 1}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            got_headers = asyncio.Event()
+
+            async def stream() -> list[str]:
+                async with gw.client.stream(
+                    "POST", "/v1/completions", json=_body("streamed", stream=True)
+                ) as reply:
+                    got_headers.set()
+                    assert reply.status_code == 200
+                    return [line async for line in reply.aiter_lines() if line]
+
+            streamed = asyncio.ensure_future(stream())
+            await _queued(gw, 1)
+            assert not got_headers.is_set()  # queued: not even the status line was sent
+        assert (await first).status_code == 200
+        lines = await streamed
+        assert lines[-1] == "data: [DONE]"
+
+
+async def test_one_key_cannot_take_the_queue_or_the_fleet() -> None:
+    """Per-key concurrency and queue limits: key one's burst waits or is refused while key
+    two's request goes through; keys are labelled by their public id, never the key."""
+    queue = {"max_in_flight_per_key": 1, "max_queued_per_key": 2}
+    async with _setup(queue, api_keys=KEYS) as (gw, url):
+        one = {"authorization": f"Bearer {KEYS[0]}"}
+        two = {"authorization": f"Bearer {KEYS[1]}"}
+        async with _paused(url):
+            burst = [_send(gw, _body(f"one {i}"), **one) for i in range(3)]
+            await _in_flight(gw, 1)
+            await _queued(gw, 2)
+            refused = await gw.client.post("/v1/completions", json=_body("one more"), headers=one)
+            assert refused.status_code == 429
+            assert _error(refused)["code"] == "key_queue_full"
+            other = _send(gw, _body("two"), **two)
+            await _in_flight(gw, 2)  # key two reached the replica past key one's queued burst
+            assert len(_queue(gw)) == 2
+            assert _queue(gw).in_flight_by_key() == {ONE: 1, TWO: 1}
+            metrics = (await gw.client.get("/metrics")).text
+            assert f'kvgate_queue_length{{key="{ONE}",model="kvgate-sim"}} 2.0' in metrics
+            assert KEYS[0] not in metrics and KEYS[1] not in metrics
+        replies = await asyncio.gather(*burst, other)
+        assert [r.status_code for r in replies] == [200] * 4
+        assert gw.metric("kvgate_queue_entered_total", {"key": ONE}) == 2
+        labels = {"key": ONE, "reason": "key_queue_full"}
+        assert gw.metric("kvgate_queue_rejected_total", labels) == 1
+
+
+async def _completion_order(
+    gw: Kvgate,
+    sends: list[tuple[str, dict[str, Any], dict[str, str]]],
+    release: Callable[[], Awaitable[None]],
+) -> list[str]:
+    done: list[str] = []
+
+    async def one(name: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        reply = await gw.client.post("/v1/completions", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        done.append(name)
+
+    tasks = []
+    for queued, (name, body, headers) in enumerate(sends):
+        tasks.append(asyncio.ensure_future(one(name, body, headers)))
+        await _queued(gw, queued + 1)  # arrival order is the order sent
+    await release()
+    await asyncio.gather(*tasks)
+    return done
+
+
+async def test_cheapest_first_but_a_sessions_turns_in_order() -> None:
+    """Queued: a long turn 1 of session s, its short turn 2, a short other request. The
+    other (cheapest head) goes first; turn 2, cheaper still, waits for turn 1."""
+    queue = {"busy_in_flight": 1, "aging_tokens_per_s": 0.001}
+    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+    async with _setup(queue, kv_index=True, policy="kv", tokenizers=tokenizers) as (gw, url):
+        long_prompt = " ".join(["many words of a long history"] * 60)
+        s = {"x-session-id": "s"}
+        async with httpx.AsyncClient(base_url=url) as sim:
+            await fault(sim, kind="pause")
+            blocker = _send(gw, _body("blocker"))
+            await _in_flight(gw, 1)
+
+            async def release() -> None:
+                await fault(sim, kind="clear")
+
+            order = await _completion_order(
+                gw,
+                [
+                    ("turn 1", _body(long_prompt), s),
+                    ("turn 2", _body("short"), s),
+                    ("other", _body("brief"), {}),
+                ],
+                release,
+            )
+        assert (await blocker).status_code == 200
+        assert order == ["other", "turn 1", "turn 2"]
+
+
+async def test_dispatch_goes_to_the_worker_free_at_that_moment() -> None:
+    """Two replicas, one request each in flight: the queued request goes to whichever frees
+    up first, decided when it does."""
+    async with sim_fleet(sim_config(replicas=2, speedup=1000.0)) as fleet:
+        urls = [r.url for r in fleet.replicas]
+        workers = [f"{u},models={MODEL}" for u in urls]
+        async with kvgate(workers, queue={"busy_in_flight": 1}, kv_index=False) as gw:
+            async with (
+                httpx.AsyncClient(base_url=urls[0]) as a,
+                httpx.AsyncClient(base_url=urls[1]) as b,
+            ):
+                await fault(a, kind="pause")
+                await fault(b, kind="pause")
+                held = [_send(gw, _body(f"held {i}")) for i in range(2)]
+                await _in_flight(gw, 2)
+                queued = _send(gw, _body("queued"))
+                await _queued(gw, 1)
+                await fault(b, kind="clear")
+                reply = await queued
+                assert reply.status_code == 200
+                assert reply.headers["x-kvgate-worker"] == urls[1]
+                await fault(a, kind="clear")
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_model_limits_hold_requests_even_with_a_free_worker() -> None:
+    queue = {"max_in_flight_per_model": 1, "max_queued_per_model": 1}
+    async with _setup(queue) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            second = _send(gw, _body("second"))
+            await _queued(gw, 1)
+            explained = (await gw.client.post("/debug/route", json=_body())).json()["admission"]
+            assert explained["busy_workers"] == {}  # the worker is free: the model's limit holds
+            third = await gw.client.post("/v1/completions", json=_body("third"))
+            assert third.status_code == 429
+            assert _error(third)["code"] == "model_queue_full"
+        assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+
+
+async def test_queued_requests_get_a_503_when_kvgate_stops() -> None:
+    async with _setup({"busy_in_flight": 1}) as (gw, url):
+        async with _paused(url):
+            first = _send(gw, _body("first"))
+            await _in_flight(gw, 1)
+            second = _send(gw, _body("second"))
+            await _queued(gw, 1)
+            _queue(gw).stop()
+            reply = await second
+            assert reply.status_code == 503
+            assert _error(reply)["code"] == "queue_timeout"
+            assert len(_queue(gw)) == 0
+        assert (await first).status_code == 200
+
+
+def test_queue_settings_have_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["--queue-busy-in-flight", "3", "--no-queue-enabled", "--queue-max-length", "7"]
+    namespace = build_parser().parse_args(args)
+    settings = load_settings(None, given_settings(namespace, Settings))
+    assert (settings.queue.busy_in_flight, settings.queue.enabled) == (3, False)
+    assert settings.queue.max_length == 7
+    monkeypatch.setenv("KVGATE_QUEUE__MAX_WAIT_S", "2.5")
+    assert load_settings().queue.max_wait_s == 2.5
+    assert load_settings().queue.busy_pending_prefill_tokens == 16384
+
+
+async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_elsewhere() -> None:
+    """Cache-affine dispatch: the worker that frees up holds nothing of a queued turn's
+    history (cached on a busy replica), so a new request that costs it less goes first,
+    although the turn (queued earlier) is the cheaper one on its own home."""
+    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+    history = " ".join(["the long shared history of one session"] * 40)
+    async with sim_fleet(sim_config(replicas=2, speedup=1000.0, block_size=16)) as fleet:
+        urls = [r.url for r in fleet.replicas]
+        workers = [f"{u},models={MODEL}" for u in urls]
+        queue = {"busy_in_flight": 1, "aging_tokens_per_s": 0.001}
+        async with kvgate(
+            workers, queue=queue, policy="kv", tokenizers=tokenizers, kv_index=True
+        ) as gw:
+            s = {"x-session-id": "s"}
+            first = await gw.client.post("/v1/completions", json=_body(history), headers=s)
+            home = first.headers["x-kvgate-worker"]
+            other = next(u for u in urls if u != home)
+            async with (
+                httpx.AsyncClient(base_url=home) as h,
+                httpx.AsyncClient(base_url=other) as o,
+            ):
+                await fault(h, kind="pause")
+                await fault(o, kind="pause")
+                held = []
+                for n in (1, 2):  # one on each replica (the loaded one costs more)
+                    words = " ".join([f"held number {n} waiting"] * 60)
+                    held.append(_send(gw, _body(words)))
+                    await _in_flight(gw, n)
+                assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+                turn = _send(gw, _body(history + " and one more question"), **s)
+                await _queued(gw, 1)
+                newcomer = _send(gw, _body("a short new conversation"))
+                await _queued(gw, 2)
+                await fault(o, kind="clear")  # the other replica frees up first
+                done, _ = await asyncio.wait({newcomer, turn}, return_when=FIRST_COMPLETED)
+                assert done == {newcomer}  # it went before the turn, cheaper there
+                assert newcomer.result().headers["x-kvgate-worker"] == other
+                await fault(h, kind="clear")
+                assert (await turn).status_code == 200
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
