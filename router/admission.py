@@ -27,7 +27,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -203,10 +203,14 @@ class AdmissionQueue:
         metrics: QueueMetrics,
         *,
         gauge: BusyGauge | None = None,
+        keys: Sequence[str] = ("-",),
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``keys``: the client key ids (``accesslog.client_key_id``; "-" without client
+        keys), whose series are on /metrics at 0 before their first request."""
         self.config = config
+        self.keys = tuple(keys)
         self.gauge = gauge if gauge is not None else gauge_of(config)
         self._router = router
         self._registry = registry
@@ -219,6 +223,7 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        metrics.declare(self.keys)
         metrics.watch(self)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -418,13 +423,19 @@ class AdmissionQueue:
         return len(self._entries)
 
     def queued_by(self) -> Iterator[tuple[str, str, int]]:
-        """(key, model, queued requests) for every pair with some queued."""
+        """(key, model, queued requests): every known key with every served model (0 when
+        none is queued), and any other pair with some queued."""
         pairs = Counter((e.key, e.model) for e in self._entries.values())
+        models = {model for worker in self._registry for model in worker.models}
+        for key in self.keys:
+            for model in models:
+                pairs[(key, model)] += 0
         for (key, model), n in pairs.items():
             yield key, model, n
 
     def in_flight_by_key(self) -> dict[str, int]:
-        return dict(self._counts.flight_key)
+        """Granted, unfinished requests per key (every known key, 0 included)."""
+        return {**dict.fromkeys(self.keys, 0), **self._counts.flight_key}
 
     def explain(self, routed: Routed, key: str) -> dict[str, Any]:
         """Would a request routed as ``routed`` for ``key`` queue now, and why."""

@@ -20,7 +20,7 @@ from backends.health import HealthChecker, HealthMetrics
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
-from router.accesslog import AccessLog
+from router.accesslog import AccessLog, client_key_id
 from router.admission import AdmissionQueue
 from router.affinity import ResponseAffinity
 from router.config import Settings
@@ -119,6 +119,7 @@ def build_gateway(
             router,
             registry,
             QueueMetrics(metrics_registry),
+            keys=[client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"],
             retry_after_s=settings.retry_after_s,
         ),
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),

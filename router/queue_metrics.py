@@ -1,13 +1,14 @@
 """Metrics of the router-side queue (``kvgate_queue_*``), on an injected registry.
 
-Labels are bounded: ``key`` is a key id (``key-N``, the key's place in ``api_keys``, or
-``anonymous``), never the key; ``model`` only ever names a served model; ``reason`` is one
+Labels are bounded: ``key`` is a key id (``accesslog.client_key_id``: a prefix of the key's
+SHA-256, or "-" when kvgate has no client keys), never the key; every known key's series are
+there at 0 before its first request; ``model`` only ever names a served model; ``reason`` is one
 of ``REJECTIONS``. Queue lengths and in-flight shares are read from the queue at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -52,6 +53,14 @@ class QueueMetrics:
             ["key", "reason"],
             registry=registry,
         )
+
+    def declare(self, keys: Sequence[str]) -> None:
+        """Every series of these key ids at 0, before their first request."""
+        for key in keys:
+            self.entered_total.labels(key)
+            self.wait.labels(key)
+            for reason in REJECTIONS:
+                self.rejections.labels(key, reason)
 
     def watch(self, queue: AdmissionQueue) -> None:
         self._registry.register(_QueueCollector(queue))
