@@ -173,6 +173,26 @@ def test_ttft_floor_uses_whole_cached_blocks_and_the_fleet_config() -> None:
     assert parsed.timing.token_us == 10.0
 
 
+def test_ttft_floor_follows_the_engine_model() -> None:
+    """Prefill speed (``--prefill-slowdown``), the chunk budget and the prefill mode of the
+    fleet reach the floor as ``kvgate sim`` parses them; serial prefill alone is chunked."""
+    reqs = [TraceRequest(0, 0.0, 20_000, 1, tuple(range(40)))]
+    o = oracle(reqs)
+
+    def floor(*extra: str) -> float:
+        return ttft_floor(o, sim_config(FleetSpec(extra_args=extra)))[0]
+
+    base = floor()
+    slow, fast = floor("--prefill-slowdown", "2"), floor("--prefill-slowdown", "0.5")
+    # 20k tokens are compute and attention bound (far above the step floor): both scale
+    assert slow == pytest.approx(2 * base) and fast == pytest.approx(base / 2)
+    assert floor("--prefill-mode", "serial") == base
+    # 512-token chunks: 40 steps instead of 3, the same tokens and attention pairs; only
+    # the last 32-token chunk is raised to the step floor
+    assert base < floor("--max-num-batched-tokens", "512") < 1.01 * base
+    assert floor("--max-num-batched-tokens", "512", "--step-floor-ms", "20") > base
+
+
 def test_pooled_lru_keeps_what_fits_and_evicts_least_recent() -> None:
     def req(i: int, ids: tuple[int, ...]) -> TraceRequest:
         return TraceRequest(i, float(i), 512 * len(ids), 1, ids)
