@@ -98,6 +98,24 @@ def test_synthetic_sessions_share_prefix_and_grow() -> None:
     assert 0.5 < o.token_hit_rate < 1.0
 
 
+def test_synthetic_statistics_are_parameters() -> None:
+    """Turn counts, prompt growth, shared prefix and think times follow the options."""
+    opts = SyntheticAgentOptions(
+        sessions=40, turns=2, max_turns=9, system_blocks=4, tool_blocks=0,
+        first_user_blocks=3, growth_blocks=(5, 5), mean_gap_s=0.0, max_gap_s=0.0, seed=3,
+    )  # fmt: skip
+    reqs = synthetic_agent_sessions(opts)
+    per_session: dict[str | None, list[TraceRequest]] = {}
+    for r in reqs:
+        per_session.setdefault(r.session_id, []).append(r)
+    counts = {len(turns) for turns in per_session.values()}
+    assert min(counts) >= 2 and max(counts) <= 9 and len(counts) > 3
+    for turns in per_session.values():
+        assert [len(t.hash_ids) for t in turns] == [7 + 5 * i for i in range(len(turns))]
+        assert len({t.arrival_s for t in turns}) == 1  # no think time, no gap
+        assert turns[0].hash_ids[:4] == (0, 1, 2, 3)
+
+
 def test_prompt_expansion_is_deterministic_real_words() -> None:
     words = prompt_words((3, 4), 700)
     assert len(words) == 700
