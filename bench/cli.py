@@ -4,7 +4,7 @@ Sub-commands:
   oracle   the trace slice's prefix reuse with one infinite cache, and the TTFT floor
   replay   replay a trace against any OpenAI-compatible URL
   compare  every router on a cold simulated fleet, same trace slice, one table
-  sweep    kvgate ``kv``: overlap_credit x temperature, hit rate and p99 TTFT curves
+  sweep    kvgate ``kv``: one knob's values x temperature, hit rate and p99 TTFT curves
   matrix   the generalization matrix: engine models x traffic x fleet sizes (bench/matrix.py)
 """
 
@@ -139,20 +139,17 @@ def cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
     reqs, block = load_requests(args)
     out = _out_dir(args, "sweep")
     _record_command(out, argv)
-    cfg = compare_config(args, block, out, _trace_title(args) + ", kv sweep")
+    knob = args.knob
+    cfg = compare_config(args, block, out, _trace_title(args) + f", kv sweep of {knob}")
     runs = [
-        RouterRun(
-            "kv",
-            f"kv credit={c:g} T={t:g}",
-            (("overlap_credit", f"{c:g}"), ("temperature", f"{t:g}")),
-        )
+        RouterRun("kv", f"kv {knob}={v:g} T={t:g}", ((knob, f"{v:g}"), ("temperature", f"{t:g}")))
         for t in _floats(args.temperature)
-        for c in _floats(args.overlap_credit)
+        for v in _floats(args.values)
     ]
     outputs = compare(runs, reqs, cfg)
     points = [
         (
-            float(dict(r.knobs)["overlap_credit"]),
+            float(dict(r.knobs)[knob]),
             float(dict(r.knobs)["temperature"]),
             o.summary.hit_rate,
             o.summary.ttft_p99_s,
@@ -163,13 +160,11 @@ def cmd_sweep(args: argparse.Namespace, argv: list[str]) -> int:
         (o.summary.hit_rate / o.summary.hit_vs_oracle for o in outputs if o.summary.hit_vs_oracle),
         None,
     )
-    report.plot_sweep(points, out / "sweep.png", cfg.title, oracle_rate)
+    report.plot_sweep(points, out / "sweep.png", cfg.title, oracle_rate, knob)
     (out / "sweep.json").write_text(
         json.dumps(
             [
-                dict(
-                    zip(("overlap_credit", "temperature", "hit_rate", "ttft_p99_s"), p, strict=True)
-                )
+                dict(zip((knob, "temperature", "hit_rate", "ttft_p99_s"), p, strict=True))
                 | {"summary": asdict(o.summary)}
                 for p, o in zip(points, outputs, strict=True)
             ],
@@ -216,12 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list of {sorted(set(KVGATE_POLICIES) | set(PEERS))} or 'all'",
     )
 
-    p = sub.add_parser("sweep", help="kv policy: overlap_credit x temperature")
+    p = sub.add_parser("sweep", help="kv policy: one knob's values x temperature")
     trace_args(p)
     replay_args(p)
     fleet_args(p)
-    p.add_argument("--overlap-credit", default="0,0.25,0.5,1,2,4")
-    p.add_argument("--temperature", default="0,0.1")
+    p.add_argument("--knob", default="footprint_weight", help="a kv scoring knob (KvPolicyConfig)")
+    p.add_argument("--values", default="0,0.25,0.5,1", help="comma list of the knob's values")
+    p.add_argument("--temperature", default="0")
 
     p = sub.add_parser(
         "matrix",

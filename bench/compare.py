@@ -53,9 +53,15 @@ ALL_ROUTERS = (
 )
 
 
+BASELINE_TREE = "kv_baseline"
+"""Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
+
+
 def router_label(name: str) -> str:
     if name in PEERS:
         return PEERS[name].label
+    if name == BASELINE_TREE:
+        return "kvgate kv (baseline tree)"
     return f"kvgate {name}"
 
 
@@ -69,7 +75,7 @@ class RouterRun:
 
 
 def kv_knob_args(knobs: Sequence[tuple[str, str]]) -> tuple[str, ...]:
-    """kv policy knobs as ``kvgate serve`` flags (``--scoring-overlap-credit 2``)."""
+    """kv policy knobs as ``kvgate serve`` flags (``--scoring-footprint-weight 1``)."""
     out: list[str] = []
     for name, value in knobs:
         out += [f"--scoring-{name.replace('_', '-')}", value]
@@ -84,6 +90,7 @@ class CompareConfig:
     title: str
     trace_block_tokens: int = 512
     kvgate_extra_args: tuple[str, ...] = ()
+    baseline_tree: Path | None = None  # the checkout router "kv_baseline" runs from
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -121,8 +128,12 @@ def _start_router(
 ) -> tuple[ManagedProcess, str]:
     if run.name in PEERS:
         return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
-    spec = KvgateSpec(run.name, (), (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args))
-    return start_kvgate(spec, fleet, log_dir)
+    extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
+    if run.name == BASELINE_TREE:
+        if cfg.baseline_tree is None:
+            raise RuntimeError("router kv_baseline needs a baseline tree (--baseline-tree)")
+        return start_kvgate(KvgateSpec("kv", (), extra, cfg.baseline_tree), fleet, log_dir)
+    return start_kvgate(KvgateSpec(run.name, (), extra), fleet, log_dir)
 
 
 @dataclass(slots=True)

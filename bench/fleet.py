@@ -101,8 +101,13 @@ def port_free(port: int) -> bool:
 
 
 def free_port_range(count: int, start: int = 20000, stride: int = 1, end: int = 60000) -> int:
-    """First port p >= start such that p, p+stride, ... (count ports) are all free."""
-    p = start
+    """First port p >= start such that p, p+stride, ... (count ports) are all free.
+
+    The search starts at an offset of ``start`` that depends on this process's id, so that
+    benchmarks run side by side on one machine do not all race for the same first ports."""
+    p = start + (os.getpid() % 64) * 16 * max(count * stride, 1)
+    if p + count * stride >= end:
+        p = start
     while p + count * stride < end:
         if all(port_free(p + i * stride) for i in range(count)):
             return p
@@ -110,10 +115,51 @@ def free_port_range(count: int, start: int = 20000, stride: int = 1, end: int = 
     raise RuntimeError("no free port range on 127.0.0.1")
 
 
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) <= 9 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def owns_listener(pid: int, port: int) -> bool:
+    """Does ``pid`` (or one of its descendants) hold the socket listening on ``port``?"""
+    wanted = {f"socket:[{inode}]" for inode in listening_inodes(port)}
+    if not wanted:
+        return False
+    for each in (pid, *descendants(pid)):
+        try:
+            fds = list(Path(f"/proc/{each}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if str(fd.readlink()) in wanted:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def wait_http(url: str, timeout_s: float = 60.0, proc: ManagedProcess | None = None) -> None:
-    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` died."""
+    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` died.
+
+    With ``proc``, the answer counts only once ``proc`` itself listens on the URL's port: on
+    a shared machine another process can hold a port that looked free when it was picked
+    (the process under test then fails to bind while the other one answers)."""
     deadline = time.monotonic() + timeout_s
     last = ""
+    port = httpx.URL(url).port
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc is not None and not proc.alive():
@@ -121,8 +167,11 @@ def wait_http(url: str, timeout_s: float = 60.0, proc: ManagedProcess | None = N
             try:
                 resp = client.get(url)
                 if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}"
+                    if proc is None or port is None or owns_listener(proc.pid, port):
+                        return
+                    last = f"port {port} answered by another process"
+                else:
+                    last = f"HTTP {resp.status_code}"
             except httpx.HTTPError as exc:
                 last = type(exc).__name__
             time.sleep(0.2)
@@ -140,6 +189,7 @@ class ManagedProcess:
     argv: list[str]
     log_path: Path
     env: dict[str, str] | None = None
+    cwd: Path | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> ManagedProcess:
@@ -151,6 +201,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(self.env or {})},
+                cwd=self.cwd,
                 start_new_session=True,
             )
         return self
@@ -284,8 +335,11 @@ def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimF
 @dataclass(frozen=True, slots=True)
 class KvgateSpec:
     policy: str
-    env: tuple[tuple[str, str], ...] = ()  # e.g. KVGATE_KV__OVERLAP_CREDIT
+    env: tuple[tuple[str, str], ...] = ()  # e.g. KVGATE_SCORING__FOOTPRINT_WEIGHT
     extra_args: tuple[str, ...] = ()
+    tree: Path | None = None
+    """Run kvgate from this checkout instead of this one (an older commit, side by side):
+    ``python -m router.cli`` started in it imports its packages first."""
 
 
 def kvgate_serve_argv(
@@ -312,6 +366,7 @@ def start_kvgate(
         kvgate_serve_argv(spec, fleet, port),
         log_dir / f"kvgate-{spec.policy}.log",
         env=dict(spec.env),
+        cwd=spec.tree,
     ).start()
     url = f"http://{LOOPBACK}:{port}"
     try:

@@ -134,6 +134,7 @@ class MatrixConfig:
     duration_s: float = 40.0
     drain_timeout_s: float = 60.0
     serve_args: tuple[str, ...] = ()
+    baseline_tree: Path | None = None  # router kv_baseline: kvgate from this checkout
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -209,6 +210,7 @@ def run_cell(cell: Cell, cfg: MatrixConfig) -> CellResult:
     (cell_dir / "command.txt").write_text(_command(args, cell, cfg) + "\n")
     base = compare_config(args, block, cell_dir, f"{cell.name}: {cell.varies}")
     base.log = cfg.log
+    base.baseline_tree = cfg.baseline_tree
     chosen = select_slice(reqs, base.replay)
     refs = references(chosen, base.fleet, base.trace_block_tokens)
     (cell_dir / "references.json").write_text(json.dumps(refs.as_json(), indent=2) + "\n")
@@ -409,6 +411,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"smoke test: cells {', '.join(QUICK_CELLS)}, 12 s slices, one repeat",
     )
     p.add_argument("--serve-arg", action="append", default=[], help="extra `kvgate serve` argument")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of another kvgate commit (its native core built or copied in): "
+        "router kv_baseline runs kvgate kv from it, side by side with this tree's",
+    )
 
 
 def config_from_args(args: argparse.Namespace, default_out: Path) -> MatrixConfig:
@@ -430,6 +438,7 @@ def config_from_args(args: argparse.Namespace, default_out: Path) -> MatrixConfi
         duration_s=duration,
         drain_timeout_s=args.drain_timeout,
         serve_args=tuple(args.serve_arg),
+        baseline_tree=args.baseline_tree,
     )
 
 

@@ -60,9 +60,7 @@ def build_gateway(
 ) -> Gateway:
     """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
     metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
-    registry = WorkerRegistry(
-        settings.health, footprint_half_life_s=settings.scoring.footprint_half_life_s
-    )
+    registry = WorkerRegistry(settings.health, scoring=settings.scoring)
     for worker in settings.workers:
         registry.add(worker)
     if policy is None:

@@ -19,6 +19,9 @@ _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are k
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
+_ERROR_BUCKETS = (
+    -10.0, -3.0, -1.0, -0.3, -0.1, -0.03, -0.01, 0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0,
+)  # fmt: skip
 _OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1,
 )  # fmt: skip
@@ -88,6 +91,15 @@ class GatewayMetrics:
             "kvgate_best_available_cached_tokens",
             "Best predicted cached prompt tokens over every eligible worker of the request",
             ["worker", "model"],
+            registry=registry,
+        )
+
+        self.ttft_error = Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Measured minus predicted time to first token (from dispatch) of answered streamed "
+            "requests, by worker: > 0 when the worker's learned model was optimistic",
+            ["worker"],
+            buckets=_ERROR_BUCKETS,
             registry=registry,
         )
 
@@ -175,8 +187,18 @@ class WorkerStateCollector(Collector):
                 labels=["worker"],
             ),
         }
+        gauges |= _model_gauges()
+        calibrator = self._workers.calibrator
         for w in self._workers:
             labels = [w.url]
+            params = calibrator.params(w.id)
+            gauges["rate"].add_metric(labels, params.prefill_tokens_per_s)
+            gauges["queued_weight"].add_metric(labels, params.queued_weight)
+            gauges["base"].add_metric(labels, params.base_s)
+            error = calibrator.error(w.id)
+            if error is not None:
+                gauges["abs_error"].add_metric(labels, error.mean_abs_s)
+                gauges["bias"].add_metric(labels, error.bias_s)
             gauges["healthy"].add_metric(labels, 1.0 if w.healthy else 0.0)
             gauges["in_flight"].add_metric(labels, w.in_flight)
             gauges["prefill"].add_metric(labels, w.pending_prefill_tokens)
@@ -189,6 +211,37 @@ class WorkerStateCollector(Collector):
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
+
+
+def _model_gauges() -> dict[str, GaugeMetricFamily]:
+    """The learned TTFT model of each worker and its running calibration error."""
+    return {
+        "rate": GaugeMetricFamily(
+            "kvgate_ttft_model_prefill_tokens_per_second",
+            "Learned prefill rate of the worker (its own uncached tokens)",
+            labels=["worker"],
+        ),
+        "queued_weight": GaugeMetricFamily(
+            "kvgate_ttft_model_queued_weight",
+            "Learned delay of a queued prefill token relative to one of the request's own",
+            labels=["worker"],
+        ),
+        "base": GaugeMetricFamily(
+            "kvgate_ttft_model_base_seconds",
+            "Learned TTFT of an empty prompt on the idle worker",
+            labels=["worker"],
+        ),
+        "abs_error": GaugeMetricFamily(
+            "kvgate_ttft_prediction_mean_abs_error_seconds",
+            "Running mean |measured - predicted| TTFT of the worker's requests",
+            labels=["worker"],
+        ),
+        "bias": GaugeMetricFamily(
+            "kvgate_ttft_prediction_bias_seconds",
+            "Running mean measured - predicted TTFT of the worker's requests",
+            labels=["worker"],
+        ),
+    }
 
 
 def register_worker_gauges(registry: CollectorRegistry, workers: WorkerRegistry) -> None:

@@ -189,8 +189,13 @@ class ProxyResponse(Response):
     async def _attempt(self, worker: Worker, send: Send, outcome: _Outcome) -> None:
         proxy, x = self._proxy, self._x
         headers = self._upstream_headers(worker)
+        routed = x.routed
         ticket = proxy.registry.begin(
-            worker.id, x.routed.predicted_uncached_tokens(worker.id), x.routed.load_blocks
+            worker.id,
+            routed.predicted_uncached_tokens(worker.id),
+            routed.load_blocks,
+            routed.request.block_size,
+            routed.request.prompt_tokens,
         )
         try:
             proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
@@ -212,7 +217,10 @@ class ProxyResponse(Response):
             finally:
                 await response.aclose()  # never waits: closes at once when not complete
         finally:
-            ticket.finish()
+            observed = ticket.finish()
+            if observed is not None:
+                miss = observed.measured_s - observed.predicted_s
+                proxy.metrics.ttft_error.labels(worker.url).observe(miss)
 
     def _upstream_headers(self, worker: Worker) -> list[tuple[bytes, bytes]]:
         headers = [
@@ -263,7 +271,7 @@ class ProxyResponse(Response):
         outcome: _Outcome,
     ) -> None:
         body = await self._read(worker, response)
-        ticket.first_token()
+        ticket.first_token(measured=False)  # the whole body: no first-token time
         self._proxy.registry.record_ok_response(worker)
         if self._x.usage_mode is UsageMode.BODY:
             outcome.usage = usage_from_body(body)
@@ -311,6 +319,8 @@ class ProxyResponse(Response):
         tail = tap.flush() if tap is not None else b""
         if tap is not None:
             outcome.usage = tap.usage
+        usage = outcome.usage
+        ticket.complete(*((usage.prompt_tokens, usage.cached_tokens) if usage else (None, None)))
         await self._end(send, tail)
 
     async def _read(self, worker: Worker, response: UpstreamResponse) -> bytes:

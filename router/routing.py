@@ -182,6 +182,7 @@ def _scored_entry(
             "decode_blocks", load.active_decode_blocks if load is not None else 0
         ),
         "in_flight": load.in_flight if load is not None else 0,
+        "predicted_ttft_s": terms.get("ttft_s"),
         "cost": score.cost,
         "terms": terms,
         "reason": score.reason,

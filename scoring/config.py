@@ -8,25 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KvPolicyConfig(BaseModel):
-    """Every knob of the ``kv`` policy. Costs are measured in KV blocks of the request's block size.
+    """Every knob of the ``kv`` policy. Costs are in seconds (docs/scoring.md, "The cost")::
 
-    ``cost = overlap_credit * prefill_blocks + load_blocks`` where
-    ``prefill_blocks = request_blocks - credited`` and
-    ``load_blocks = queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks``.
+        cost = predicted TTFT + (fleet_factor + cache_factor) * own prefill seconds
+
+    The TTFT model is learned online per worker (``scoring.calibration``); what remains
+    here are its priors, the tier credits, the load blend, the guards and the choice.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    overlap_credit: float = Field(
-        default=1.0,
-        ge=0.0,
-        le=1e6,
-        description=(
-            "Stickiness: weight of the blocks this request would have to prefill on a worker "
-            "(its uncached part) against the worker's load. 0 ignores the cache entirely "
-            "(pure load balance); large values follow the cache whatever the load."
-        ),
-    )
     gpu_weight: float = Field(
         default=1.0,
         ge=0.0,
@@ -48,44 +39,70 @@ class KvPolicyConfig(BaseModel):
         le=1.0,
         description="Credit for each matched block on disk only, past the GPU and CPU runs.",
     )
-    queued_prefill_weight: float = Field(
-        default=0.33,
-        ge=0.0,
-        description=(
-            "Weight of the prefill work already queued on a worker (blocks of prompt not yet "
-            "prefilled), against overlap_credit for this request's own blocks. A new request "
-            "waits for all of it before its first token; but leaving the cache recomputes the "
-            "prefix, which is paid again by every request that queues behind it and by the "
-            "session's later turns, so a queued block counts about a third of an own block."
-        ),
-    )
-    decode_weight: float = Field(
-        default=0.02,
-        ge=0.0,
-        description=(
-            "Weight of the KV blocks held by a worker's running requests. Decode load slows a "
-            "new request's first token far less than queued prefill does, and one long running "
-            "context can hold as many blocks as a whole session prefix, so it weighs little; it "
-            "still spreads new sessions and relieves KV memory pressure."
-        ),
-    )
     footprint_weight: float = Field(
         default=0.5,
         ge=0.0,
         le=1.0,
         description=(
-            "Cache-footprint balance (0: off). A worker's footprint is the prompt blocks "
-            "routed to it recently (decayed with footprint_half_life_s) over the candidates' "
-            "mean; each block a request must prefill there is priced overlap_credit * "
-            "(1 + footprint_weight * (ratio - 1)). New sessions then go where fewer recent "
-            "prompts share the cache, before eviction shows; cached blocks are not priced, so "
-            "sessions keep their home."
+            "Cache spend (0: off). A worker's footprint is the prompt blocks routed to it "
+            "recently (decayed with footprint_half_life_s) over the candidates' mean; the "
+            "seconds a request prefills there are counted again, times footprint_weight * "
+            "clip(ratio - 1, -0.5, 1): new blocks written into a cache in more demand than "
+            "the fleet's mean evict other sessions' histories, which their next turns "
+            "recompute. Cached blocks write nothing, so sessions keep their home."
         ),
     )
     footprint_half_life_s: float = Field(
         default=60.0,
         gt=0.0,
         description="Half-life of the routed prompt blocks counted in a worker's footprint.",
+    )
+    prior_prefill_tokens_per_s: float = Field(
+        default=20_000.0,
+        gt=0.0,
+        description=(
+            "Prefill rate assumed for a fleet nothing was learned about yet (a worker joining "
+            "a fleet starts from the fleet's learned model instead). Only the first few "
+            "requests use it: the rate is learned from every streamed request's TTFT."
+        ),
+    )
+    prior_base_s: float = Field(
+        default=0.02,
+        ge=0.0,
+        description="TTFT of an empty prompt on an idle worker, before anything is learned.",
+    )
+    calibration_window: float = Field(
+        default=200.0,
+        ge=10.0,
+        le=100_000.0,
+        description=(
+            "Observations the online TTFT model remembers (forgetting factor 1 - 1/window): "
+            "long enough to average out one request's noise, short enough to follow a "
+            "replica that slows down or a workload that changes within minutes."
+        ),
+    )
+    calibration_prior_weight: float = Field(
+        default=10.0,
+        ge=0.0,
+        description=(
+            "Pseudo-observations of the fleet's pooled model in each worker's prediction: a "
+            "worker with n observations is predicted with n / (n + weight) of its own model."
+        ),
+    )
+    max_utilisation: float = Field(
+        default=0.8,
+        ge=0.0,
+        le=0.95,
+        description=(
+            "Cap on the fleet's prefill utilisation rho in the fleet factor rho / (1 - rho) "
+            "(0.8: at most 4 requests are expected to wait behind a new one's prefill). "
+            "0 turns the fleet term off: each request then minimises its own TTFT."
+        ),
+    )
+    utilisation_half_life_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="Half-life of each worker's prefill-busy share (its utilisation).",
     )
     predicted_load_weight: float = Field(
         default=1.0,
@@ -125,16 +142,17 @@ class KvPolicyConfig(BaseModel):
         ge=0,
         description=(
             "Prefill tokens assumed for each request the engine reports waiting, to turn the "
-            "scraped waiting count into queued prefill blocks."
+            "scraped waiting count into queued prefill tokens (only traffic kvgate did not "
+            "route makes the scrape exceed kvgate's own prediction)."
         ),
     )
     kv_capacity_blocks: int | None = Field(
         default=None,
         gt=0,
         description=(
-            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks'), to turn "
-            "the scraped KV usage into decode blocks. None: scraped KV usage only feeds the "
-            "busy guard."
+            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks' and "
+            "publishes it in cache_config_info, which wins), to turn the scraped KV usage into "
+            "decode context tokens. None: scraped KV usage only feeds the busy guard."
         ),
     )
     max_waiting_requests: int | None = Field(
@@ -160,14 +178,15 @@ class KvPolicyConfig(BaseModel):
         le=100.0,
         description=(
             "0 picks the lowest cost. Above 0, a worker is sampled with probability "
-            "proportional to exp(-(cost - lowest) / (temperature * request_blocks))."
+            "proportional to exp(-(cost - lowest) / (temperature * full_prefill_s)), "
+            "full_prefill_s being the whole prompt's predicted prefill seconds."
         ),
     )
     tie_tolerance: float = Field(
         default=1e-6,
         ge=0.0,
         description=(
-            "Costs within this many blocks of the lowest count as tied (then lower in-flight "
+            "Costs within this many seconds of the lowest count as tied (then lower in-flight "
             "wins, then the rendezvous hash of the session key)."
         ),
     )

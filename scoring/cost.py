@@ -1,6 +1,11 @@
-"""The ``kv`` cost of one worker for one request: pure arithmetic, no choice.
+"""The ``kv`` cost of one worker for one request, in seconds: pure arithmetic, no choice.
 
-All quantities are in KV blocks of ``RouteRequest.block_size`` unless named ``*_tokens``.
+    cost = predicted TTFT there                 (base + queue wait + own prefill + interference)
+         + fleet_factor x own prefill seconds   (the wait it adds for requests behind it)
+         + cache spend                          (its new blocks evict other sessions' history)
+
+See docs/scoring.md ("The cost"). Block counts use ``RouteRequest.block_size``; token counts
+are named ``*_tokens``; times are seconds.
 """
 
 from __future__ import annotations
@@ -10,6 +15,12 @@ from dataclasses import dataclass
 
 from index.types import PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.calibration import (
+    TtftEstimate,
+    TtftFeatures,
+    TtftParams,
+    attention_pairs,
+)
 from scoring.config import KvPolicyConfig
 
 
@@ -31,20 +42,24 @@ class WorkerCost:
     request_blocks: int
     overlap_tokens: int
     uncached_tokens: int
-    credited: float
+    credited: float  # matched blocks credited (tier weights, eviction risk)
     cache_survival: float  # expected share of the match still cached when the request runs
     prefill_blocks: float
-    queued_prefill: BlendedLoad
-    decode: BlendedLoad
-    load_blocks: float
+    queued: BlendedLoad  # prefill tokens queued ahead
+    context: BlendedLoad  # tokens held by running requests
+    params: TtftParams
+    ttft: TtftEstimate
+    fleet_factor: float  # requests expected to wait behind this one's prefill
+    fleet_s: float
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
-    footprint_cost: float
+    cache_s: float
     cost: float
     in_flight: int
     busy: str | None  # why the worker is busy, or None
 
     def terms(self) -> dict[str, float]:
         """The named terms, for /debug/route and the decision log line."""
+        ttft = self.ttft
         terms: dict[str, float] = {
             "gpu_blocks": float(self.match.gpu),
             "cpu_blocks": float(self.match.cpu),
@@ -56,21 +71,30 @@ class WorkerCost:
             "credited": self.credited,
             "cache_survival": self.cache_survival,
             "prefill_blocks": self.prefill_blocks,
-            "predicted_queued_prefill_blocks": self.queued_prefill.predicted,
-            "queued_prefill_blocks": self.queued_prefill.blended,
-            "predicted_decode_blocks": self.decode.predicted,
-            "decode_blocks": self.decode.blended,
-            "load_blocks": self.load_blocks,
+            "predicted_queued_tokens": self.queued.predicted,
+            "queued_tokens": self.queued.blended,
+            "predicted_context_tokens": self.context.predicted,
+            "context_tokens": self.context.blended,
+            "ttft_s": ttft.total_s,
+            "ttft_base_s": ttft.base_s,
+            "ttft_queue_s": ttft.queue_s,
+            "ttft_prefill_s": ttft.prefill_s,
+            "ttft_interference_s": ttft.interference_s,
+            "prefill_tokens_per_s": self.params.prefill_tokens_per_s,
+            "queued_weight": self.params.queued_weight,
+            "model_observations": self.params.observations,
+            "fleet_factor": self.fleet_factor,
+            "fleet_s": self.fleet_s,
             "footprint_ratio": self.footprint_ratio,
-            "footprint_cost": self.footprint_cost,
+            "cache_s": self.cache_s,
             "cost": self.cost,
             "in_flight": float(self.in_flight),
             "busy": 1.0 if self.busy else 0.0,
         }
-        if self.queued_prefill.scraped is not None:
-            terms["scraped_queued_prefill_blocks"] = self.queued_prefill.scraped
-        if self.decode.scraped is not None:
-            terms["scraped_decode_blocks"] = self.decode.scraped
+        if self.queued.scraped is not None:
+            terms["scraped_queued_tokens"] = self.queued.scraped
+        if self.context.scraped is not None:
+            terms["scraped_context_tokens"] = self.context.scraped
         return terms
 
 
@@ -145,37 +169,65 @@ def _blended(predicted: float, scraped: float | None, config: KvPolicyConfig) ->
     return weighted
 
 
-def _blend(predicted: float, scraped: float | None, config: KvPolicyConfig) -> BlendedLoad:
+def _queued_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
+    scraped = None
+    if load.scraped_waiting is not None:
+        scraped = float(load.scraped_waiting * config.waiting_request_prefill_tokens)
+    return float(load.pending_prefill_tokens), scraped
+
+
+def _context_parts(
+    load: WorkerLoad, block_size: int, config: KvPolicyConfig
+) -> tuple[float, float | None]:
+    scraped = None
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if load.scraped_kv_usage is not None and capacity is not None:
+        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity * block_size
+    return float(load.active_decode_blocks * block_size), scraped
+
+
+def queued_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
+    """Prefill tokens queued ahead of a new request on this worker."""
+    predicted, scraped = _queued_parts(load, config)
     return BlendedLoad(predicted, scraped, _blended(predicted, scraped, config))
 
 
-def _queued_parts(
-    load: WorkerLoad, block_size: int, config: KvPolicyConfig
-) -> tuple[float, float | None]:
-    predicted = load.pending_prefill_tokens / block_size
-    scraped = None
-    if load.scraped_waiting is not None:
-        scraped = load.scraped_waiting * config.waiting_request_prefill_tokens / block_size
-    return predicted, scraped
+def context_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
+    """Tokens held by the worker's running requests (read by every decode step)."""
+    predicted, scraped = _context_parts(load, block_size, config)
+    return BlendedLoad(predicted, scraped, _blended(predicted, scraped, config))
 
 
-def _decode_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
-    scraped = None
-    if load.scraped_kv_usage is not None and config.kv_capacity_blocks is not None:
-        scraped = load.scraped_kv_usage * config.kv_capacity_blocks
-    return float(load.active_decode_blocks), scraped
+def ttft_features(
+    load: WorkerLoad,
+    uncached_tokens: float,
+    prompt_tokens: float,
+    block_size: int,
+    config: KvPolicyConfig,
+) -> TtftFeatures:
+    """The TTFT model's inputs for a request of ``prompt_tokens`` with ``uncached_tokens`` to
+    prefill on a worker with ``load``: the one definition shared by routing and by the
+    calibration at dispatch."""
+    predicted, scraped = _queued_parts(load, config)
+    queued = _blended(predicted, scraped, config)
+    context = _blended(*_context_parts(load, block_size, config), config)
+    uncached = max(uncached_tokens, 0.0)
+    return TtftFeatures(
+        uncached,
+        attention_pairs(uncached, max(prompt_tokens, uncached)),
+        queued,
+        _queued_pairs(load, queued, predicted),
+        context,
+    )
 
 
-def queued_prefill_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
-    """Prefill work queued ahead of a new request on this worker, in blocks (``block_size`` > 0)."""
-    predicted, scraped = _queued_parts(load, block_size, config)
-    return _blend(predicted, scraped, config)
-
-
-def decode_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
-    """KV blocks held by the worker's running requests."""
-    predicted, scraped = _decode_parts(load, config)
-    return _blend(predicted, scraped, config)
+def _queued_pairs(load: WorkerLoad, queued: float, predicted: float) -> float:
+    """Attention pairs of the queued prefill: kvgate's own, scaled up when the scrape sees
+    more queued tokens than kvgate sent (other traffic, assumed alike)."""
+    pairs = max(load.pending_prefill_pairs, 0.0)
+    if predicted > 0.0 and queued > predicted:
+        return pairs * queued / predicted
+    return pairs
 
 
 def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfig) -> float:
@@ -210,30 +262,19 @@ def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     return None
 
 
-def _cost(prefill: float, load_blocks: float, config: KvPolicyConfig) -> float:
-    return config.overlap_credit * prefill + load_blocks
-
-
-def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
-    return config.queued_prefill_weight * queued + config.decode_weight * decode
-
-
-FOOTPRINT_EXCESS_MIN = -0.5
 FOOTPRINT_EXCESS_MAX = 1.0
-"""``ratio - 1`` is clipped to these bounds: with few requests routed (one session on an idle
-fleet) ratios swing between 0 and the worker count, and must not outweigh a session's cache."""
+"""``ratio - floor`` is clipped to at most this: with few requests routed (one session on an
+idle fleet) ratios swing up to the worker count, and must not outweigh a session's cache."""
 
 
-def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> float:
-    """``overlap_credit * footprint_weight * prefill_blocks * clip(ratio - 1)``.
-
-    The blocks a request writes into a cache in more demand than the fleet's mean evict more
-    of other sessions' hot blocks (fewer below the mean): each prefill block is priced
-    ``overlap_credit * (1 + footprint_weight * clip(ratio - 1))``, between 0.5 and 2 times the
-    plain price. Cached blocks write nothing, so a session's home barely pays it.
-    """
-    excess = min(max(ratio - 1.0, FOOTPRINT_EXCESS_MIN), FOOTPRINT_EXCESS_MAX)
-    return config.overlap_credit * config.footprint_weight * prefill * excess
+def cache_factor(ratio: float, floor: float, config: KvPolicyConfig) -> float:
+    """``footprint_weight * clip(ratio - floor, 0, 1)``: the share of a worker's new prefill
+    that evicts other sessions' history there, measured from the least demanded cache of the
+    candidates (``floor``, its ratio). Never negative: writing into the least demanded cache
+    is no gain either, and a refund would pay requests to recompute histories cached
+    elsewhere."""
+    excess = min(max(ratio - floor, 0.0), FOOTPRINT_EXCESS_MAX)
+    return config.footprint_weight * excess
 
 
 def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
@@ -245,21 +286,53 @@ def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
     return [c.load.footprint / mean for c in candidates]
 
 
+def fleet_factor(candidates: Sequence[Candidate], config: KvPolicyConfig) -> float:
+    """``rho / (1 - rho)``: how many requests are expected to wait behind a new one's
+    prefill, with ``rho`` the candidates' mean prefill-busy share (capped at
+    ``max_utilisation``). In an M/M/1 queue at utilisation rho, rho / (1 - rho) is the mean
+    number of requests in the system; each of them would wait the extra seconds too."""
+    if not candidates or config.max_utilisation <= 0.0:
+        return 0.0
+    rho = sum(min(max(c.load.prefill_busy_share, 0.0), 1.0) for c in candidates) / len(candidates)
+    rho = min(rho, config.max_utilisation)
+    return rho / (1.0 - rho)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What every candidate's cost shares (computed once per request): the fleet factor and
+    the lowest footprint ratio of the candidates."""
+
+    fleet_factor: float = 0.0
+    footprint_floor: float = 1.0
+
+    @classmethod
+    def of(
+        cls, candidates: Sequence[Candidate], ratios: Sequence[float], config: KvPolicyConfig
+    ) -> FleetView:
+        return cls(fleet_factor(candidates, config), min(ratios, default=1.0))
+
+
 def worker_cost(
     size: RequestSize,
     candidate: Candidate,
     config: KvPolicyConfig,
     footprint_ratio: float = 1.0,
+    fleet: FleetView = FleetView(),
 ) -> WorkerCost:
     """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
+    load = candidate.load
     match = clip_match(candidate.match, size.full_blocks)
-    queued = queued_prefill_load(candidate.load, size.block_size, config)
-    survival = cache_survival(candidate.load, queued.blended, config)
+    queued = queued_load(load, config)
+    survival = cache_survival(load, queued.blended / size.block_size, config)
     credited = credited_blocks(match, config) * survival
-    prefill = size.blocks - credited
+    prefill_tokens = _prefill_tokens(size, credited)
+    context = context_load(load, size.block_size, config)
+    features = ttft_features(load, prefill_tokens, size.prompt_tokens, size.block_size, config)
+    ttft = candidate.ttft.predict(features)
+    k = fleet.fleet_factor
+    spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
     overlap = overlap_tokens(match.blocks, size)
-    decode = decode_load(candidate.load, config)
-    load_blocks = _load_blocks(queued.blended, decode.blended, config)
     return WorkerCost(
         worker=candidate.worker,
         match=match,
@@ -268,16 +341,38 @@ def worker_cost(
         uncached_tokens=max(size.prompt_tokens - overlap, 0),
         credited=credited,
         cache_survival=survival,
-        prefill_blocks=prefill,
-        queued_prefill=queued,
-        decode=decode,
-        load_blocks=load_blocks,
+        prefill_blocks=size.blocks - credited,
+        queued=queued,
+        context=context,
+        params=candidate.ttft,
+        ttft=ttft,
+        fleet_factor=k,
+        fleet_s=k * ttft.prefill_s,
         footprint_ratio=footprint_ratio,
-        footprint_cost=(footprint := footprint_cost(prefill, footprint_ratio, config)),
-        cost=_cost(prefill, load_blocks, config) + footprint,
-        in_flight=candidate.load.in_flight,
-        busy=busy_reason(candidate.load, config),
+        cache_s=spend * ttft.prefill_s,
+        cost=_total(ttft, k, spend),
+        in_flight=load.in_flight,
+        busy=busy_reason(load, config),
     )
+
+
+def _whole(size: RequestSize) -> TtftFeatures:
+    """The whole prompt prefilled, nothing queued."""
+    tokens = float(size.prompt_tokens)
+    return TtftFeatures(tokens, attention_pairs(tokens, tokens))
+
+
+def _prefill_tokens(size: RequestSize, credited: float) -> float:
+    """Tokens left to prefill once ``credited`` blocks are reused: at least the last token
+    (an engine always computes it), at most the prompt."""
+    reused = min(credited * size.block_size, size.max_overlap_tokens)
+    return max(size.prompt_tokens - reused, 1.0)
+
+
+def _total(ttft: TtftEstimate, fleet_factor: float, cache_factor: float) -> float:
+    """``ttft + (fleet_factor + cache_factor) * own prefill`` (both factors >= 0, so more
+    uncached tokens never cost less)."""
+    return ttft.total_s + (fleet_factor + cache_factor) * ttft.prefill_s
 
 
 def worker_costs(
@@ -286,7 +381,8 @@ def worker_costs(
     """Every candidate's cost for ``request``, in candidate order."""
     size = request_size(request)
     ratios = footprint_ratios(candidates)
-    return [worker_cost(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)]
+    fleet = FleetView.of(candidates, ratios, config)
+    return [worker_cost(size, c, config, r, fleet) for c, r in zip(candidates, ratios, strict=True)]
 
 
 class CostQuote:
@@ -298,11 +394,13 @@ class CostQuote:
 
     __slots__ = (
         "_config",
+        "_fleet",
         "_footprint_ratio",
         "_size",
         "busy",
         "candidate",
         "cost",
+        "full_prefill_s",
         "in_flight",
         "worker",
     )
@@ -313,16 +411,19 @@ class CostQuote:
         candidate: Candidate,
         config: KvPolicyConfig,
         footprint_ratio: float = 1.0,
+        fleet: FleetView = FleetView(),
     ) -> None:
         load = candidate.load
         match = clip_match(candidate.match, size.full_blocks)
-        queued = _blended(*_queued_parts(load, size.block_size, config), config)
-        survival = cache_survival(load, queued, config)
-        prefill = size.blocks - credited_blocks(match, config) * survival
-        decode = _blended(*_decode_parts(load, config), config)
-        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
-            prefill, footprint_ratio, config
-        )
+        queued = _blended(*_queued_parts(load, config), config)
+        survival = cache_survival(load, queued / size.block_size, config)
+        prefill_tokens = _prefill_tokens(size, credited_blocks(match, config) * survival)
+        features = ttft_features(load, prefill_tokens, size.prompt_tokens, size.block_size, config)
+        ttft = candidate.ttft.predict(features)
+        spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
+        self.cost = _total(ttft, fleet.fleet_factor, spend)
+        # the whole prompt's prefill there: the temperature's unit
+        self.full_prefill_s = candidate.ttft.predict(_whole(size)).prefill_s
         self.worker = candidate.worker
         self.in_flight = load.in_flight
         self.busy = busy_reason(load, config)
@@ -330,6 +431,9 @@ class CostQuote:
         self._size = size
         self._config = config
         self._footprint_ratio = footprint_ratio
+        self._fleet = fleet
 
     def full(self) -> WorkerCost:
-        return worker_cost(self._size, self.candidate, self._config, self._footprint_ratio)
+        return worker_cost(
+            self._size, self.candidate, self._config, self._footprint_ratio, self._fleet
+        )

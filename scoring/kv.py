@@ -1,4 +1,5 @@
-"""The ``kv`` policy: cache overlap versus load, lowest cost wins (docs/scoring.md)."""
+"""The ``kv`` policy: the predicted TTFT on each worker plus what the choice costs the fleet
+and its cache, in seconds; lowest cost wins (docs/scoring.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
 from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
 from scoring.config import KvPolicyConfig
-from scoring.cost import CostQuote, footprint_ratios, request_size
+from scoring.cost import CostQuote, FleetView, fleet_factor, footprint_ratios, request_size
 from scoring.tiebreak import session_hash_key
 
 
@@ -51,7 +52,7 @@ def _score(quote: CostQuote, reason: str, probability: float | None = None) -> W
 
 
 class KvPolicy:
-    """Cost every candidate on what it must prefill versus how loaded it is; rank them all.
+    """Cost every candidate in seconds (predicted TTFT, fleet and cache terms); rank them all.
 
     ``rng`` is used only when ``config.temperature > 0``.
     """
@@ -72,14 +73,17 @@ class KvPolicy:
         size = request_size(request)
         if config.footprint_weight > 0.0:
             ratios = footprint_ratios(candidates)
+            fleet = FleetView.of(candidates, ratios, config)
             quotes = [
-                CostQuote(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)
+                CostQuote(size, c, config, r, fleet)
+                for c, r in zip(candidates, ratios, strict=True)
             ]
         else:
-            quotes = [CostQuote(size, candidate, config) for candidate in candidates]
+            fleet = FleetView(fleet_factor(candidates, config))
+            quotes = [CostQuote(size, candidate, config, 1.0, fleet) for candidate in candidates]
         session = session_hash_key(request)
         if config.temperature > 0:
-            scale = float(max(size.blocks, 1))
+            scale = max(sum(q.full_prefill_s for q in quotes) / len(quotes), 1e-6)
             by_cost = rank_lowest_cost(quotes, session, config.tie_tolerance)
             ranked = rank_sampled(by_cost, config.temperature, scale, self._rng)
             return Decision(

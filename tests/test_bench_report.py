@@ -101,3 +101,36 @@ def test_cpu_accounting_of_a_child_process(tmp_path: Path) -> None:
     assert not proc.alive()
     busy, total = system_cpu_times()
     assert 0 < busy <= total
+
+
+def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
+    """A port another process holds (picked as free, taken before the benchmark's process
+    bound it) must not pass for the process under test being ready."""
+    import socket  # noqa: PLC0415
+
+    from bench.fleet import owns_listener, wait_http  # noqa: PLC0415
+
+    serve = (
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    owner = ManagedProcess("owner", [sys.executable, "-c", serve, str(port)], tmp_path / "o.log")
+    other = ManagedProcess("other", [sys.executable, "-c", serve, str(port)], tmp_path / "x.log")
+    owner.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", 30, owner)
+        assert owns_listener(owner.pid, port)
+        other.start()  # cannot bind: the port is the owner's
+        with pytest.raises((RuntimeError, TimeoutError)):
+            wait_http(f"http://127.0.0.1:{port}/", 5, other)
+        assert not owns_listener(other.pid, port)
+    finally:
+        owner.stop()
+        other.stop()

@@ -110,15 +110,15 @@ def test_hash_reason_when_in_flight_ties() -> None:
 
 
 def test_in_flight_alone_does_not_override_cost() -> None:
-    d = policy().rank(req(10), [cand("a", gpu=10, in_flight=5), cand("b", gpu=9, in_flight=0)])
+    d = policy().rank(req(10), [cand("a", gpu=9, in_flight=5), cand("b", gpu=8, in_flight=0)])
     assert d.chosen == "a"
 
 
 def test_tie_tolerance() -> None:
-    # costs differ by 1 decode block * 0.02 weight
-    candidates = [cand("a", active_decode_blocks=1, in_flight=0), cand("b", in_flight=1)]
+    # costs differ by one queued token: 50 microseconds at the prior's 20,000 tokens/s
+    candidates = [cand("a", pending_prefill_tokens=1, in_flight=0), cand("b", in_flight=1)]
     assert policy().rank(req(10), candidates).chosen == "b"
-    assert policy(tie_tolerance=0.5).rank(req(10), candidates).chosen == "a"
+    assert policy(tie_tolerance=1e-4).rank(req(10), candidates).chosen == "a"
 
 
 @pytest.mark.parametrize(
@@ -173,26 +173,37 @@ def test_queued_prefill_steers_new_sessions_away_from_a_hot_worker() -> None:
 
 
 def test_a_long_session_stays_home_despite_moderate_load() -> None:
-    # 400 of 410 cached at home: 10 + 0.33 * 400 + 0.02 * 5000 = 242 < 408 away
+    # 400 of 410 blocks cached at home, 400 blocks queued there; the fleet half busy (one
+    # request expected behind a new one): home waits 6,400 queued tokens and prefills 160,
+    # away prefills 6,528 and delays the next request as long again
     candidates = [
-        cand("home", gpu=400, pending_prefill_tokens=400 * BS, active_decode_blocks=5000),
-        cand("away", gpu=2),
+        cand(
+            "home",
+            gpu=400,
+            pending_prefill_tokens=400 * BS,
+            active_decode_blocks=5000,
+            prefill_busy_share=0.5,
+        ),
+        cand("away", gpu=2, prefill_busy_share=0.5),
     ]
     assert policy().rank(req(410), candidates).chosen == "home"
+    # an idle fleet: nobody waits behind the recomputation, and it is the shorter wait
+    idle = [cand("home", gpu=400, pending_prefill_tokens=400 * BS), cand("away", gpu=2)]
+    assert policy().rank(req(410), idle).chosen == "away"
 
 
 # ---- temperature -------------------------------------------------------------------------
 
 
 def sampled_counts(temperature: float, seed: int, draws: int) -> Counter[str]:
-    p = policy(temperature=temperature, seed=seed, queued_prefill_weight=1.0)
-    # b: 10 queued blocks * 1.0 = a cost gap of 10 blocks
+    p = policy(temperature=temperature, seed=seed)
+    # b: 10 queued blocks, as long to wait for as the request's own 10-block prefill
     candidates = [cand("a", gpu=10), cand("b", gpu=10, pending_prefill_tokens=10 * BS)]
     return Counter(p.rank(req(10), candidates).chosen for _ in range(draws))
 
 
 def test_temperature_distribution_matches_softmax() -> None:
-    # cost gap 10 blocks, request 10 blocks, T=1: p(b) = e^-1 / (1 + e^-1) ~= 0.269
+    # cost gap: one whole prefill of the request, T=1: p(b) = e^-1 / (1 + e^-1) ~= 0.269
     draws = 2000
     counts = sampled_counts(1.0, seed=7, draws=draws)
     p_b = math.exp(-1) / (1 + math.exp(-1))
