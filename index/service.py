@@ -85,6 +85,9 @@ class KvIndexService:
         self.metrics.watch_entries(self._entry_sources)
 
     async def stop(self) -> None:
+        for tokenizer in self._tokenizers.values():
+            if tokenizer is not None:
+                tokenizer.close()
         for worker in list(self._workers):
             await self.remove_worker(worker)
         self.metrics.close()
@@ -304,7 +307,11 @@ class KvIndexService:
             try:
                 text = (prompt.prompt or "") if completion else tokenizer.render(prompt)
                 result = await tokenizer.tokenize(
-                    str(text), add_special_tokens=completion, block_size=block_size, seed=seed
+                    str(text),
+                    add_special_tokens=completion,
+                    block_size=block_size,
+                    seed=seed,
+                    reach=self._reach,
                 )
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)
@@ -369,6 +376,10 @@ class KvIndexService:
                 if current is None or _better(found, current):
                     best[domain.worker] = found
         return best
+
+    def _reach(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys`` (a prefix) the worker with the longest match holds."""
+        return max((m.blocks for m in self.match(keys).values()), default=0)
 
     def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
         """A request was routed: remembered only for workers without KV events."""
