@@ -44,6 +44,9 @@ from scoring.cost import ttft_features
 
 HealthListener = Callable[["Worker"], None]
 
+REUSE_REQUESTS = 32.0
+"""Requests a worker's reuse (its recent cache hit share) averages over."""
+
 _FOOTPRINT_REBASE_EXPONENT = 256.0
 """Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
 
@@ -63,6 +66,7 @@ class Worker:
     pending_requests: int = 0  # sent and not started (no first token yet)
     active_decode_blocks: int = 0
     footprint: float = 0.0  # see WorkerRegistry.record_footprint
+    reuse: float = 0.0  # see WorkerRegistry.record_reuse
     prefill_busy: BusyShare | None = None  # share of time with a pending request
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     consecutive_failures: int = 0
@@ -96,6 +100,7 @@ class Worker:
             and last.pending_prefill_pairs == self.pending_prefill_pairs
             and last.active_decode_blocks == self.active_decode_blocks
             and last.footprint == self.footprint
+            and last.reuse == self.reuse
             and last.prefill_busy_share == share
         ):
             return last
@@ -112,6 +117,7 @@ class Worker:
             kv_capacity_blocks=scraped.kv_capacity_blocks,
             footprint=self.footprint,
             prefill_busy_share=share,
+            reuse=self.reuse,
         )
         return self._load
 
@@ -396,6 +402,7 @@ class WorkerRegistry:
         worker = self.get(worker_id)
         self.record_footprint(worker, blocks)
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
+        self.record_reuse(worker, prefill_tokens, prompt)
         load = worker.load(self._clock())
         features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
         predicted = self.calibrator.params(worker.id).predict(features).total_s
@@ -415,6 +422,15 @@ class WorkerRegistry:
         learned = self.calibrator.observe(worker.id, features, measured_s)
         self.calibrator.record_error(worker.id, predicted_s, measured_s)
         return TtftObservation(worker, predicted_s, measured_s, learned)
+
+    @staticmethod
+    def record_reuse(worker: Worker, prefill_tokens: int, prompt_tokens: int) -> None:
+        """Fold one routed request's predicted hit (its cached share) into the worker's
+        reuse, an exponentially weighted mean over about ``REUSE_REQUESTS`` requests."""
+        if prompt_tokens <= 0:
+            return
+        hit = min(max(1.0 - prefill_tokens / prompt_tokens, 0.0), 1.0)
+        worker.reuse += (hit - worker.reuse) / REUSE_REQUESTS
 
     def record_footprint(self, worker: Worker, blocks: int) -> None:
         """Add a routed prompt's ``blocks`` to the worker's decayed footprint.

@@ -43,6 +43,9 @@ class WorkerLoad:
     # share of recent time with at least one request sent here and not yet started (its
     # first token not back): the worker's prefill utilisation, exponentially weighted
     prefill_busy_share: float = 0.0
+    # share of the prompt tokens of recent requests sent here that were cached there
+    # (kvgate's prediction; exponentially weighted over about 32 requests)
+    reuse: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,19 @@ class KvPolicyConfig(BaseModel):
             "recompute. Cached blocks write nothing, so sessions keep their home."
         ),
     )
+    duplicate_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Cache spend of a second copy (0: off). Of the tokens a worker would prefill, "
+            "those another candidate holds cached are written twice in the fleet: the new "
+            "copy evicts blocks there that are reused about as often as the worker's recent "
+            "requests reused its cache (its reuse). Their prefill seconds are counted again, "
+            "times duplicate_weight * reuse. 1: the displaced blocks are worth what the "
+            "worker's cache is measured to be worth."
+        ),
+    )
     footprint_half_life_s: float = Field(
         default=60.0,
         gt=0.0,

@@ -2,7 +2,8 @@
 
     cost = predicted TTFT there                 (base + queue wait + own prefill + interference)
          + fleet_factor x own prefill seconds   (the wait it adds for requests behind it)
-         + cache spend                          (its new blocks evict other sessions' history)
+         + cache spend                          (its new blocks evict other sessions' history,
+                                                 a second copy of history cached elsewhere)
 
 See docs/scoring.md ("The cost"). Block counts use ``RouteRequest.block_size``; token counts
 are named ``*_tokens``; times are seconds.
@@ -52,6 +53,10 @@ class WorkerCost:
     fleet_factor: float  # requests expected to wait behind this one's prefill
     fleet_s: float
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
+    cache_footprint_s: float
+    duplicated_tokens: float  # of its prefill, tokens another candidate holds cached
+    reuse: float  # the worker's recent cache reuse (cached / prompt tokens routed there)
+    cache_duplicate_s: float
     cache_s: float
     cost: float
     in_flight: int
@@ -86,6 +91,10 @@ class WorkerCost:
             "fleet_factor": self.fleet_factor,
             "fleet_s": self.fleet_s,
             "footprint_ratio": self.footprint_ratio,
+            "cache_footprint_s": self.cache_footprint_s,
+            "duplicated_tokens": self.duplicated_tokens,
+            "reuse": self.reuse,
+            "cache_duplicate_s": self.cache_duplicate_s,
             "cache_s": self.cache_s,
             "cost": self.cost,
             "in_flight": float(self.in_flight),
@@ -300,17 +309,50 @@ def fleet_factor(candidates: Sequence[Candidate], config: KvPolicyConfig) -> flo
 
 @dataclass(frozen=True, slots=True)
 class FleetView:
-    """What every candidate's cost shares (computed once per request): the fleet factor and
-    the lowest footprint ratio of the candidates."""
+    """What every candidate's cost shares (computed once per request): the fleet factor, the
+    lowest footprint ratio and the fewest tokens to prefill of the candidates."""
 
     fleet_factor: float = 0.0
     footprint_floor: float = 1.0
+    least_prefill_tokens: float | None = None
 
     @classmethod
     def of(
-        cls, candidates: Sequence[Candidate], ratios: Sequence[float], config: KvPolicyConfig
+        cls,
+        size: RequestSize,
+        candidates: Sequence[Candidate],
+        ratios: Sequence[float],
+        config: KvPolicyConfig,
     ) -> FleetView:
-        return cls(fleet_factor(candidates, config), min(ratios, default=1.0))
+        least = min((prefill_tokens(size, c, config) for c in candidates), default=None)
+        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least)
+
+
+def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> float:
+    """Tokens ``candidate`` would prefill: the prompt less its credited match."""
+    load = candidate.load
+    match = clip_match(candidate.match, size.full_blocks)
+    queued = _blended(*_queued_parts(load, config), config)
+    survival = cache_survival(load, queued / size.block_size, config)
+    return _prefill_tokens(size, credited_blocks(match, config) * survival)
+
+
+def duplicated_tokens(prefill: float, fleet: FleetView) -> float:
+    """Of ``prefill``, the tokens another candidate holds cached (it would prefill fewer)."""
+    least = fleet.least_prefill_tokens
+    return max(prefill - least, 0.0) if least is not None else 0.0
+
+
+def duplicate_factor(
+    prefill: float, duplicated: float, load: WorkerLoad, config: KvPolicyConfig
+) -> float:
+    """``duplicate_weight * reuse * duplicated / prefill``: the share of the own prefill that
+    writes a second copy of history cached elsewhere, evicting blocks that are reused as
+    often as the worker's recent requests reused its cache."""
+    if duplicated <= 0.0 or prefill <= 0.0:
+        return 0.0
+    reuse = min(max(load.reuse, 0.0), 1.0)
+    return config.duplicate_weight * reuse * min(duplicated / prefill, 1.0)
 
 
 def worker_cost(
@@ -326,12 +368,14 @@ def worker_cost(
     queued = queued_load(load, config)
     survival = cache_survival(load, queued.blended / size.block_size, config)
     credited = credited_blocks(match, config) * survival
-    prefill_tokens = _prefill_tokens(size, credited)
+    prefill = _prefill_tokens(size, credited)
     context = context_load(load, size.block_size, config)
-    features = ttft_features(load, prefill_tokens, size.prompt_tokens, size.block_size, config)
+    features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
     ttft = candidate.ttft.predict(features)
     k = fleet.fleet_factor
-    spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
+    footprint = cache_factor(footprint_ratio, fleet.footprint_floor, config)
+    duplicated = duplicated_tokens(prefill, fleet)
+    duplicate = duplicate_factor(prefill, duplicated, load, config)
     overlap = overlap_tokens(match.blocks, size)
     return WorkerCost(
         worker=candidate.worker,
@@ -349,8 +393,12 @@ def worker_cost(
         fleet_factor=k,
         fleet_s=k * ttft.prefill_s,
         footprint_ratio=footprint_ratio,
-        cache_s=spend * ttft.prefill_s,
-        cost=_total(ttft, k, spend),
+        cache_footprint_s=footprint * ttft.prefill_s,
+        duplicated_tokens=duplicated,
+        reuse=load.reuse,
+        cache_duplicate_s=duplicate * ttft.prefill_s,
+        cache_s=(footprint + duplicate) * ttft.prefill_s,
+        cost=_total(ttft, k, footprint + duplicate),
         in_flight=load.in_flight,
         busy=busy_reason(load, config),
     )
@@ -381,7 +429,7 @@ def worker_costs(
     """Every candidate's cost for ``request``, in candidate order."""
     size = request_size(request)
     ratios = footprint_ratios(candidates)
-    fleet = FleetView.of(candidates, ratios, config)
+    fleet = FleetView.of(size, candidates, ratios, config)
     return [worker_cost(size, c, config, r, fleet) for c, r in zip(candidates, ratios, strict=True)]
 
 
@@ -414,13 +462,11 @@ class CostQuote:
         fleet: FleetView = FleetView(),
     ) -> None:
         load = candidate.load
-        match = clip_match(candidate.match, size.full_blocks)
-        queued = _blended(*_queued_parts(load, config), config)
-        survival = cache_survival(load, queued / size.block_size, config)
-        prefill_tokens = _prefill_tokens(size, credited_blocks(match, config) * survival)
-        features = ttft_features(load, prefill_tokens, size.prompt_tokens, size.block_size, config)
+        prefill = prefill_tokens(size, candidate, config)
+        features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
         ttft = candidate.ttft.predict(features)
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
+        spend += duplicate_factor(prefill, duplicated_tokens(prefill, fleet), load, config)
         self.cost = _total(ttft, fleet.fleet_factor, spend)
         # the whole prompt's prefill there: the temperature's unit
         self.full_prefill_s = candidate.ttft.predict(_whole(size)).prefill_s

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
 from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
 from scoring.config import KvPolicyConfig
-from scoring.cost import CostQuote, FleetView, fleet_factor, footprint_ratios, request_size
+from scoring.cost import CostQuote, FleetView, footprint_ratios, request_size
 from scoring.tiebreak import session_hash_key
 
 
@@ -71,16 +71,11 @@ class KvPolicy:
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
         size = request_size(request)
-        if config.footprint_weight > 0.0:
-            ratios = footprint_ratios(candidates)
-            fleet = FleetView.of(candidates, ratios, config)
-            quotes = [
-                CostQuote(size, c, config, r, fleet)
-                for c, r in zip(candidates, ratios, strict=True)
-            ]
-        else:
-            fleet = FleetView(fleet_factor(candidates, config))
-            quotes = [CostQuote(size, candidate, config, 1.0, fleet) for candidate in candidates]
+        ratios = footprint_ratios(candidates)
+        fleet = FleetView.of(size, candidates, ratios, config)
+        quotes = [
+            CostQuote(size, c, config, r, fleet) for c, r in zip(candidates, ratios, strict=True)
+        ]
         session = session_hash_key(request)
         if config.temperature > 0:
             scale = max(sum(q.full_prefill_s for q in quotes) / len(quotes), 1e-6)

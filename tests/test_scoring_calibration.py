@@ -344,3 +344,16 @@ def test_tickets_count_the_attention_pairs_they_queue() -> None:
     assert worker.pending_prefill_pairs == 0.0
     assert attention_pairs(1000, 5000) == 1000 * 4000 + 1000 * 999 / 2
     assert attention_pairs(0, 5000) == 0.0 and attention_pairs(10, 5) == attention_pairs(5, 5)
+
+
+def test_reuse_is_the_recent_cached_share_of_routed_prompts() -> None:
+    reg = WorkerRegistry(clock=Clock())
+    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
+    for _ in range(200):
+        reg.begin(worker.id, prefill_tokens=250, blocks=1, prompt_tokens=1000).finish()
+    assert worker.reuse == pytest.approx(0.75, abs=0.01)
+    for _ in range(32):
+        reg.begin(worker.id, prefill_tokens=1000, blocks=1, prompt_tokens=1000).finish()
+    assert 0.2 < worker.reuse < 0.4  # about 32 requests of memory
+    reg.begin(worker.id, prefill_tokens=5, blocks=1, prompt_tokens=0).finish()  # ignored
+    assert worker.load().reuse == worker.reuse

@@ -331,6 +331,10 @@ REQUIRED_TERMS = {
     "queued_weight",
     "fleet_factor",
     "fleet_s",
+    "cache_footprint_s",
+    "duplicated_tokens",
+    "reuse",
+    "cache_duplicate_s",
     "cache_s",
     "cost",
     "in_flight",
@@ -486,3 +490,41 @@ def test_attention_makes_a_long_context_cost_more_than_its_new_tokens() -> None:
     moved = worker_cost(request_size(long_turn), cand("m", ttft=params), PLAIN)
     linear = 0.03 * 41  # the tokens alone
     assert moved.ttft.prefill_s == pytest.approx(linear + 0.1 * 41_000 * 40_999 / 2 / 1e8)
+
+
+# --- the cache spend of a second copy --------------------------------------------------------
+
+
+def test_recomputing_history_cached_elsewhere_spends_the_cache_it_displaces() -> None:
+    """An idle replica would recompute the 100 blocks the session's home holds: those 1,600
+    tokens are a second copy in the fleet; at a reuse of 0.75 there, their prefill counts
+    another 0.75 times. The home duplicates nothing."""
+    home = cand("home", gpu=100, pending_prefill_tokens=1000)
+    idle = cand("idle", reuse=0.75)
+    decision = policy().rank(req(100, prompt_tokens=1610), [home, idle])
+    terms = {s.worker: s.terms for s in decision.scores}
+    assert terms["idle"]["duplicated_tokens"] == pytest.approx(1600)
+    own = terms["idle"]["ttft_prefill_s"]
+    assert terms["idle"]["cache_duplicate_s"] == pytest.approx(0.75 * own * 1600 / 1610)
+    assert terms["home"]["duplicated_tokens"] == 0 and terms["home"]["cache_duplicate_s"] == 0
+    assert terms["idle"]["cache_s"] == pytest.approx(
+        terms["idle"]["cache_duplicate_s"] + terms["idle"]["cache_footprint_s"]
+    )
+
+
+def test_reuse_keeps_a_session_whose_home_queue_is_only_somewhat_longer() -> None:
+    """1.2 s of queue at home against 0.93 s to recompute on an idle replica whose cache is
+    reused at 0.8: moving would cost the fleet 0.93 x 0.8 more; without reuse it moves."""
+    rate = TtftParams(base_s=0.0, prefill_s=1 / 35.5, queued_s=1 / 35.5, interference_s=0.0)
+    home = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=42_600)
+    reused = cand("idle", ttft=rate, reuse=0.8)
+    chosen = policy().rank(req(2062, prompt_tokens=33_000), [home, reused]).chosen
+    assert chosen == WorkerId("home")
+    fresh = cand("idle", ttft=rate, reuse=0.0)
+    assert policy().rank(req(2062, prompt_tokens=33_000), [home, fresh]).chosen == "idle"
+    off = policy(duplicate_weight=0.0).rank(req(2062, prompt_tokens=33_000), [home, reused])
+    assert off.chosen == WorkerId("idle")
+    # the issue's case, 1.9 s of queue at home: leaving is still right (0.93 x 1.8 < 1.9)
+    long_queue = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=67_000)
+    moved = policy().rank(req(2062, prompt_tokens=33_000), [long_queue, reused]).chosen
+    assert moved == WorkerId("idle")

@@ -40,6 +40,7 @@ loads = st.builds(
     scraped_kv_usage=st.none() | st.floats(min_value=0.0, max_value=1.0),
     footprint=st.floats(min_value=0.0, max_value=1e6),
     prefill_busy_share=st.floats(min_value=0.0, max_value=1.0),
+    reuse=st.floats(min_value=0.0, max_value=1.0),
 )
 ttft_models = st.builds(
     TtftParams,
