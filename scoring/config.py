@@ -59,10 +59,10 @@ class KvPolicyConfig(BaseModel):
         description=(
             "Cache spend of a second copy (0: off). Of the tokens a worker would prefill, "
             "those another candidate holds cached are written twice in the fleet: the new "
-            "copy evicts blocks there that are reused about as often as the worker's recent "
-            "requests reused its cache (its reuse). Their prefill seconds are counted again, "
-            "times duplicate_weight * reuse. 1: the displaced blocks are worth what the "
-            "worker's cache is measured to be worth."
+            "copy evicts cached blocks that are reused about as often as the fleet's recent "
+            "requests reused theirs (reuse). Their prefill seconds are counted again, times "
+            "duplicate_weight * reuse. 1: the displaced blocks are worth what the fleet's "
+            "caches are measured to be worth."
         ),
     )
     footprint_half_life_s: float = Field(

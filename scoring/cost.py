@@ -55,7 +55,7 @@ class WorkerCost:
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
     cache_footprint_s: float
     duplicated_tokens: float  # of its prefill, tokens another candidate holds cached
-    reuse: float  # the worker's recent cache reuse (cached / prompt tokens routed there)
+    reuse: float  # the fleet's recent cache reuse (cached / prompt tokens routed)
     cache_duplicate_s: float
     cache_s: float
     cost: float
@@ -315,6 +315,7 @@ class FleetView:
     fleet_factor: float = 0.0
     footprint_floor: float = 1.0
     least_prefill_tokens: float | None = None
+    reuse: float = 0.0  # the candidates' mean reuse
 
     @classmethod
     def of(
@@ -325,7 +326,8 @@ class FleetView:
         config: KvPolicyConfig,
     ) -> FleetView:
         least = min((prefill_tokens(size, c, config) for c in candidates), default=None)
-        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least)
+        reuse = sum(c.load.reuse for c in candidates) / len(candidates) if candidates else 0.0
+        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, reuse)
 
 
 def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> float:
@@ -344,14 +346,16 @@ def duplicated_tokens(prefill: float, fleet: FleetView) -> float:
 
 
 def duplicate_factor(
-    prefill: float, duplicated: float, load: WorkerLoad, config: KvPolicyConfig
+    prefill: float, duplicated: float, fleet: FleetView, config: KvPolicyConfig
 ) -> float:
     """``duplicate_weight * reuse * duplicated / prefill``: the share of the own prefill that
-    writes a second copy of history cached elsewhere, evicting blocks that are reused as
-    often as the worker's recent requests reused its cache."""
+    writes a second copy of history cached elsewhere, evicting cached blocks that this
+    traffic reuses as often as the fleet's recent requests reused theirs (``fleet.reuse``:
+    a fleet-wide measure, steadier than one worker's, whose recent requests may all have
+    been new sessions whose histories are about to be reused)."""
     if duplicated <= 0.0 or prefill <= 0.0:
         return 0.0
-    reuse = min(max(load.reuse, 0.0), 1.0)
+    reuse = min(max(fleet.reuse, 0.0), 1.0)
     return config.duplicate_weight * reuse * min(duplicated / prefill, 1.0)
 
 
@@ -375,7 +379,7 @@ def worker_cost(
     k = fleet.fleet_factor
     footprint = cache_factor(footprint_ratio, fleet.footprint_floor, config)
     duplicated = duplicated_tokens(prefill, fleet)
-    duplicate = duplicate_factor(prefill, duplicated, load, config)
+    duplicate = duplicate_factor(prefill, duplicated, fleet, config)
     overlap = overlap_tokens(match.blocks, size)
     return WorkerCost(
         worker=candidate.worker,
@@ -395,7 +399,7 @@ def worker_cost(
         footprint_ratio=footprint_ratio,
         cache_footprint_s=footprint * ttft.prefill_s,
         duplicated_tokens=duplicated,
-        reuse=load.reuse,
+        reuse=fleet.reuse,
         cache_duplicate_s=duplicate * ttft.prefill_s,
         cache_s=(footprint + duplicate) * ttft.prefill_s,
         cost=_total(ttft, k, footprint + duplicate),
@@ -466,7 +470,7 @@ class CostQuote:
         features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
         ttft = candidate.ttft.predict(features)
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
-        spend += duplicate_factor(prefill, duplicated_tokens(prefill, fleet), load, config)
+        spend += duplicate_factor(prefill, duplicated_tokens(prefill, fleet), fleet, config)
         self.cost = _total(ttft, fleet.fleet_factor, spend)
         # the whole prompt's prefill there: the temperature's unit
         self.full_prefill_s = candidate.ttft.predict(_whole(size)).prefill_s

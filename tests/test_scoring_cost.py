@@ -497,10 +497,10 @@ def test_attention_makes_a_long_context_cost_more_than_its_new_tokens() -> None:
 
 def test_recomputing_history_cached_elsewhere_spends_the_cache_it_displaces() -> None:
     """An idle replica would recompute the 100 blocks the session's home holds: those 1,600
-    tokens are a second copy in the fleet; at a reuse of 0.75 there, their prefill counts
-    another 0.75 times. The home duplicates nothing."""
-    home = cand("home", gpu=100, pending_prefill_tokens=1000)
-    idle = cand("idle", reuse=0.75)
+    tokens are a second copy in the fleet; at a fleet reuse of 0.75 (the candidates' mean),
+    their prefill counts another 0.75 times. The home duplicates nothing."""
+    home = cand("home", gpu=100, pending_prefill_tokens=1000, reuse=0.9)
+    idle = cand("idle", reuse=0.6)
     decision = policy().rank(req(100, prompt_tokens=1610), [home, idle])
     terms = {s.worker: s.terms for s in decision.scores}
     assert terms["idle"]["duplicated_tokens"] == pytest.approx(1600)
@@ -513,18 +513,20 @@ def test_recomputing_history_cached_elsewhere_spends_the_cache_it_displaces() ->
 
 
 def test_reuse_keeps_a_session_whose_home_queue_is_only_somewhat_longer() -> None:
-    """1.2 s of queue at home against 0.93 s to recompute on an idle replica whose cache is
-    reused at 0.8: moving would cost the fleet 0.93 x 0.8 more; without reuse it moves."""
+    """1.2 s of queue at home against 0.93 s to recompute on an idle replica, in a fleet whose
+    caches are reused at 0.8: moving would cost the fleet 0.93 x 0.8 more; without reuse it
+    moves."""
     rate = TtftParams(base_s=0.0, prefill_s=1 / 35.5, queued_s=1 / 35.5, interference_s=0.0)
-    home = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=42_600)
+    home = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=42_600, reuse=0.8)
     reused = cand("idle", ttft=rate, reuse=0.8)
     chosen = policy().rank(req(2062, prompt_tokens=33_000), [home, reused]).chosen
     assert chosen == WorkerId("home")
-    fresh = cand("idle", ttft=rate, reuse=0.0)
-    assert policy().rank(req(2062, prompt_tokens=33_000), [home, fresh]).chosen == "idle"
+    fresh_home = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=42_600)
+    fresh = cand("idle", ttft=rate)
+    assert policy().rank(req(2062, prompt_tokens=33_000), [fresh_home, fresh]).chosen == "idle"
     off = policy(duplicate_weight=0.0).rank(req(2062, prompt_tokens=33_000), [home, reused])
     assert off.chosen == WorkerId("idle")
     # the issue's case, 1.9 s of queue at home: leaving is still right (0.93 x 1.8 < 1.9)
-    long_queue = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=67_000)
+    long_queue = cand("home", gpu=2062, ttft=rate, pending_prefill_tokens=67_000, reuse=0.8)
     moved = policy().rank(req(2062, prompt_tokens=33_000), [long_queue, reused]).chosen
     assert moved == WorkerId("idle")
