@@ -11,7 +11,7 @@ are named ``*_tokens``; times are seconds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from index.types import PrefixMatch, WorkerId
@@ -289,9 +289,9 @@ def cache_factor(ratio: float, floor: float, config: KvPolicyConfig) -> float:
 def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
     """Each candidate's recent footprint over the candidates' mean (all 1.0 when none)."""
     total = sum(c.load.footprint for c in candidates)
-    if total <= 0.0:
+    mean = total / len(candidates) if candidates else 0.0
+    if not mean > 0.0:  # nothing routed yet (or too little to divide by)
         return [1.0] * len(candidates)
-    mean = total / len(candidates)
     return [c.load.footprint / mean for c in candidates]
 
 
@@ -314,7 +314,8 @@ class FleetView:
 
     fleet_factor: float = 0.0
     footprint_floor: float = 1.0
-    least_prefill_tokens: float | None = None
+    least_prefill_tokens: float | None = None  # the best placement's prefill
+    second_prefill_tokens: float | None = None  # the second best's (another worker's)
     reuse: float = 0.0  # the candidates' mean reuse
 
     @classmethod
@@ -325,9 +326,20 @@ class FleetView:
         ratios: Sequence[float],
         config: KvPolicyConfig,
     ) -> FleetView:
-        least = min((prefill_tokens(size, c, config) for c in candidates), default=None)
+        least, second = _two_least(prefill_tokens(size, c, config) for c in candidates)
         reuse = sum(c.load.reuse for c in candidates) / len(candidates) if candidates else 0.0
-        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, reuse)
+        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, second, reuse)
+
+
+def _two_least(values: Iterable[float]) -> tuple[float | None, float | None]:
+    """The smallest value and the second smallest (equal to it on a tie)."""
+    least = second = None
+    for v in values:
+        if least is None or v < least:
+            least, second = v, least
+        elif second is None or v < second:
+            second = v
+    return least, second
 
 
 def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> float:
@@ -340,9 +352,14 @@ def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConf
 
 
 def duplicated_tokens(prefill: float, fleet: FleetView) -> float:
-    """Of ``prefill``, the tokens another candidate holds cached (it would prefill fewer)."""
-    least = fleet.least_prefill_tokens
-    return max(prefill - least, 0.0) if least is not None else 0.0
+    """Of ``prefill``, the tokens only one other candidate holds cached: a second copy of a
+    private history. Tokens two or more workers hold already (a shared prefix, a system
+    prompt) are not counted: copying what is replicated anyway costs the fleet nothing it
+    was keeping for one session. 0 for the best placement."""
+    least, second = fleet.least_prefill_tokens, fleet.second_prefill_tokens
+    if least is None or second is None:
+        return 0.0
+    return max(min(prefill, second) - least, 0.0)
 
 
 def duplicate_factor(

@@ -512,6 +512,22 @@ def test_recomputing_history_cached_elsewhere_spends_the_cache_it_displaces() ->
     )
 
 
+def test_a_prefix_two_workers_hold_is_shared_not_duplicated() -> None:
+    """A 40-block system prompt cached on two replicas is replicated already: a new session
+    that copies it to a third spends nothing a single session was keeping. Only the part
+    just one replica holds (here the 60 blocks of one session's history) is a second copy."""
+    home = cand("home", gpu=100, reuse=0.8)
+    other = cand("other", gpu=40, reuse=0.8)
+    cold = cand("cold", reuse=0.8)
+    terms = {s.worker: s.terms for s in policy().rank(req(110), [home, other, cold]).scores}
+    assert terms["home"]["duplicated_tokens"] == 0
+    assert terms["other"]["duplicated_tokens"] == pytest.approx(60 * BS)
+    assert terms["cold"]["duplicated_tokens"] == pytest.approx(60 * BS)
+    shared = [cand("a", gpu=40, reuse=0.8), cand("b", gpu=40, reuse=0.8), cold]
+    terms = {s.worker: s.terms for s in policy().rank(req(110), shared).scores}
+    assert terms["cold"]["duplicated_tokens"] == 0
+
+
 def test_reuse_keeps_a_session_whose_home_queue_is_only_somewhat_longer() -> None:
     """1.2 s of queue at home against 0.93 s to recompute on an idle replica, in a fleet whose
     caches are reused at 0.8: moving would cost the fleet 0.93 x 0.8 more; without reuse it
