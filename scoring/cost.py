@@ -11,7 +11,7 @@ are named ``*_tokens``; times are seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from index.types import PrefixMatch, WorkerId
@@ -315,7 +315,6 @@ class FleetView:
     fleet_factor: float = 0.0
     footprint_floor: float = 1.0
     least_prefill_tokens: float | None = None  # the best placement's prefill
-    second_prefill_tokens: float | None = None  # the second best's (another worker's)
     reuse: float = 0.0  # the candidates' mean reuse
 
     @classmethod
@@ -326,20 +325,9 @@ class FleetView:
         ratios: Sequence[float],
         config: KvPolicyConfig,
     ) -> FleetView:
-        least, second = _two_least(prefill_tokens(size, c, config) for c in candidates)
+        least = min((prefill_tokens(size, c, config) for c in candidates), default=None)
         reuse = sum(c.load.reuse for c in candidates) / len(candidates) if candidates else 0.0
-        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, second, reuse)
-
-
-def _two_least(values: Iterable[float]) -> tuple[float | None, float | None]:
-    """The smallest value and the second smallest (equal to it on a tie)."""
-    least = second = None
-    for v in values:
-        if least is None or v < least:
-            least, second = v, least
-        elif second is None or v < second:
-            second = v
-    return least, second
+        return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, reuse)
 
 
 def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> float:
@@ -352,28 +340,31 @@ def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConf
 
 
 def duplicated_tokens(prefill: float, fleet: FleetView) -> float:
-    """Of ``prefill``, the tokens only one other candidate holds cached: a second copy of a
-    private history. Tokens two or more workers hold already (a shared prefix, a system
-    prompt) are not counted: copying what is replicated anyway costs the fleet nothing it
-    was keeping for one session. 0 for the best placement."""
-    least, second = fleet.least_prefill_tokens, fleet.second_prefill_tokens
-    if least is None or second is None:
-        return 0.0
-    return max(min(prefill, second) - least, 0.0)
+    """Of ``prefill``, the tokens another candidate holds cached (0 for the best placement)."""
+    least = fleet.least_prefill_tokens
+    return max(prefill - least, 0.0) if least is not None else 0.0
 
 
 def duplicate_factor(
-    prefill: float, duplicated: float, fleet: FleetView, config: KvPolicyConfig
+    prefill: float,
+    duplicated: float,
+    footprint_ratio: float,
+    fleet: FleetView,
+    config: KvPolicyConfig,
 ) -> float:
-    """``duplicate_weight * reuse * duplicated / prefill``: the share of the own prefill that
-    writes a second copy of history cached elsewhere, evicting cached blocks that this
-    traffic reuses as often as the fleet's recent requests reused theirs (``fleet.reuse``:
-    a fleet-wide measure, steadier than one worker's, whose recent requests may all have
-    been new sessions whose histories are about to be reused)."""
+    """``duplicate_weight * reuse * pressure * duplicated / prefill``: the share of the own
+    prefill that writes a second copy of history cached elsewhere, evicting cached blocks
+    that this traffic reuses as often as the fleet's recent requests reused theirs
+    (``fleet.reuse``: fleet-wide, steadier than one worker's, whose recent requests may all
+    have been new sessions whose histories are about to be reused). ``pressure`` is the
+    worker's footprint ratio clipped to 0..1: a cache in as much demand as the fleet's
+    mean or more evicts for every block written; a cache little used evicts little (a copy
+    of a shared prefix to a replica that has none costs nothing)."""
     if duplicated <= 0.0 or prefill <= 0.0:
         return 0.0
     reuse = min(max(fleet.reuse, 0.0), 1.0)
-    return config.duplicate_weight * reuse * min(duplicated / prefill, 1.0)
+    pressure = min(max(footprint_ratio, 0.0), 1.0)
+    return config.duplicate_weight * reuse * pressure * min(duplicated / prefill, 1.0)
 
 
 def worker_cost(
@@ -396,7 +387,7 @@ def worker_cost(
     k = fleet.fleet_factor
     footprint = cache_factor(footprint_ratio, fleet.footprint_floor, config)
     duplicated = duplicated_tokens(prefill, fleet)
-    duplicate = duplicate_factor(prefill, duplicated, fleet, config)
+    duplicate = duplicate_factor(prefill, duplicated, footprint_ratio, fleet, config)
     overlap = overlap_tokens(match.blocks, size)
     return WorkerCost(
         worker=candidate.worker,
@@ -487,7 +478,8 @@ class CostQuote:
         features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
         ttft = candidate.ttft.predict(features)
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
-        spend += duplicate_factor(prefill, duplicated_tokens(prefill, fleet), fleet, config)
+        duplicated = duplicated_tokens(prefill, fleet)
+        spend += duplicate_factor(prefill, duplicated, footprint_ratio, fleet, config)
         self.cost = _total(ttft, fleet.fleet_factor, spend)
         # the whole prompt's prefill there: the temperature's unit
         self.full_prefill_s = candidate.ttft.predict(_whole(size)).prefill_s
