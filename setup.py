@@ -3,16 +3,18 @@
 Everything else is declared in pyproject.toml; setuptools reads both.
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
 
-NATIVE = "index/csrc"
+NATIVE = Path("index/csrc")
 
 setup(
     ext_modules=[
         Extension(
             "index._native",
-            sources=[f"{NATIVE}/native.c"],
-            depends=[f"{NATIVE}/maps.h", f"{NATIVE}/table.h", f"{NATIVE}/xxh3.h"],
+            sources=sorted(str(path) for path in NATIVE.glob("*.c")),
+            depends=sorted(str(path) for path in NATIVE.glob("*.h")),
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
         )
     ]

@@ -35,11 +35,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from backends.config import EngineKind
+from backends.errors import DiscoveryUrlError
+
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-EngineKind = Literal["vllm", "sglang", "openai"]  # as router.config.EngineKind
 AddressFamily = Literal["any", "ipv4", "ipv6"]
 
 _FAMILIES: Mapping[AddressFamily, socket.AddressFamily] = {
@@ -59,10 +61,6 @@ Raises ``OSError`` (``socket.gaierror`` included) or ``TimeoutError`` when resol
 
 OnAdded = Callable[["DiscoveredWorker"], Awaitable[None]]
 OnRemoved = Callable[[str], Awaitable[None]]
-
-
-class DiscoveryUrlError(ValueError):
-    """A ``--discover`` URL that cannot be used; the message says what to fix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +97,7 @@ class DiscoveredWorker:
     address: str
 
     def worker_fields(self) -> dict[str, str | None]:
-        """The ``router.config.WorkerConfig`` fields of this replica (models: /v1/models)."""
+        """The ``backends.config.WorkerConfig`` fields of this replica (models: /v1/models)."""
         return {
             "url": self.url,
             "engine": self.engine,
@@ -530,6 +528,10 @@ class DiscoveredFleet:
     async def stop(self) -> None:
         for target in self.targets:
             await target.stop()
+
+    def hosts(self) -> list[str]:
+        """The addresses of every worker the targets currently know."""
+        return [worker.address for target in self.targets for worker in target.workers]
 
     async def _on_added(self, worker: DiscoveredWorker) -> None:
         if self._exists(worker.url):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import EngineKind
+from backends.config import EngineKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,23 +7,27 @@
   ``Worker.scraped``.
 
 Passive marking (connect errors, 5xx) is done by the proxy through the same registry.
+Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more); a
+removed worker's failures are no longer counted (its series are dropped by the gateway).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from backends.config import HealthConfig
 from backends.engines import ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
-from router.config import HealthConfig
 
 log = logging.getLogger("kvgate.health")
+_MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe, model list or /metrics page
 
 
 class HealthMetrics:
@@ -41,6 +45,14 @@ class HealthMetrics:
             registry=registry,
         )
 
+    def probe_failed(self, worker: Worker) -> None:
+        if not worker.removed:  # a removed worker's series are gone: do not bring them back
+            self.probe_failures.labels(worker.url).inc()
+
+    def scrape_failed(self, worker: Worker) -> None:
+        if not worker.removed:
+            self.scrape_failures.labels(worker.url).inc()
+
 
 class _Models(msgspec.Struct):
     data: list[dict[str, Any]]
@@ -49,9 +61,22 @@ class _Models(msgspec.Struct):
 _decode_models = msgspec.json.Decoder(_Models).decode
 
 
-def _auth_headers(worker: Worker) -> dict[str, str]:
-    key = worker.config.api_key
-    return {"authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+def _headers(worker: Worker) -> dict[str, str]:
+    headers = {"accept-encoding": "identity"}  # the size cap counts what the worker sends
+    authorization = worker.config.authorization()
+    if authorization is not None:
+        headers["authorization"] = authorization
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
 
 
 class HealthChecker:
@@ -105,7 +130,7 @@ class HealthChecker:
             if worker.config.models is None and (not worker.healthy or not worker.models):
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
-            self._metrics.probe_failures.labels(worker.url).inc()
+            self._metrics.probe_failed(worker)
             self._registry.record_failure(worker, f"health probe: {exc or type(exc).__name__}")
             return worker.healthy
         if not worker.removed:
@@ -142,14 +167,31 @@ class HealthChecker:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
             worker.scraped = worker.adapter.parse_load(response.text)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
-            self._metrics.scrape_failures.labels(worker.url).inc()
+            self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)
             worker.scraped = ScrapedLoad()
 
-    async def _get(self, worker: Worker, path: str) -> httpx.Response:
-        return await self._client.get(
-            worker.url + path, headers=_auth_headers(worker), timeout=self._config.timeout_s
-        )
+    async def _get(self, worker: Worker, path: str) -> _Answer:
+        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
+        trickling worker cannot stall the probe round), up to ``_MAX_ANSWER_BYTES``."""
+        timeout = self._config.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._read(worker.url + path, _headers(worker))
+        except TimeoutError as exc:
+            raise _ProbeFailed(f"GET {path}: no whole answer within {timeout:g} s") from exc
+
+    async def _read(self, url: str, headers: dict[str, str]) -> _Answer:
+        timeout = self._config.timeout_s  # also httpx's, for its own pool and connect waits
+        async with self._client.stream("GET", url, headers=headers, timeout=timeout) as response:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > _MAX_ANSWER_BYTES:
+                    raise _ProbeFailed(f"answer over {_MAX_ANSWER_BYTES} bytes")
+                chunks.append(chunk)
+        return _Answer(response.status_code, b"".join(chunks))
 
 
 class _ProbeFailed(Exception):

@@ -16,6 +16,9 @@ These counters are kvgate's *predicted* load; the health checker adds what it sc
 each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``. The
 registry also owns each worker's online TTFT model (``scoring.calibration``): what a ticket
 saw at dispatch and its measured time to first token are its observations.
+
+The registry is the one list of workers: whoever needs to follow it (the KV index) subscribes
+(``subscribe``) and is told of every worker added, removed or changing health.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from backends.config import HealthConfig, WorkerConfig, normalise_url
 from backends.engines import EngineAdapter, ScrapedLoad, adapter_for
+from backends.errors import WorkerExists, WorkerNotFound
+from index.api import Endpoints, EngineWorker, WorkerListener
 from index.types import NO_MATCH, PrefixMatch, WorkerId
-from router.config import HealthConfig, WorkerConfig, normalise_url
-from router.errors import WorkerExists, WorkerNotFound
 from scoring.api import Candidate, WorkerLoad
 from scoring.calibration import (
     MAX_TOKENS,
@@ -41,8 +45,6 @@ from scoring.calibration import (
 )
 from scoring.config import KvPolicyConfig
 from scoring.cost import ttft_features
-
-HealthListener = Callable[["Worker"], None]
 
 REUSE_REQUESTS = 32.0
 """Requests a worker's reuse (its recent cache hit share) averages over."""
@@ -144,6 +146,20 @@ class Worker:
         else:
             self._candidate = Candidate(self.id, self.url, load, match, ttft)
         return self._candidate
+
+    def engine_view(self) -> EngineWorker:
+        """What the KV index needs of this worker, as it is now."""
+        config = self.config
+        endpoints = (Endpoints(config.events, config.replay, 0),) if config.events else ()
+        return EngineWorker(
+            id=self.id,
+            url=self.url,
+            engine=config.engine,
+            endpoints=endpoints,
+            model=next(iter(self.models)) if len(self.models) == 1 else None,
+            authorization=config.authorization(),
+            healthy=self.healthy,
+        )
 
     def set_models(self, cards: Mapping[str, dict[str, Any]]) -> None:
         self.model_cards = dict(cards)
@@ -303,7 +319,7 @@ class WorkerRegistry:
         self._clock = clock
         self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
-        self._health_listeners: list[HealthListener] = []
+        self._listeners: list[WorkerListener] = []
         self.calibrator = TtftCalibrator(
             TtftParams.prior(scoring.prior_prefill_tokens_per_s, scoring.prior_base_s),
             prior_weight=scoring.calibration_prior_weight,
@@ -324,6 +340,8 @@ class WorkerRegistry:
                 {m: {"id": m, "object": "model", "owned_by": "kvgate"} for m in config.models}
             )
         self._workers[config.id] = worker
+        for listener in list(self._listeners):
+            listener.worker_added(worker.engine_view())
         return worker
 
     def remove(self, worker_id: str) -> Worker:
@@ -332,7 +350,20 @@ class WorkerRegistry:
         self.calibrator.forget(worker.id)
         worker.removed = True
         worker.healthy = False
+        for listener in list(self._listeners):
+            listener.worker_removed(worker.id)
         return worker
+
+    def subscribe(self, listener: WorkerListener) -> None:
+        """Tell ``listener`` of every worker added, removed or changing health from now on;
+        the workers already here are told to it as added, first."""
+        self._listeners.append(listener)
+        for worker in list(self._workers.values()):
+            listener.worker_added(worker.engine_view())
+
+    def unsubscribe(self, listener: WorkerListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def get(self, worker_id: str) -> Worker:
         worker = self.find(worker_id)
@@ -449,9 +480,6 @@ class WorkerRegistry:
         worker.footprint += blocks * 2.0**exponent
 
     # -- health -----------------------------------------------------------------------
-    def on_health_change(self, listener: HealthListener) -> None:
-        self._health_listeners.append(listener)
-
     def record_success(self, worker: Worker) -> None:
         """A health probe succeeded."""
         worker.consecutive_failures = 0
@@ -481,5 +509,5 @@ class WorkerRegistry:
         worker.healthy = healthy
         if healthy:
             worker.consecutive_failures = 0
-        for listener in self._health_listeners:
-            listener(worker)
+        for listener in list(self._listeners):
+            listener.worker_health_changed(worker.engine_view())

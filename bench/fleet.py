@@ -1,31 +1,26 @@
 """Processes a benchmark starts on 127.0.0.1: the simulated fleet and the router under test.
 
-Every process gets its own log file and is stopped by its own pid (SIGTERM, then SIGKILL).
+Every process gets its own log file and process group, and is stopped by its pid (SIGTERM,
+then SIGKILL: ``backends.process``).
 CPU use is read from /proc/<pid>/stat (utime + stime of the process and its live
 descendants, plus what exited children left in cutime/cstime), so no psutil is needed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http, wait_until
 from backends.sim import cli as sim_cli
 from backends.sim.config import SimConfig
 from backends.sim.tokenizer import tokenizer_dir
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-LOOPBACK = "127.0.0.1"
 SIM_MODEL = "kvgate-sim"
 
 
@@ -90,29 +85,14 @@ def system_cpu_times() -> tuple[float, float]:
 # --- ports and readiness ------------------------------------------------------------------
 
 
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(count: int, start: int = 20000, stride: int = 1, end: int = 60000) -> int:
-    """First port p >= start such that p, p+stride, ... (count ports) are all free.
-
-    The search starts at an offset of ``start`` that depends on this process's id, so that
-    benchmarks run side by side on one machine do not all race for the same first ports."""
-    p = start + (os.getpid() % 64) * 16 * max(count * stride, 1)
-    if p + count * stride >= end:
-        p = start
-    while p + count * stride < end:
-        if all(port_free(p + i * stride) for i in range(count)):
-            return p
-        p += count * stride
-    raise RuntimeError("no free port range on 127.0.0.1")
+def bench_port_range(count: int, start: int, stride: int = 1) -> int:
+    """Free loopback ports for a benchmark (``backends.process.free_port_range``), the search
+    started at an offset of ``start`` that depends on this process's id, so that benchmarks
+    run side by side on one machine do not all race for the same first ports."""
+    offset = (os.getpid() % 64) * 16 * max(count * stride, 1)
+    if start + offset + count * stride < 60000:
+        start += offset
+    return free_port_range(count, start=start, stride=stride)
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -151,85 +131,40 @@ def owns_listener(pid: int, port: int) -> bool:
     return False
 
 
-def wait_http(url: str, timeout_s: float = 60.0, proc: ManagedProcess | None = None) -> None:
-    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` died.
-
-    With ``proc``, the answer counts only once ``proc`` itself listens on the URL's port: on
-    a shared machine another process can hold a port that looked free when it was picked
-    (the process under test then fails to bind while the other one answers)."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
+def wait_own_http(url: str, timeout_s: float, proc: ChildProcess) -> None:
+    """``wait_http`` that counts the answer only once ``proc`` itself listens on the URL's
+    port: on a shared machine another process can take a port that looked free when it was
+    picked (the process under test then fails to bind while the other one answers)."""
+    wait_http(url, timeout_s, proc)
     port = httpx.URL(url).port
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and not proc.alive():
-                raise RuntimeError(f"{proc.name} exited early; see {proc.log_path}")
-            try:
-                resp = client.get(url)
-                if resp.status_code == 200:
-                    if proc is None or port is None or owns_listener(proc.pid, port):
-                        return
-                    last = f"port {port} answered by another process"
-                else:
-                    last = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                last = type(exc).__name__
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s ({last})")
+    if port is not None:
+        wait_until(
+            lambda: owns_listener(proc.pid, port),
+            timeout_s,
+            f"{proc.name} listening on port {port} (another process answers there)",
+            watch=(proc,),
+        )
 
 
 # --- managed processes --------------------------------------------------------------------
 
 
-@dataclass
-class ManagedProcess:
-    """A child process with a log file, stopped by pid."""
+class ManagedProcess(ChildProcess):
+    """A benchmark's child: its own log file and process group, ``env`` added to ours."""
 
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] | None = None
-    cwd: Path | None = None
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    def start(self) -> ManagedProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **(self.env or {})},
-                cwd=self.cwd,
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        if self.popen is None:
-            raise RuntimeError(f"{self.name} not started")
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        env = {**os.environ, **(env or {})}
+        super().__init__(argv, name=name, log_path=log_path, env=env, cwd=cwd)
 
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.pid) if self.alive() else 0.0
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group we created, then SIGKILL if it lingers."""
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=timeout_s)
 
 
 def kvgate_argv(*args: str) -> list[str]:
@@ -314,15 +249,15 @@ def sim_config(spec: FleetSpec) -> SimConfig:
 
 def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimFleet:
     """Start the simulated fleet on free loopback ports and wait until every replica is up."""
-    http_port = free_port_range(spec.replicas, start=21000)
-    events_port = free_port_range(2 * spec.replicas, start=25000)
+    http_port = bench_port_range(spec.replicas, start=21000)
+    events_port = bench_port_range(2 * spec.replicas, start=25000)
     proc = ManagedProcess(
         "sim", sim_argv(spec, http_port, events_port), log_dir / "sim.log"
     ).start()
     fleet = SimFleet(spec, http_port, events_port, proc)
     try:
         for url in fleet.urls:
-            wait_http(f"{url}/health", timeout_s, proc)
+            wait_own_http(f"{url}/health", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         fleet.stop()
         raise
@@ -360,7 +295,7 @@ def kvgate_serve_argv(
 def start_kvgate(
     spec: KvgateSpec, fleet: SimFleet, log_dir: Path, timeout_s: float = 60.0
 ) -> tuple[ManagedProcess, str]:
-    port = free_port_range(1, start=18000)
+    port = bench_port_range(1, start=18000)
     proc = ManagedProcess(
         f"kvgate-{spec.policy}",
         kvgate_serve_argv(spec, fleet, port),
@@ -370,14 +305,8 @@ def start_kvgate(
     ).start()
     url = f"http://{LOOPBACK}:{port}"
     try:
-        wait_http(f"{url}/ready", timeout_s, proc)
+        wait_own_http(f"{url}/ready", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         proc.stop()
         raise
     return proc, url
-
-
-def stop_all(processes: Sequence[ManagedProcess | SimFleet | None]) -> None:
-    for p in processes:
-        if p is not None:
-            p.stop()

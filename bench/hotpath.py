@@ -53,15 +53,15 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
+from backends.config import WorkerConfig
 from backends.registry import WorkerRegistry
 from backends.sim.tokenizer import tokenizer_dir
 from backends.sim.vocab import generated_word
 from index.api import PromptInput, StoreBlocks
 from index.config import IndexConfig
+from index.keys import ModelTokenizer
 from index.service import KvIndexService
-from index.tokenize import ModelTokenizer
 from index.types import BlockKey, WorkerId, WorkerKey
-from router.config import WorkerConfig
 from router.requests import ChatBody, CompletionBody, decode_json_object, validate
 from router.routing import Router
 from scoring.api import Policy
@@ -291,7 +291,7 @@ class Bench:
             "kv": make_policy("kv", seed=1),
             "round_robin": make_policy("round_robin", seed=1),
         }
-        tokenizer = await service._tokenizer(MODEL)  # bench-only: the loaded ModelTokenizer
+        tokenizer = await service._keyer._tokenizer(MODEL)  # bench-only: the loaded tokenizer
         if tokenizer is None:
             raise RuntimeError("the simulator tokenizer did not load")
         bench = cls(service, registry, policies, tokenizer, http, rng)

@@ -36,16 +36,25 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from index import _native
 from index.api import PromptInput, StoreBlocks
-from index.blocks import block_keys
 from index.config import IndexConfig
-from index.events import BlockRemoved, BlockStored, EventBatch, KvEvent, encode_event_batch
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventEncoder,
+    EventFeed,
+    KvEvent,
+)
+from index.keys import block_keys
 from index.metrics import IndexMetrics
-from index.native_table import NativeBlockTable
 from index.service import KvIndexService
-from index.table import BlockTable
-from index.tables import TableKind, native_available, new_table
+from index.table import (
+    BlockTable,
+    EventIndex,
+    NativeBlockTable,
+    TableKind,
+    new_table,
+)
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BLOCK = 16
@@ -185,7 +194,7 @@ def make_payloads(blocks: int, rng: random.Random, capacity: int | None = None) 
             made += 32
         while capacity is not None and len(cached) * 32 > capacity:
             events.extend(BlockRemoved([h], "GPU") for h in cached.popleft()[::-1])
-        payloads.append(encode_event_batch(EventBatch(time.time(), events), array_tagged=False))
+        payloads.append(EventEncoder(array_tagged=False).encode(EventBatch(time.time(), events)))
     return payloads
 
 
@@ -235,7 +244,7 @@ def make_single_block_payloads(events: int, rng: random.Random) -> list[bytes]:
             BlockStored([rng.getrandbits(64)], None, rng.choices(range(32_000), k=BLOCK), BLOCK)
             for _ in range(64)
         ]
-        payloads.append(encode_event_batch(EventBatch(time.time(), batch), array_tagged=False))
+        payloads.append(EventEncoder(array_tagged=False).encode(EventBatch(time.time(), batch)))
     return payloads
 
 
@@ -443,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     _clock[0] = CLOCKS[args.clock]
     rng = random.Random(1)
     entries = 200_000 if args.quick else 1_000_000
-    tables: list[TableKind] = ["native", "python"] if native_available() else ["python"]
+    tables: list[TableKind] = ["native", "python"]
     print(f"machine: {machine()}; clock: {args.clock}; load average: {load_average()}")
     steps: list[tuple[str, Callable[[], None]]] = [
         ("ingest", lambda: bench_ingest(50_000 if args.quick else 400_000, rng, tables)),

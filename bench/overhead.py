@@ -260,8 +260,9 @@ async def measure(name: str, port: int, plan: Plan, cpu: Callable[[], float]) ->
 
 def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
     """(name, start) per routed target; ``start`` returns (process, port)."""
+    from backends.process import free_port_range, wait_http  # noqa: PLC0415
     from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
-    from bench.fleet import ManagedProcess, free_port_range, kvgate_argv, wait_http  # noqa: PLC0415
+    from bench.fleet import ManagedProcess, kvgate_argv  # noqa: PLC0415
     from bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
 
     def kvgate(policy: str, *extra: str) -> Callable[[], Any]:
@@ -300,7 +301,8 @@ def _targets(engine_url: str, log_dir: Path) -> list[tuple[str, Callable[[], Any
 
 
 def run_all(plan: Plan, log_dir: Path, only: set[str] | None) -> list[TargetResult]:
-    from bench.fleet import ManagedProcess, free_port_range, wait_http  # noqa: PLC0415
+    from backends.process import free_port_range, wait_http  # noqa: PLC0415
+    from bench.fleet import ManagedProcess  # noqa: PLC0415
 
     engine_port = free_port_range(1, start=18000)
     engine = ManagedProcess(

@@ -355,8 +355,3 @@ def write_records(path: Path, records: Sequence[RequestRecord]) -> None:
     with path.open("w", encoding="utf-8") as fh:
         for rec in records:
             fh.write(json.dumps(asdict(rec), separators=(",", ":")) + "\n")
-
-
-def read_records(path: Path) -> list[RequestRecord]:
-    with path.open(encoding="utf-8") as fh:
-        return [RequestRecord(**json.loads(line)) for line in fh if line.strip()]

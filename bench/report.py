@@ -34,13 +34,6 @@ class CpuUse:
     box_busy_s: float = 0.0  # all processes on the machine, all cores
     cores: int = 2
 
-    def cores_used(self, label: str) -> float:
-        return self.seconds.get(label, 0.0) / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def ours_cores(self) -> float:
-        return sum(self.seconds.values()) / self.wall_s if self.wall_s else 0.0
-
     @property
     def box_utilisation(self) -> float:
         return self.box_busy_s / (self.wall_s * self.cores) if self.wall_s else 0.0
@@ -223,6 +216,7 @@ def write_summary(path: Path, summary: RunSummary) -> None:
 
 
 def read_summary(path: Path) -> RunSummary:
+    """A summary ``write_summary`` wrote (the matrix resumes from them)."""
     return RunSummary(**json.loads(path.read_text()))
 
 

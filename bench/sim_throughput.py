@@ -26,8 +26,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from backends.process import LOOPBACK, free_port_range, wait_http
 from backends.sim.vocab import GENERATED_WORDS, generated_word
-from bench.fleet import LOOPBACK, ManagedProcess, free_port_range, kvgate_argv, wait_http
+from bench.fleet import ManagedProcess, kvgate_argv
 
 
 @dataclass

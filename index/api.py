@@ -1,14 +1,19 @@
-"""The ``Indexer`` interface and the operations it applies, in kvgate's key space.
+"""The index layer's interfaces: what it offers the layers above and what it needs of them.
 
-Engine events (engine hashes) are translated per worker into these operations by the event
-ingestion layer (``index/``), which owns the engine-hash → ``BlockKey`` map. kvgate's own
-routing decisions are expressed the same way for the approximate (event-less) indexer.
+* ``Indexer`` and the operations it applies, in kvgate's key space: engine events (engine
+  hashes) are translated per worker into these by index/events/, which owns the engine-hash →
+  ``BlockKey`` map; kvgate's own routing decisions are expressed the same way for the
+  approximate (event-less) indexer. ``BatchResult``: what one KV-event payload did.
+* ``BlockIndex``: what the gateway asks of the index (keys of a prompt, matches, routed
+  requests).
+* ``EngineWorker`` and ``WorkerListener``: the fleet as the index needs to know it, told by
+  whoever keeps the list of workers (backends' registry): the index never keeps its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
@@ -65,6 +70,49 @@ class Indexer(Protocol):
         """Number of (block, cache domain) entries held."""
         ...
 
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        """Whether one cache domain holds ``key`` in some tier."""
+        ...
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        """Blocks one cache domain holds."""
+        ...
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        """The blocks one cache domain holds."""
+        ...
+
+
+Refusal = Literal["undecodable", "failed", "dropped"]
+"""Why a payload was not applied: not a KV-event batch; it raised while applied (what it did is
+unknown: the worker is cleared); past a bound before anything was applied (a rank too many)."""
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What one KV-event payload did, on either ingestion path (the native one fills it in C):
+    the one result of ingestion, counted into the metrics as it is.
+
+    A stored event is *seen* when applied, skipped for an unknown parent or skipped because
+    its parent was pruned by the cap (``pruned_parent``); ``malformed``, ``mismatched`` (another
+    block size) and ``over_limit`` (past ``max_event_blocks``: the domain is cleared) events are
+    not. ``pruned`` counts the entries the cap evicted meanwhile."""
+
+    ts: float = 0.0
+    events: int = 0
+    stored_events: int = 0
+    stored_blocks: int = 0
+    removed_events: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    unknown_parent: int = 0
+    pruned_parent: int = 0
+    malformed: int = 0
+    mismatched: int = 0
+    over_limit: int = 0
+    pruned: int = 0
+    refused: Refusal | None = None
+
 
 TokenizeMode = Literal["tokenizer", "engine", "approx", "token_ids"]
 """How a prompt became tokens: the model's own tokenizer + chat template, the engine's
@@ -108,4 +156,46 @@ class BlockIndex(Protocol):
 
     def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
         """Tell the index a request was sent (feeds the approximate, event-less mode)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where one data-parallel rank of a worker publishes its KV events (ZMQ)."""
+
+    events: str
+    replay: str | None = None
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorker:
+    """What the index needs of a worker: its id and URL, its engine kind, its configured KV-event
+    endpoints (none: asked of a vLLM worker, ``GET /kv_event_sources``, else approximate
+    mode), the one model it serves if known (its events' block size), the ``Authorization``
+    header value for the index's own calls to it (``/kv_event_sources``, ``/tokenize``; never
+    shown), and whether it is healthy (only healthy workers are asked to tokenize)."""
+
+    id: WorkerId
+    url: str
+    engine: str = "vllm"
+    endpoints: tuple[Endpoints, ...] = ()
+    model: str | None = None
+    authorization: str | None = field(default=None, repr=False)
+    healthy: bool = False
+
+
+class WorkerListener(Protocol):
+    """Told of every change of the fleet by whoever keeps the list of workers."""
+
+    def worker_added(self, worker: EngineWorker) -> None:
+        """A worker joined (or was there when the listener subscribed)."""
+        ...
+
+    def worker_removed(self, worker: WorkerId) -> None:
+        """A worker left: forget it (its entries, its subscriptions)."""
+        ...
+
+    def worker_health_changed(self, worker: EngineWorker) -> None:
+        """A worker became healthy or unhealthy (``worker`` as it is now, models included)."""
         ...

@@ -68,9 +68,42 @@ class IndexConfig(BaseModel):
     topic: str = Field("", description="ZMQ topic prefix subscribed to ('' = every topic).")
     reconnect_backoff_s: float = Field(0.2, gt=0, description="First reconnect delay.")
     reconnect_backoff_max_s: float = Field(5.0, gt=0, description="Longest reconnect delay.")
-    replay_timeout_s: float = Field(2.0, gt=0, description="Give up on a replay after this.")
-    silence_probe_s: float = Field(
-        10.0, gt=0, description="Without events for this long, check the publisher is alive."
+    replay_timeout_s: float = Field(
+        2.0, gt=0, description="Give up on a replay after this long without a batch."
+    )
+    # Bounds on what an event publisher controls (docs/security-events.md): past one, the
+    # publisher's domain is cleared (or its batch dropped), counted in
+    # kvgate_index_limits_total, and ingestion carries on.
+    replay_max_s: float = Field(
+        20.0, gt=0, description="Give up on a replay (and clear the worker) after this long."
+    )
+    replay_max_batches: int = Field(
+        20_000, gt=0, description="Give up on a replay after this many batches (vLLM keeps 10k)."
+    )
+    replay_max_bytes: int = Field(
+        256 * 2**20, gt=0, description="Give up on a replay after this many payload bytes."
+    )
+    max_message_bytes: int = Field(
+        2**20,
+        gt=0,
+        description="Largest ZMQ frame taken from an event or replay socket: a publisher "
+        "sending more is disconnected by ZMQ (and its worker cleared). An engine step's batch "
+        "stores at most its batched tokens (chunked prefill: 8-16k, about 50 KB).",
+    )
+    receive_hwm: int = Field(
+        128,
+        gt=0,
+        description="Messages queued per event socket before ZMQ stops reading it (memory: up "
+        "to receive_hwm x max_message_bytes per socket).",
+    )
+    max_event_blocks: int = Field(
+        65_536, gt=0, description="Blocks in one event; past it the rank's domain is cleared."
+    )
+    max_ranks_per_endpoint: int = Field(
+        8,
+        gt=0,
+        description="Data-parallel ranks one event endpoint may publish for; batches for more "
+        "are dropped.",
     )
     discovery_timeout_s: float = Field(2.0, gt=0, description="GET /kv_event_sources timeout.")
     decode_error_log_interval_s: float = Field(
@@ -81,8 +114,11 @@ class IndexConfig(BaseModel):
         """The block table asked for (None: the default, native when built)."""
         return None if self.table == "auto" else self.table
 
-    def block_size_for(self, model: str) -> int:
-        return self.model_block_sizes.get(model, self.block_size)
+    def block_size_for(self, model: str | None) -> int:
+        """The block size of ``model``'s engines (None: a model not known, the default)."""
+        return (
+            self.block_size if model is None else self.model_block_sizes.get(model, self.block_size)
+        )
 
     def tokenizer_dir(self, model: str) -> Path | None:
         return self.tokenizers.get(model, self.default_tokenizer)

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from index.table import SlotStats
+from index.types import SlotStats
 
 
 class _EntriesCollector(Collector):
@@ -70,6 +70,31 @@ class IndexMetrics:
         self.decode_errors = Counter(
             "kvgate_index_decode_errors_total",
             "Undecodable event payloads skipped",
+            ["worker"],
+            registry=registry,
+        )
+        self.failed_batches = Counter(
+            "kvgate_index_failed_batches_total",
+            "Event batches dropped because applying them failed (the worker is cleared)",
+            ["worker"],
+            registry=registry,
+        )
+        self.limits = Counter(
+            "kvgate_index_limits_total",
+            "Times an event publisher went past a bound (ranks, event_blocks, mapped_hashes, "
+            "replay_batches, replay_bytes, replay_seconds)",
+            ["worker", "limit"],
+            registry=registry,
+        )
+        self.skipped_events = Counter(
+            "kvgate_index_skipped_events_total",
+            "Events skipped without a reset (pruned_parent: stored under a block the index pruned)",
+            ["worker", "reason"],
+            registry=registry,
+        )
+        self.subscriber_restarts = Counter(
+            "kvgate_index_subscriber_restarts_total",
+            "Event subscribers restarted after a failure (the worker is cleared meanwhile)",
             ["worker"],
             registry=registry,
         )

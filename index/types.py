@@ -12,6 +12,7 @@ Two hash spaces exist (see docs/block-keys.md):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType
@@ -61,3 +62,13 @@ class PrefixMatch:
 
 
 NO_MATCH = PrefixMatch()
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """Entries of one cache domain (a block counts once per tier it is held in)."""
+
+    worker: WorkerKey
+    entries: int
+    by_tier: Mapping[Tier, int]
+    orphans: int

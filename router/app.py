@@ -8,24 +8,25 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from backends.allowlist import WorkerAllowlist, host_of_url
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker, HealthMetrics
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.config import Settings
-from router.errors import InvalidJSON, KvgateError, NotFound
+from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
+from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, register_worker_gauges
 from router.proxy import Proxy
-from router.requests import ChatBody, CompletionBody
+from router.requests import ChatBody, CompletionBody, check_path, decode_json
 from router.routing import Router
 from router.upstream import UpstreamPool
 from scoring.api import Policy
@@ -66,14 +67,23 @@ def build_gateway(
     if policy is None:
         policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
     client = _http_client(settings)
+    allowlist = WorkerAllowlist(
+        settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
+    )
     index: KvIndexService | None = None
     if block_index is None and settings.kv_index:
-        index = KvIndexService(settings.index, metrics_registry, client)
+        index = KvIndexService(
+            settings.index,
+            metrics_registry,
+            client,
+            endpoint_allowed=allowlist.permits_endpoint,  # what workers declare at run time
+        )
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
     metrics = GatewayMetrics(metrics_registry)
     register_worker_gauges(metrics_registry, registry)
-    health = HealthChecker(registry, client, settings.health, HealthMetrics(metrics_registry))
+    health_metrics = HealthMetrics(metrics_registry)
+    health = HealthChecker(registry, client, settings.health, health_metrics)
     upstream = UpstreamPool(
         connect_timeout=settings.upstream.connect_timeout_s,
         read_timeout=settings.upstream.read_timeout_s,
@@ -89,16 +99,21 @@ def build_gateway(
         metrics=metrics,
         metrics_registry=metrics_registry,
         client=client,
+        allowlist=allowlist,
+        listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
+        worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
     )
     if settings.discover:
-        gateway.discovery = DiscoveredFleet(
+        discovery = DiscoveredFleet(
             settings.discover,
             add=gateway.add_worker,
             remove=gateway.remove_worker,
             exists=lambda url: registry.find(url) is not None,
             registry=metrics_registry,
         )
+        allowlist.add_known_hosts(discovery.hosts)
+        gateway.discovery = discovery
     return gateway
 
 
@@ -123,6 +138,11 @@ class KvgateApp(FastAPI):
                 scope["app"] = self
                 response = await handler(Request(scope, receive, send))
                 await response(scope, receive, send)
+                return
+            try:  # before routing: a path with CR or LF would match no route (a 404)
+                check_path(scope["path"])
+            except InvalidRequest as exc:
+                await error_response(exc)(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
@@ -153,7 +173,8 @@ def create_app(
         finally:
             await gateway.stop()
 
-    app = KvgateApp(title="kvgate", version="0.1.0", lifespan=lifespan)
+    # No redirects: every answer is the resource or an OpenAI-style error.
+    app = KvgateApp(title="kvgate", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.gateway = gateway
     app.fast_routes = {
         ("POST", "/v1/chat/completions"): lambda request: gateway.generate(request, ChatBody),
@@ -234,13 +255,15 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     async def add_worker(request: Request) -> Response:
         gateway.check_admin(request)
         spec: Any = _json_or_text(await gateway.read_body(request))
-        worker = await gateway.add_worker(spec)
+        with backend_errors():
+            worker = await gateway.admit_worker(spec)
         return json_response(worker.describe(), 201)
 
     @app.delete("/admin/workers/{worker_id:path}", tags=["admin"])
     async def remove_worker(request: Request, worker_id: str) -> Response:
         gateway.check_admin(request)
-        worker = await gateway.remove_worker(worker_id)
+        with backend_errors():
+            worker = await gateway.remove_worker(worker_id)
         return json_response(worker.describe())
 
     @app.post("/debug/route", tags=["admin"])
@@ -258,7 +281,4 @@ def _json_or_text(raw: bytes) -> Any:
     text = raw.strip()
     if text[:1] not in (b"{", b'"'):
         return text.decode("utf-8", "replace")
-    try:
-        return msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
+    return decode_json(text)

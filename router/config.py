@@ -2,8 +2,12 @@
 
 Precedence, highest first: command-line flags, environment (``KVGATE_PORT``, nested with
 ``__`` as in ``KVGATE_HEALTH__INTERVAL_S``), the ``--config`` YAML file, defaults.
-A worker can be written as a mapping or in the compact CLI form
-``URL[,engine=vllm][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+Each package owns its section's model: ``workers`` and ``health`` are ``backends.config``'s
+(a worker's compact CLI form is parsed there), ``index`` is ``index.config``'s, ``scoring``
+``scoring.config``'s; the HTTP side (``upstream``, ``client``, the top level) is here.
+
+Secrets (client keys, the admin token, engine keys, URL credentials) live in ``SecretStr``
+fields only: they are refused when empty and never echoed in errors.
 """
 
 from __future__ import annotations
@@ -11,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import msgspec
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -26,101 +29,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from backends.allowlist import parse_allow_rule
+from backends.config import HealthConfig, WorkerConfig, check_secret, redact
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
-from index.types import WorkerId
 from scoring.config import KvPolicyConfig
 from scoring.policies import POLICY_NAMES
 
-EngineKind = Literal["vllm", "sglang", "openai"]
-
-_WORKER_KEYS = {"engine", "models", "events", "replay", "api_key"}
-_SECRET_FIELDS = {"api_key", "api_keys", "admin_token"}
-
-
-def normalise_url(url: str) -> str:
-    """A worker's base URL in canonical form (its ``WorkerId``): no trailing slash."""
-    url = url.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ValueError(f"expected an http(s)://host[:port] URL, got {url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"a worker URL takes no query or fragment: {url!r}")
-    return f"{parts.scheme}://{parts.netloc.lower()}{parts.path}"
-
-
-def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """Parse ``URL,key=value,...`` (``models`` separated by ``;``) into WorkerConfig fields."""
-    url, *options = (part.strip() for part in spec.split(","))
-    fields: dict[str, Any] = {"url": url}
-    for option in options:
-        key, sep, value = option.partition("=")
-        key = key.strip()
-        if not sep or key not in _WORKER_KEYS:
-            allowed = ", ".join(sorted(_WORKER_KEYS))
-            raise ValueError(f"worker option {option!r}: expected KEY=VALUE with KEY in {allowed}")
-        fields[key] = [m for m in value.split(";") if m] if key == "models" else value
-    return fields
-
-
-class WorkerConfig(BaseModel):
-    """One engine replica (an HTTP endpoint serving the OpenAI API)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(description="base URL of the engine, e.g. http://127.0.0.1:9001")
-    engine: EngineKind = Field(default="vllm", description="engine kind: vllm | sglang | openai")
-    models: list[str] | None = Field(
-        default=None, description="models it serves; discovered from its /v1/models when not given"
-    )
-    events: str | None = Field(
-        default=None, description="KV events ZMQ PUB endpoint (tcp://host:port)"
-    )
-    replay: str | None = Field(default=None, description="KV events replay ZMQ ROUTER endpoint")
-    api_key: SecretStr | None = Field(
-        default=None, description="bearer key kvgate sends to this engine"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_spec(cls, value: Any) -> Any:
-        return parse_worker_spec(value) if isinstance(value, str) else value
-
-    @field_validator("url")
-    @classmethod
-    def _normalise(cls, url: str) -> str:
-        return normalise_url(url)
-
-    @field_validator("events", "replay")
-    @classmethod
-    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
-        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(
-                f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}"
-            )
-        return endpoint
-
-    @property
-    def id(self) -> WorkerId:
-        return WorkerId(self.url)
-
-
-class HealthConfig(BaseModel):
-    """Active health checks and load scraping."""
-
-    interval_s: float = Field(default=2.0, gt=0, description="seconds between GET /health probes")
-    timeout_s: float = Field(default=1.0, gt=0, description="timeout of one probe or scrape")
-    failure_threshold: int = Field(
-        default=3,
-        ge=1,
-        description="consecutive failures (probes or 5xx) before a worker is unhealthy",
-    )
-    recovery_threshold: int = Field(
-        default=1, ge=1, description="consecutive successful probes before it is healthy again"
-    )
-    metrics_interval_s: float = Field(
-        default=1.0, ge=0, description="seconds between scrapes of each engine's /metrics (0: off)"
-    )
+_SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
 
 
 class UpstreamConfig(BaseModel):
@@ -140,6 +56,40 @@ class UpstreamConfig(BaseModel):
     )
     max_failover: int = Field(
         default=2, ge=0, description="further workers tried when one fails before answering"
+    )
+    response_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="longest one request's whole exchange with engines may take, streamed or "
+        "not (504 before the answer starts, an error event inside a stream after)",
+    )
+    max_response_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1,
+        description="largest non-streamed engine answer kvgate buffers (502 beyond; streams "
+        "are relayed, not buffered)",
+    )
+
+
+class ClientConfig(BaseModel):
+    """Limits on client connections (408, 503)."""
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="longest a new connection may go without a request head, and a head "
+        "begun may take to complete (408; an idle or blank-line-only connection is closed)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="longest a request body may take to arrive once the bytes read so far "
+        "leave it incomplete (408)",
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="client connections served at once; requests on any further one get 503",
     )
 
 
@@ -198,7 +148,15 @@ class Settings(BaseSettings):
         default_factory=list, description="client API keys (Bearer); none: no client auth"
     )
     admin_token: SecretStr | None = Field(
-        default=None, description="token protecting /admin and /debug (Bearer); none: open"
+        default=None,
+        description="token protecting /admin and /debug (Bearer); none: those answer only "
+        "when kvgate listens on loopback alone",
+    )
+    worker_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts workers added at run time (POST /admin/workers) and their event "
+        "endpoints may be on: CIDRs and host patterns; none given: loopback and the hosts "
+        "of configured and discovered workers",
     )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
@@ -229,13 +187,33 @@ class Settings(BaseSettings):
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 
-    @field_validator("workers", "api_keys", mode="before")
+    @field_validator("workers", "api_keys", "worker_allow", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_words(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _usable_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for position, key in enumerate(keys):
+            check_secret(key, f"API key {position + 1}")
+        return keys
+
+    @field_validator("admin_token")
+    @classmethod
+    def _usable_token(cls, token: SecretStr | None) -> SecretStr | None:
+        return None if token is None else check_secret(token, "the admin token")
+
+    @field_validator("worker_allow")
+    @classmethod
+    def _valid_rules(cls, rules: list[str]) -> list[str]:
+        for rule in rules:
+            parse_allow_rule(rule)  # a ValueError naming the problem
+        return rules
 
     @field_validator("discover", mode="before")
     @classmethod
@@ -284,9 +262,6 @@ class Settings(BaseSettings):
         self.index = self.index.model_copy(update=update)
         return self
 
-    def tokenizer_for(self, model: str) -> str | None:
-        return self.tokenizers.get(model, self.tokenizers.get("*"))
-
     @classmethod
     def settings_customise_sources(
         cls,
@@ -306,14 +281,22 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names every offending field."""
 
 
-def format_validation_error(exc: pydantic.ValidationError) -> str:
+def validation_problems(exc: pydantic.ValidationError, root: str = "(settings)") -> list[str]:
+    """One ``field: message (got input)`` line per problem, secrets left out: inputs of
+    secret fields and of workers (a spec string may hold a key anywhere) are not shown."""
     lines = []
-    for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "(settings)"
-        secret = any(str(part) in _SECRET_FIELDS for part in err["loc"])
-        shown = "input" in err and not isinstance(err["input"], dict) and not secret
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in err["loc"]) or root
+        hidden = any(str(part) in _SECRET_FIELDS for part in err["loc"])
+        hidden = hidden or (bool(err["loc"]) and err["loc"][0] in ("workers", "url"))
+        shown = "input" in err and not isinstance(err["input"], dict | list) and not hidden
         got = f" (got {err['input']!r})" if shown else ""
-        lines.append(f"  {field}: {err['msg']}{got}")
+        lines.append(redact(f"{field}: {err['msg']}{got}"))
+    return lines
+
+
+def format_validation_error(exc: pydantic.ValidationError) -> str:
+    lines = (f"  {line}" for line in validation_problems(exc))
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -336,4 +319,4 @@ def load_settings(
     except pydantic.ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
     except (msgspec.DecodeError, yaml.YAMLError, SettingsError, ValueError) as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from exc
+        raise ConfigError(redact(f"invalid configuration: {exc}")) from exc

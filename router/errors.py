@@ -1,18 +1,55 @@
 """kvgate's one error hierarchy and its OpenAI-style wire form.
 
-Every failure the gateway reports is a ``KvgateError``: it knows its HTTP status, the
-OpenAI error ``type``, a machine ``code`` and the offending ``param``. Upstream (engine)
-failures raised by httpx are mapped to the most specific subclass by ``from_httpx``.
-Before a response has started the error becomes a JSON response; once a stream has
-started it goes inside the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
+Every failure the gateway reports to a client is a ``KvgateError``: it knows its HTTP status,
+the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
+
+    KvgateError                      500 server_error
+    ├── InvalidRequest               400 invalid_request_error
+    │   └── InvalidJSON              400
+    ├── Unauthorized                 401 authentication_error (WWW-Authenticate: Bearer)
+    ├── Forbidden                    403 permission_error
+    │   ├── AdminDisabled            403 (no admin token, kvgate listens beyond loopback)
+    │   └── WorkerNotAllowed         403 (a run-time worker outside --worker-allow)
+    ├── RequestTimeout               408 (head or body too slow; connection closed)
+    ├── NotFound                     404 (and 405 for a known path, another method)
+    │   ├── ModelNotFound            404
+    │   └── WorkerNotFound           404 <- backends.errors.WorkerNotFound
+    ├── WorkerExists                 409 <- backends.errors.WorkerExists
+    ├── PayloadTooLarge              413
+    ├── ClientClosed                 499 (nobody reads it: the client is gone)
+    ├── TooManyConnections           503 + Retry-After (connection closed)
+    ├── NoHealthyWorker              503 + Retry-After
+    ├── UpstreamError                502 upstream_error <- httpx.HTTPError
+    │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
+    │   ├── UpstreamProtocolError    502 (retryable while no response byte arrived)
+    │   ├── UpstreamTimeout          504
+    │   └── UpstreamResponseTooLarge 502
+    └── UpstreamHTTPError            the engine's own 4xx/5xx, status and body passed through
+
+Errors of the layers below are mapped here, where HTTP is known, with ``raise ... from exc``:
+``from_httpx`` for engine failures, ``from_backend`` (and the ``backend_errors`` block) for
+the worker registry's refusals. Before a response has started the error becomes a JSON
+response; once a stream has started it goes inside the stream as an SSE
+``data: {"error": ...}`` event (``sse_bytes``).
+
+Not client errors, and so outside the tree: ``router.config.ConfigError`` (invalid settings
+at start-up), ``router.simfleet.SimFleetError`` (``--sim`` replicas did not come up) and
+``router.upstream.BodyTooLarge`` (internal, becomes ``UpstreamResponseTooLarge``).
+
+What a client reads of an upstream failure is its kind (cannot connect, timed out, broke
+the connection) and the worker, never the network detail (errno text, addresses, status of
+a probe): that stays in ``UpstreamError.detail`` for logs and the admin view.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import httpx
 import msgspec
+
+from backends import errors as backend
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -82,6 +119,64 @@ class Unauthorized(KvgateError):
         super().__init__(message, code=code, headers={"www-authenticate": "Bearer"})
 
 
+class Forbidden(KvgateError):
+    """Authenticated or not, this caller may not do this (403)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class AdminDisabled(Forbidden):
+    """No admin token is set and kvgate listens beyond loopback: admin and debug are off."""
+
+    code = "admin_disabled"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the admin API is disabled: kvgate listens beyond loopback and no admin token is "
+            "set (--admin-token or KVGATE_ADMIN_TOKEN)"
+        )
+
+
+class WorkerNotAllowed(Forbidden):
+    """A worker added at run time is on a host outside ``--worker-allow``."""
+
+    code = "worker_not_allowed"
+
+    def __init__(self, host: str, *, param: str, rules: str) -> None:
+        super().__init__(
+            f"host {host!r} is not allowed for workers added at run time (allowed: {rules}; "
+            "see --worker-allow)",
+            param=param,
+        )
+
+
+class RequestTimeout(KvgateError):
+    """The client did not send its request (head or body) in time (408; connection closed)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"connection": "close"})
+
+
+class TooManyConnections(KvgateError):
+    """Every client connection slot is taken (503 + Retry-After; connection closed)."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "too_many_connections"
+
+    def __init__(self, limit: int, *, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"kvgate serves at most {limit} client connections at once; retry later",
+            headers={"retry-after": str(retry_after_s), "connection": "close"},
+        )
+
+
 class ClientClosed(KvgateError):
     """The client went away before its request was read (nginx's 499; nobody sees it)."""
 
@@ -149,15 +244,17 @@ class NoHealthyWorker(KvgateError):
 
 
 class UpstreamError(KvgateError):
-    """The chosen engine failed; ``worker`` is its URL."""
+    """The chosen engine failed; ``worker`` is its URL, ``detail`` what exactly happened
+    (for logs and the admin view; the client reads ``message``)."""
 
     status = 502
     type = "upstream_error"
     code = "upstream_error"
 
-    def __init__(self, message: str, *, worker: str) -> None:
+    def __init__(self, message: str, *, worker: str, detail: str | None = None) -> None:
         super().__init__(f"{message} (worker {worker})")
         self.worker = worker
+        self.detail = f"{message}: {detail}" if detail else message
 
 
 class UpstreamConnectError(UpstreamError):
@@ -175,10 +272,19 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
-    """The engine did not answer (or send the next chunk) in time (504)."""
+    """The engine did not answer (or send the next chunk, or finish) in time (504)."""
 
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamResponseTooLarge(UpstreamError):
+    """A non-streamed answer larger than ``upstream.max_response_bytes`` (502)."""
+
+    code = "upstream_response_too_large"
+
+    def __init__(self, limit: int, *, worker: str) -> None:
+        super().__init__(f"the engine's answer exceeds the limit of {limit} bytes", worker=worker)
 
 
 class UpstreamHTTPError(KvgateError):
@@ -219,9 +325,29 @@ def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
     """Map an httpx failure talking to ``worker`` to the most specific ``UpstreamError``."""
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-        return UpstreamConnectError(f"cannot connect to the engine: {detail}", worker=worker)
+        return UpstreamConnectError("cannot connect to the engine", worker=worker, detail=detail)
     if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout(f"the engine timed out: {detail}", worker=worker)
+        return UpstreamTimeout("the engine timed out", worker=worker, detail=detail)
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
-        return UpstreamProtocolError(f"the engine broke the connection: {detail}", worker=worker)
-    return UpstreamError(f"upstream failure: {detail}", worker=worker)
+        return UpstreamProtocolError(
+            "the engine broke the connection", worker=worker, detail=detail
+        )
+    return UpstreamError("upstream failure", worker=worker, detail=detail)
+
+
+def from_backend(exc: backend.BackendError) -> KvgateError:
+    """Map a refusal of the backends layer (the worker registry's) to its client error."""
+    if isinstance(exc, backend.WorkerNotFound):
+        return WorkerNotFound(exc.worker)
+    if isinstance(exc, backend.WorkerExists):
+        return WorkerExists(exc.worker)
+    return KvgateError(str(exc))
+
+
+@contextmanager
+def backend_errors() -> Iterator[None]:
+    """A block whose backend errors reach the client as kvgate errors (``from_backend``)."""
+    try:
+        yield
+    except backend.BackendError as exc:
+        raise from_backend(exc) from exc

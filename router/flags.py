@@ -29,6 +29,13 @@ _REPEATABLE: Mapping[str, tuple[str, str, str]] = MappingProxyType(
             "[,replay=tcp://H:P][,api_key=KEY] (repeatable)",
         ),
         "api_keys": ("--api-key", "KEY", "a client API key accepted as Bearer (repeatable)"),
+        "worker_allow": (
+            "--worker-allow",
+            "RULE",
+            "a host workers added at run time may be on: a CIDR (10.0.0.0/8) or a host pattern "
+            "(*.svc.cluster.local); '*' allows any; none given: loopback and the hosts of "
+            "configured and discovered workers (repeatable)",
+        ),
         "discover": (
             "--discover",
             "URL",

@@ -1,9 +1,14 @@
-"""The gateway's request handlers: authenticate, parse, route, hand over to the proxy."""
+"""The gateway's request handlers: authenticate, parse, route, hand over to the proxy.
+
+Admin and debug calls need the admin token; without one they are served only when kvgate
+listens on loopback alone (the demo), else refused. Workers added through the admin API must
+be on hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` only).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
+import ipaddress
 import logging
 import random
 import time
@@ -12,24 +17,31 @@ from typing import Any, Protocol
 
 import httpx
 import msgspec
+import pydantic
 from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
+from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
 from backends.health import HealthChecker
 from backends.registry import Worker, WorkerRegistry
-from index.types import WorkerId
-from router.config import Settings, WorkerConfig
+from index.api import WorkerListener
+from router.config import Settings, validation_problems
 from router.errors import (
+    AdminDisabled,
     ClientClosed,
     InvalidRequest,
     KvgateError,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unauthorized,
+    WorkerNotAllowed,
 )
-from router.metrics import GatewayMetrics
+from router.listener import ListenerLimits, timed_out_body
+from router.metrics import GatewayMetrics, forget_series
 from router.proxy import Exchange, Proxy, UsageMode, forwardable_headers
 from router.requests import (
     AnyModelBody,
@@ -37,6 +49,7 @@ from router.requests import (
     CompletionBody,
     decode_json_object,
     raw_with_usage_requested,
+    upstream_target,
     validate,
 )
 from router.routing import Router
@@ -46,26 +59,17 @@ _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
 
 
-class IndexLifecycle(Protocol):
-    """What the gateway drives on the KV index service (``index.service.KvIndexService``)."""
+class IndexLifecycle(WorkerListener, Protocol):
+    """What the gateway drives on the KV index service (``index.service.KvIndexService``): its
+    lifecycle; it follows the registry's workers as a subscriber (``WorkerListener``)."""
 
     async def start(self) -> None: ...
 
+    async def settled(self) -> None:
+        """Until the index has caught up with the workers it was told of."""
+        ...
+
     async def stop(self) -> None: ...
-
-    async def add_worker(
-        self,
-        worker: WorkerId,
-        url: str,
-        *,
-        engine: str,
-        events: str | None,
-        replay: str | None,
-        discover: bool = True,
-        model: str | None = None,
-    ) -> None: ...
-
-    async def remove_worker(self, worker: WorkerId) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -112,10 +116,22 @@ def _bearer(request: Request) -> str | None:
 
 
 def _secret_matches(given: str | None, secrets: list[str]) -> bool:
-    if given is None:
+    if not given:
         return False
     encoded = given.encode()
     return any(hmac.compare_digest(encoded, s.encode()) for s in secrets)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Is ``host`` (an address or ``localhost``) on the loopback interface only?"""
+    if host is None:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -130,9 +146,13 @@ class Gateway:
     metrics: GatewayMetrics
     metrics_registry: CollectorRegistry
     client: httpx.AsyncClient
-    index: IndexLifecycle | None = None  # owned: started, stopped and told about workers
+    allowlist: WorkerAllowlist
+    listener: ListenerLimits  # the client connection limits, shared with the listener
+    index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     request_ids: RequestIds = field(default_factory=RequestIds)
+    # metric holders whose series labelled with a worker go when it is removed
+    worker_series: list[object] = field(default_factory=list)
 
     # -- auth ---------------------------------------------------------------------------
     def check_client(self, request: Request) -> None:
@@ -141,14 +161,24 @@ class Gateway:
             raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
 
     def check_admin(self, request: Request) -> None:
+        """The admin token, or (none set) a loopback-only listener; else 401 / 403."""
         token = self.settings.admin_token
-        if token is not None and not _secret_matches(_bearer(request), [token.get_secret_value()]):
+        if token is None:
+            server = request.scope.get("server")
+            local = server[0] if server else None
+            if not (is_loopback(self.settings.host) and is_loopback(local)):
+                raise AdminDisabled
+            return
+        if not _secret_matches(_bearer(request), [token.get_secret_value()]):
             raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
 
     async def read_body(self, request: Request) -> bytes:
+        """The whole body, within ``max_body_bytes`` (413); a body the listener cut for
+        being too slow (``client.body_timeout_s``) is a 408."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            self.metrics.limit_exceeded("request_bytes")
             raise PayloadTooLarge(limit)
         chunks: list[bytes] = []
         size = 0
@@ -156,9 +186,15 @@ class Gateway:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
+                    self.metrics.limit_exceeded("request_bytes")
                     raise PayloadTooLarge(limit)
                 chunks.append(chunk)
         except ClientDisconnect as exc:
+            if timed_out_body(request.scope):
+                timeout = self.settings.client.body_timeout_s
+                raise RequestTimeout(
+                    f"the request body did not arrive within {timeout:g} s"
+                ) from exc
             raise ClientClosed from exc
         return b"".join(chunks)
 
@@ -213,6 +249,7 @@ class Gateway:
         request_id = self.request_ids.of(request)
         model = "none"
         try:
+            path = upstream_target(request.scope["path"], request.scope.get("query_string", b""))
             self.check_client(request)
             raw = await self.read_body(request)
             model = self._model_of(request, raw)
@@ -221,8 +258,6 @@ class Gateway:
             )
         except KvgateError as exc:
             return self._refuse(exc, request_id, model)
-        query = request.scope.get("query_string", b"").decode("latin-1")
-        path = request.scope["path"] + (f"?{query}" if query else "")
         return self.proxy.respond(
             Exchange(
                 request_id=request_id,
@@ -279,22 +314,40 @@ class Gateway:
             "workers": [w.describe() for w in self.registry],
         }
 
+    async def admit_worker(self, spec: Any) -> Worker:
+        """``POST /admin/workers``: a worker on an allowed host, with allowed ``tcp://``
+        event endpoints (discovery and configuration, trusted, use ``add_worker``)."""
+        config = _worker_config(spec)
+        checks = [("url", host_of_url(config.url))]
+        for param in ("events", "replay"):
+            endpoint = getattr(config, param)
+            if endpoint is None:
+                continue
+            try:
+                checks.append((param, host_of_endpoint(endpoint)))
+            except ValueError as exc:
+                message = f"{param}: workers added at run time take tcp://HOST:PORT endpoints"
+                raise InvalidRequest(message, param=param) from exc
+        for param, host in checks:
+            if not await self.allowlist.permits_host(host):
+                raise WorkerNotAllowed(host, param=param, rules=self.allowlist.describe())
+        return await self.add_worker(config)
+
     async def add_worker(self, spec: Any) -> Worker:
-        try:
-            config = WorkerConfig.model_validate(spec)
-        except ValueError as exc:  # pydantic.ValidationError is a ValueError
-            raise InvalidRequest(f"invalid worker: {exc}", param="url") from exc
+        config = spec if isinstance(spec, WorkerConfig) else _worker_config(spec)
         worker = self.registry.add(config)
         await self.health.probe(worker)
-        await self._index_worker(worker)
+        if self.index is not None:
+            await self.index.settled()
         log.info("worker added: %s (healthy=%s)", worker.url, worker.healthy)
         return worker
 
     async def remove_worker(self, worker_id: str) -> Worker:
         worker = self.registry.remove(worker_id)
         self.proxy.upstream.close_origin(self.proxy.origin(worker))
-        if self.index is not None:
-            await self.index.remove_worker(worker.id)
+        self.metrics.forget_worker(worker.url)
+        for holder in self.worker_series:
+            forget_series(vars(holder).values(), worker.url)
         log.info("worker removed: %s", worker.url)
         return worker
 
@@ -314,25 +367,13 @@ class Gateway:
     def index_stats(self) -> dict[str, Any]:
         return self.index.stats() if self.index is not None else {"index": None}
 
-    async def _index_worker(self, worker: Worker) -> None:
-        if self.index is None:
-            return
-        config = worker.config
-        model = next(iter(worker.models)) if len(worker.models) == 1 else None
-        await self.index.add_worker(
-            worker.id,
-            worker.url,
-            engine=config.engine,
-            events=config.events,
-            replay=config.replay,
-            model=model,
-        )
-
     async def start(self) -> None:
         if self.index is not None:
             await self.index.start()
         await self.health.probe_all()
-        await asyncio.gather(*(self._index_worker(w) for w in self.registry))
+        if self.index is not None:  # from now on the index follows the registry's workers
+            self.registry.subscribe(self.index)
+            await self.index.settled()
         self.health.start()
         if self.discovery is not None:
             await self.discovery.start()
@@ -342,6 +383,19 @@ class Gateway:
             await self.discovery.stop()
         await self.health.stop()
         if self.index is not None:
+            self.registry.unsubscribe(self.index)
             await self.index.stop()
         await self.proxy.upstream.aclose()
         await self.client.aclose()
+
+
+def _worker_config(spec: Any) -> WorkerConfig:
+    """A worker from an admin body; a 400 naming the problems, never echoing a secret."""
+    try:
+        return WorkerConfig.model_validate(spec)
+    except pydantic.ValidationError as exc:
+        where = exc.errors()[0]["loc"]
+        problems = "; ".join(validation_problems(exc, root="worker"))
+        raise InvalidRequest(
+            f"invalid worker: {problems}", param=str(where[0]) if where else "url"
+        ) from exc

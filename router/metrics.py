@@ -2,20 +2,32 @@
 
 Per-worker gauges (in-flight, health, predicted and scraped load) are read from the
 ``WorkerRegistry`` at scrape time by a collector, so the request path never updates them.
+Labelled series of a removed worker are dropped (``forget_worker``): adding and removing
+workers does not grow /metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
+REMOVED = "removed"  # the worker label of requests that end after their worker was removed
+LIMITS = (
+    "header_timeout",  # a client took too long to send a request head (408)
+    "body_timeout",  # ... or its body (408)
+    "request_bytes",  # a request body over max_body_bytes (413)
+    "connections",  # a request on a connection beyond client.max_connections (503)
+    "response_deadline",  # an exchange with engines over upstream.response_timeout_s (504)
+    "upstream_response_bytes",  # a non-streamed answer over upstream.max_response_bytes (502)
+)
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
@@ -93,6 +105,13 @@ class GatewayMetrics:
             ["worker", "model"],
             registry=registry,
         )
+        self.limits = Counter(
+            "kvgate_limits_exceeded",
+            "Requests and connections cut by a limit (see docs/security.md), by limit",
+            ["limit"],
+            registry=registry,
+        )
+        self._limits = {name: self.limits.labels(name) for name in LIMITS}
 
         self.ttft_error = Histogram(
             "kvgate_ttft_prediction_error_seconds",
@@ -104,6 +123,15 @@ class GatewayMetrics:
         )
 
         self._routes: dict[tuple[str, str], RouteMetrics] = {}
+
+    def limit_exceeded(self, limit: str) -> None:
+        self._limits[limit].inc()
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop every series labelled with ``worker`` (it was removed)."""
+        for key in [key for key in self._routes if key[0] == worker]:
+            del self._routes[key]
+        forget_series(vars(self).values(), worker)
 
     def route(self, worker: str, model: str) -> RouteMetrics:
         """The labelled children of one (worker, model) pair, looked up once and kept."""
@@ -242,6 +270,22 @@ def _model_gauges() -> dict[str, GaugeMetricFamily]:
             labels=["worker"],
         ),
     }
+
+
+def forget_series(metrics: Iterable[object], worker: str) -> None:
+    """Remove the children labelled ``worker=<worker>`` of each labelled metric in
+    ``metrics`` (other objects are skipped), found through public ``collect``/``remove``."""
+    for metric in metrics:
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        for family in metric.collect():
+            stale = {
+                tuple(v for k, v in sample.labels.items() if k not in ("le", "quantile"))
+                for sample in family.samples
+                if sample.labels.get("worker") == worker
+            }
+            for labels in stale:
+                metric.remove(*labels)
 
 
 def register_worker_gauges(registry: CollectorRegistry, workers: WorkerRegistry) -> None:

@@ -4,11 +4,16 @@
 can (1) watch the client connection the whole time and cancel the upstream request the
 moment the client goes, (2) try the next worker when one fails before answering, and
 (3) relay a stream chunk by chunk, putting late errors inside the stream.
+
+Two limits bound what one exchange holds: the whole exchange (attempts, streaming, a slow
+client reading) ends at ``upstream.response_timeout_s``, and a non-streamed answer is
+buffered up to ``upstream.max_response_bytes``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -27,11 +32,13 @@ from router.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamHTTPError,
+    UpstreamResponseTooLarge,
+    UpstreamTimeout,
     from_httpx,
 )
-from router.metrics import GatewayMetrics, RouteMetrics
+from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
 from router.routing import Routed, Router
-from router.upstream import Origin, UpstreamPool, UpstreamResponse
+from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
 
 log = logging.getLogger("kvgate.proxy")
@@ -53,6 +60,7 @@ _DROP_RESPONSE = frozenset(
     }
 )  # fmt: skip
 _CLIENT_CLOSED = "499"  # nginx's convention for "client closed the request"
+_LAST_WRITE_S = 5.0  # past the deadline: how long the error may take to reach the client
 
 
 class UsageMode(Enum):
@@ -124,6 +132,13 @@ class Proxy:
     def respond(self, exchange: Exchange) -> ProxyResponse:
         return ProxyResponse(self, exchange)
 
+    def worker_label(self, worker: Worker) -> str:
+        """The worker's metric label; a removed worker's series are gone and stay gone."""
+        return REMOVED if worker.removed else worker.url
+
+    def route_metrics(self, worker: Worker, model: str) -> RouteMetrics:
+        return self.metrics.route(self.worker_label(worker), model)
+
 
 class ProxyResponse(Response):
     """Runs the upstream exchange while streaming the answer to the client."""
@@ -135,6 +150,7 @@ class ProxyResponse(Response):
         self._completed = False
         self._sse = False
         self._client_gone = False
+        self._late = False  # the whole-exchange deadline passed
         self.status_code = 200
         self.background = None
         self.raw_headers = []
@@ -143,16 +159,39 @@ class ProxyResponse(Response):
         outcome = _Outcome(first_choice=self._x.routed.decision.chosen)
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.get_running_loop().create_task(self._watch_client(receive, task))
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(self._watch_client(receive, task))
+        deadline = loop.call_later(self._proxy.config.response_timeout_s, self._too_late, task)
         try:
             await self._forward(send, outcome)
         except asyncio.CancelledError:
-            if not self._client_gone:
+            if not (self._client_gone or self._late):
                 raise
-            task.uncancel()  # our own cancel: the client left, nothing more to do
+            for _ in range(self._client_gone + self._late):
+                task.uncancel()  # our own cancels: nothing more to do, or say it is late
+            if self._late and not self._client_gone:
+                await self._deadline_passed(send, outcome)
         finally:
+            deadline.cancel()
             watcher.cancel()
             self._record(outcome)
+
+    def _too_late(self, task: asyncio.Task[None]) -> None:
+        """``upstream.response_timeout_s`` is up: stop the exchange where it is."""
+        if not self._completed:
+            self._late = True
+            task.cancel()
+
+    async def _deadline_passed(self, send: Send, outcome: _Outcome) -> None:
+        """The exchange outlived ``response_timeout_s``: 504, or an error ending the stream
+        (given a few seconds to reach a client that may be the slow part)."""
+        self._proxy.metrics.limit_exceeded("response_deadline")
+        limit = self._proxy.config.response_timeout_s
+        worker = outcome.worker.url if outcome.worker is not None else "-"
+        error = UpstreamTimeout(f"the exchange did not finish within {limit:g} s", worker=worker)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LAST_WRITE_S):
+                await self._fail(send, error, outcome)
 
     async def _watch_client(self, receive: Receive, task: asyncio.Task[None]) -> None:
         """Cancel the exchange the moment the client disconnects."""
@@ -180,8 +219,9 @@ class ProxyResponse(Response):
                 if not exc.retryable or self._started:
                     break
                 if i < len(attempts) - 1:
-                    proxy.metrics.retries.labels(worker.url, exc.code or "error").inc()
-                    log.info("%s: trying the next worker after: %s", x.request_id, exc.message)
+                    label = proxy.worker_label(worker)
+                    proxy.metrics.retries.labels(label, exc.code or "error").inc()
+                    log.info("%s: trying the next worker after: %s", x.request_id, exc.detail)
         if last_error is None:  # every ranked worker was removed or marked down meanwhile
             last_error = UpstreamConnectError("no ranked worker is left", worker="-")
         await self._fail(send, last_error, outcome)
@@ -208,7 +248,7 @@ class ProxyResponse(Response):
                 # Refused/reset: the engine is gone, mark it down at once. A connect timeout
                 # may only mean a starved box: it counts towards the failure threshold.
                 proxy.registry.record_failure(
-                    worker, error.message, immediate=isinstance(exc, httpx.ConnectError)
+                    worker, error.detail, immediate=isinstance(exc, httpx.ConnectError)
                 )
                 raise error from exc
             proxy.router.record_sent(x.routed, worker.id)
@@ -228,9 +268,9 @@ class ProxyResponse(Response):
             (b"x-request-id", self._x.request_id.encode()),
             (b"accept-encoding", b"identity"),
         ]
-        if worker.config.api_key is not None:
-            key = worker.config.api_key.get_secret_value()
-            headers.append((b"authorization", b"Bearer " + key.encode()))
+        authorization = worker.config.authorization()
+        if authorization is not None:
+            headers.append((b"authorization", authorization.encode()))
         return headers
 
     # -- relaying ---------------------------------------------------------------------
@@ -306,13 +346,13 @@ class ProxyResponse(Response):
                     first = False
                     ticket.first_token()
                     elapsed = time.perf_counter() - self._x.received_at
-                    self._proxy.metrics.route(worker.url, self._x.model).ttft.observe(elapsed)
+                    self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
                 out = tap.feed(chunk) if tap is not None else chunk
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except httpx.HTTPError as exc:
             error = from_httpx(exc, worker=worker.url)
-            self._proxy.registry.record_failure(worker, error.message)
+            self._proxy.registry.record_failure(worker, error.detail)
             await self._fail(send, error, outcome)
             return
         self._proxy.registry.record_ok_response(worker)
@@ -324,10 +364,14 @@ class ProxyResponse(Response):
         await self._end(send, tail)
 
     async def _read(self, worker: Worker, response: UpstreamResponse) -> bytes:
+        limit = self._proxy.config.max_response_bytes
         try:
-            return await response.aread()
+            return await response.aread(limit)
         except httpx.HTTPError as exc:
             raise from_httpx(exc, worker=worker.url) from exc
+        except BodyTooLarge as exc:
+            self._proxy.metrics.limit_exceeded("upstream_response_bytes")
+            raise UpstreamResponseTooLarge(limit, worker=worker.url) from exc
 
     # -- client side ------------------------------------------------------------------
     def _client_headers(
@@ -354,7 +398,8 @@ class ProxyResponse(Response):
         """Report ``error``: as the response before it started, inside the stream after."""
         outcome.status = str(error.status)
         if self._started:
-            log.warning("%s: error inside the stream: %s", self._x.request_id, error.message)
+            detail = getattr(error, "detail", error.message)
+            log.warning("%s: error inside the stream: %s", self._x.request_id, detail)
             await self._end(send, error.sse_bytes() if self._sse else b"")
             return
         content_type = getattr(error, "content_type", "application/json")
@@ -377,7 +422,7 @@ class ProxyResponse(Response):
         if outcome.worker is None:
             metrics.route("none", x.model).answered(status)
             return
-        route = metrics.route(outcome.worker.url, x.model)
+        route = self._proxy.route_metrics(outcome.worker, x.model)
         route.answered(status)
         route.e2e.observe(time.perf_counter() - x.received_at)
         if outcome.worker.id != outcome.first_choice:

@@ -1,25 +1,42 @@
-"""Request bodies: parsed once with msgspec, validated only where routing needs it.
+"""Request bodies: parsed once (pydantic-core's JSON parser), validated only where routing needs it.
 
 The pydantic models below declare the handful of fields kvgate reads and keep every other
 field (``extra="allow"``); the gateway forwards the client's original bytes unless it had
 to change something (the streamed usage request).
+
+Whatever a client sends, parsing ends in a body or in an ``InvalidRequest`` (400): JSON
+nested deeper than ``MAX_JSON_DEPTH`` is refused by the parser (so nothing later walks a
+crafted depth recursively), and completion token ids must fit an engine's uint32.
 """
 
 from __future__ import annotations
 
+import re
+from array import array
 from typing import Any, TypeVar, cast
+from urllib.parse import quote
 
 import msgspec
 import pydantic
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
+from pydantic_core import from_json
 
 from index.api import PromptInput
 from router.errors import InvalidJSON, InvalidRequest
 
 B = TypeVar("B", bound=BaseModel)
 
-_decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
+
+MAX_JSON_DEPTH = 200
+"""Deepest nesting of arrays and objects accepted: pydantic-core's parser's fixed limit
+(tool schemas need a few dozen levels; Python code walking a body recursively is safe)."""
+MAX_TOKEN_ID = 2**32 - 1
+_UINT32 = "I" if array("I").itemsize == 4 else "L"  # an array type code of 32-bit items
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_SLASHES = re.compile(r"/{2,}")
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986 path characters kept as they are
+_QUERY = re.compile(rb"[!-~]*")  # printable ASCII, no space
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +85,15 @@ class ChatBody(_Routable):
 class CompletionBody(_Routable):
     prompt: str | list[int] | list[str] | list[list[int]]
 
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_fit_uint32(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            for ids in [prompt] if isinstance(prompt[0], int) else prompt:
+                if not _fits_uint32(ids):
+                    raise ValueError(f"token ids must be within 0..{MAX_TOKEN_ID}")
+        return prompt
+
     def prompt_input(self) -> PromptInput:
         """The prompt that decides routing: the first one of a batch."""
         prompt = self.prompt
@@ -94,26 +120,50 @@ class AnyModelBody(BaseModel):
     model: str
 
 
+def _fits_uint32(ids: list[int]) -> bool:
+    try:
+        array(_UINT32, ids)  # C speed: about 5 ns an id
+    except OverflowError:
+        return False
+    return True
+
+
+def decode_json(body: bytes) -> Any:
+    """The body as JSON (nested at most ``MAX_JSON_DEPTH`` levels), or ``InvalidJSON``.
+
+    pydantic-core's parser: as fast as msgspec's on request bodies, it refuses deep nesting
+    itself without recursing (no ``RecursionError`` whatever the input), and strict JSON
+    (no ``NaN``)."""
+    try:
+        return from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        if str(exc).startswith("recursion limit exceeded"):
+            message = f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+            raise InvalidJSON(message) from exc
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
+
+
 def decode_json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object, or ``InvalidJSON`` / ``InvalidRequest``."""
-    try:
-        data = _decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
+    data = decode_json(body)
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     return data
 
 
 def validate(model: type[B], data: dict[str, Any]) -> B:
-    """Validate ``data``; the first problem becomes a 400 naming the field."""
+    """Validate ``data``; the most specific problem becomes a 400 naming the field.
+
+    Of a union's failures the deepest is the one meant (``prompt.1`` out of range, rather
+    than "prompt is not a string")."""
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        err = max(errors, key=lambda e: len(e["loc"]))
         path = _data_path(data, err["loc"], missing=err["type"] == "missing")
         param = ".".join(str(part) for part in path) or None
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise InvalidRequest(f"{param}: {err['msg']}{more}", param=param) from exc
 
 
@@ -153,3 +203,26 @@ def raw_with_usage_requested(raw: bytes, data: dict[str, Any]) -> bytes:
         return with_usage_requested(data)
     start = raw.index(b"{") + 1  # ``data`` is an object: its first byte past whitespace
     return raw[:start] + _USAGE_OPTION + raw[start:]
+
+
+def check_path(path: str) -> None:
+    """A decoded request path with control characters (NUL, CR, LF, ...) is a 400."""
+    if _CONTROL.search(path):
+        raise InvalidRequest("the request path holds control characters")
+
+
+def upstream_target(path: str, query: bytes) -> str:
+    """The request target a pass-through sends upstream, from the decoded ``path`` and the
+    raw ``query``: a ``/v1/...`` path without control characters or dot segments (else a
+    400), slashes collapsed, re-encoded; the query as sent, printable ASCII only."""
+    check_path(path)
+    path = _SLASHES.sub("/", path)
+    segments = path.split("/")
+    if "." in segments or ".." in segments:
+        raise InvalidRequest("the request path holds '.' or '..' segments")
+    if not path.startswith("/v1/"):
+        raise InvalidRequest("only /v1/... paths are passed to workers")
+    if not _QUERY.fullmatch(query):
+        raise InvalidRequest("the query string holds spaces, control or non-ASCII bytes")
+    target = quote(path, safe=_PATH_SAFE)
+    return f"{target}?{query.decode('ascii')}" if query else target

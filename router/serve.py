@@ -14,10 +14,12 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import ConfigError, Settings, load_settings
 from router.flags import add_settings_flags, given_settings
+from router.gateway import Gateway, is_loopback
 from router.simfleet import SimFleet, SimFleetError
 
 log = logging.getLogger("kvgate")
@@ -58,25 +60,37 @@ def _configure_logging(level: str) -> None:
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-def run(settings: Settings) -> None:
-    """Serve until interrupted (uvloop event loop, httptools HTTP parser)."""
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        ws="none",
-        lifespan="on",
-        access_log=False,
-        log_level=settings.log_level,
-        server_header=False,
-        proxy_headers=False,  # kvgate is the front door: the client address is the peer
+def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The listener of ``kvgate serve``: uvloop, httptools with kvgate's connection limits
+    (``router.listener``), no proxy headers; ``overrides`` replace any option (tests)."""
+    gateway: Gateway = app.state.gateway
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        "http": gateway.listener.protocol(),
+        "ws": "none",
+        "lifespan": "on",
+        "access_log": False,
+        "log_level": settings.log_level,
+        "server_header": False,
+        "proxy_headers": False,  # kvgate is the front door: the client address is the peer
         # SIGTERM: stop accepting, let in-flight streams finish, then cut them (docs/scaling.md)
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
-    )
-    uvicorn.Server(config).run()
+        "timeout_graceful_shutdown": settings.shutdown_timeout_s,
+    }
+    return uvicorn.Config(app, **{**options, **overrides})
+
+
+def run(settings: Settings) -> None:
+    """Serve until interrupted."""
+    app = create_app(settings)
+    if settings.admin_token is None and not is_loopback(settings.host):
+        log.warning(
+            "listening on %s without an admin token: /admin and /debug are disabled "
+            "(set --admin-token or KVGATE_ADMIN_TOKEN to use them)",
+            settings.host,
+        )
+    uvicorn.Server(uvicorn_config(app, settings)).run()
 
 
 def main(argv: list[str]) -> int:

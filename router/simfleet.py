@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
-import time
 from types import TracebackType
 from typing import Any
 
-import httpx
+from backends.errors import ProcessExited
+from backends.process import ChildProcess, wait_http
 
 log = logging.getLogger("kvgate.sim")
 
@@ -38,7 +37,7 @@ class SimFleet:
         self.replicas = replicas
         self.base_port = base_port
         self.events_port = events_port
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: ChildProcess | None = None
 
     @property
     def command(self) -> list[str]:
@@ -70,9 +69,10 @@ class SimFleet:
 
     def __enter__(self) -> SimFleet:
         log.info("starting %d simulated replicas: %s", self.replicas, " ".join(self.command))
-        self._process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        # In our process group: a Ctrl-C reaches it too; it watches our pid besides.
+        self._process = ChildProcess(self.command, name="kvgate sim", own_group=False).start()
         try:
-            self._wait_healthy()
+            self._wait_healthy(self._process)
         except BaseException:
             self.stop()
             raise
@@ -86,32 +86,17 @@ class SimFleet:
     ) -> None:
         self.stop()
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, process: ChildProcess) -> None:
         """Poll every replica's /health until all answer (bounded by START_TIMEOUT_S)."""
-        pending = {f"http://127.0.0.1:{self.base_port + i}/health" for i in range(self.replicas)}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
-            while pending:
-                if self._process is not None and self._process.poll() is not None:
-                    raise SimFleetError(f"kvgate sim exited with code {self._process.returncode}")
-                if time.monotonic() > deadline:
-                    raise SimFleetError(f"simulated replicas not healthy: {sorted(pending)}")
-                for url in list(pending):
-                    try:
-                        if client.get(url).status_code == 200:
-                            pending.discard(url)
-                    except httpx.HTTPError:
-                        pass
-                if pending:
-                    time.sleep(0.1)
+        urls = [f"http://127.0.0.1:{self.base_port + i}/health" for i in range(self.replicas)]
+        try:
+            wait_http(urls, START_TIMEOUT_S, process, poll_s=0.1, probe_timeout_s=1.0)
+        except ProcessExited as exc:
+            raise SimFleetError(f"kvgate sim exited with code {exc.returncode}") from exc
+        except TimeoutError as exc:
+            raise SimFleetError(f"simulated replicas not healthy: {exc}") from exc
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            process.stop(STOP_TIMEOUT_S)

@@ -29,6 +29,10 @@ _HIGH_WATER = 256 * 1024  # buffered body bytes before the engine socket is paus
 _LOW_WATER = 64 * 1024
 
 
+class BodyTooLarge(Exception):
+    """``UpstreamResponse.aread`` read more than its limit (the connection is not reused)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Origin:
     """Where a worker listens."""
@@ -211,9 +215,14 @@ class UpstreamResponse:
         while (chunk := await self._next()) is not None:
             yield chunk
 
-    async def aread(self) -> bytes:
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body; ``BodyTooLarge`` as soon as it exceeds ``limit`` bytes."""
         parts = []
+        size = 0
         while (chunk := await self._next()) is not None:
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise BodyTooLarge(f"the response body exceeds {limit} bytes")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -435,16 +435,6 @@ def _total(ttft: TtftEstimate, fleet_factor: float, cache_factor: float) -> floa
     return ttft.total_s + (fleet_factor + cache_factor) * ttft.prefill_s
 
 
-def worker_costs(
-    request: RouteRequest, candidates: Sequence[Candidate], config: KvPolicyConfig
-) -> list[WorkerCost]:
-    """Every candidate's cost for ``request``, in candidate order."""
-    size = request_size(request)
-    ratios = footprint_ratios(candidates)
-    fleet = FleetView.of(size, candidates, ratios, config)
-    return [worker_cost(size, c, config, r, fleet) for c, r in zip(candidates, ratios, strict=True)]
-
-
 class CostQuote:
     """One worker's cost and what ranking needs, without the terms: the routing hot path.
 

@@ -13,7 +13,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from index.events import EventBatch, KvEvent, encode_event_batch
+from index.events import EventBatch, EventEncoder, KvEvent
 
 END = (0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
 
@@ -91,7 +91,7 @@ class KvPublisher:
     ) -> int:
         batch = EventBatch(ts, list(events), dp_rank)
         return await self.send_raw(
-            encode_event_batch(batch, array_tagged=self.array_tagged), drop=drop
+            EventEncoder(array_tagged=self.array_tagged).encode(batch), drop=drop
         )
 
     def restart(self) -> None:

@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main as bench_main
-from bench.replay import read_records
+from bench.replay import RequestRecord
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    with path.open(encoding="utf-8") as fh:
+        return [RequestRecord(**json.loads(line)) for line in fh if line.strip()]
+
+
 SHARED_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
 POLICIES = ("kv", "round_robin", "least_loaded", "session")
 

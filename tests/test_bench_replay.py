@@ -6,11 +6,10 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
-import uvicorn
+from fakes.server import serve
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
@@ -79,24 +78,6 @@ def make_app(engine: FakeEngine) -> FastAPI:
     return app
 
 
-@asynccontextmanager
-async def serve(engine: FakeEngine) -> AsyncIterator[str]:
-    config = uvicorn.Config(make_app(engine), host="127.0.0.1", port=0, log_level="error")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-
-
 @pytest.mark.anyio
 async def test_replay_records_every_request_in_session_order() -> None:
     reqs = synthetic_agent_sessions(
@@ -105,7 +86,8 @@ async def test_replay_records_every_request_in_session_order() -> None:
         )
     )
     engine = FakeEngine()
-    async with serve(engine) as url:
+    async with serve(make_app(engine)) as server:
+        url = server.url
         cfg = ReplayConfig(
             target=url,
             speedup=10.0,

@@ -108,7 +108,7 @@ def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
     bound it) must not pass for the process under test being ready."""
     import socket  # noqa: PLC0415
 
-    from bench.fleet import owns_listener, wait_http  # noqa: PLC0415
+    from bench.fleet import owns_listener, wait_own_http  # noqa: PLC0415
 
     serve = (
         "import http.server, sys\n"
@@ -125,11 +125,11 @@ def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
     other = ManagedProcess("other", [sys.executable, "-c", serve, str(port)], tmp_path / "x.log")
     owner.start()
     try:
-        wait_http(f"http://127.0.0.1:{port}/", 30, owner)
+        wait_own_http(f"http://127.0.0.1:{port}/", 30, owner)
         assert owns_listener(owner.pid, port)
         other.start()  # cannot bind: the port is the owner's
         with pytest.raises((RuntimeError, TimeoutError)):
-            wait_http(f"http://127.0.0.1:{port}/", 5, other)
+            wait_own_http(f"http://127.0.0.1:{port}/", 5, other)
         assert not owns_listener(other.pid, port)
     finally:
         owner.stop()

@@ -7,12 +7,18 @@ from array import array
 import pytest
 import xxhash
 
-from index.api import ClearAll, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed, text_block_keys
+from index.api import BatchResult, ClearAll, RemoveBlocks, StoreBlocks
 from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from index.indexers import EventIndex
-from index.translate import Outcome, Translator, cache_salt_of
+from index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    Translator,
+    cache_salt_of,
+)
+from index.keys import block_keys, cache_seed, text_block_keys
+from index.table import EventIndex
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
@@ -53,6 +59,13 @@ def test_invalid_inputs() -> None:
     assert len(text_block_keys("x" * 100, 32, SEED)) == 3
 
 
+def apply(translator: Translator, event: KvEvent) -> BatchResult:
+    """What one event did (its counts in a batch of its own)."""
+    result = BatchResult()
+    translator.apply(event, result)
+    return result
+
+
 def make_translator(block_size: int = 4) -> tuple[Translator, EventIndex]:
     index = EventIndex()
     return Translator(W, index, IndexConfig(block_size=block_size), block_size), index
@@ -62,13 +75,13 @@ def test_translator_recomputes_keys_and_maps_removals() -> None:
     translator, index = make_translator()
     tokens = list(range(16))
     keys = block_keys(tokens, 4, SEED)
-    assert translator.apply(BlockStored([11, 12], None, tokens[:8], 4)).outcome is Outcome.APPLIED
-    assert translator.apply(BlockStored([13, 14], 12, tokens[8:], 4)).outcome is Outcome.APPLIED
+    assert apply(translator, BlockStored([11, 12], None, tokens[:8], 4)).stored_events == 1
+    assert apply(translator, BlockStored([13, 14], 12, tokens[8:], 4)).stored_events == 1
     assert index.find_matches(keys) == {W: PrefixMatch(gpu=4)}
-    translator.apply(BlockRemoved([14, 999]))
+    apply(translator, BlockRemoved([14, 999]))
     assert index.find_matches(keys) == {W: PrefixMatch(gpu=3)}
     assert len(translator) == 3
-    translator.apply(AllBlocksCleared())
+    apply(translator, AllBlocksCleared())
     assert len(translator) == 0 and index.entry_count() == 0
 
 
@@ -76,14 +89,14 @@ def test_translator_tiers_keep_the_mapping_until_last_tier_goes() -> None:
     translator, index = make_translator()
     tokens = list(range(8))
     keys = block_keys(tokens, 4, SEED)
-    translator.apply(BlockStored([1, 2], None, tokens, 4, None, "GPU"))
-    translator.apply(BlockStored([1, 2], None, tokens, 4, None, "cpu"))
-    translator.apply(BlockRemoved([2], "GPU"))
+    apply(translator, BlockStored([1, 2], None, tokens, 4, None, "GPU"))
+    apply(translator, BlockStored([1, 2], None, tokens, 4, None, "cpu"))
+    apply(translator, BlockRemoved([2], "GPU"))
     assert index.find_matches(keys) == {W: PrefixMatch(gpu=1, cpu=1)}
-    translator.apply(BlockRemoved([2], "CPU"))
+    apply(translator, BlockRemoved([2], "CPU"))
     assert len(translator) == 1
     assert index.find_matches(keys) == {W: PrefixMatch(gpu=1)}
-    translator.apply(BlockStored([3], None, list(range(100, 104)), 4, None, "NVME"))
+    apply(translator, BlockStored([3], None, list(range(100, 104)), 4, None, "NVME"))
     assert index.find_matches(block_keys(list(range(100, 104)), 4, SEED)) == {
         W: PrefixMatch(disk=1)
     }
@@ -91,18 +104,14 @@ def test_translator_tiers_keep_the_mapping_until_last_tier_goes() -> None:
 
 def test_translator_unknown_parent_mismatch_malformed() -> None:
     translator, index = make_translator()
-    assert translator.apply(BlockStored([5], 4, [0] * 4, 4)).outcome is Outcome.UNKNOWN_PARENT
-    assert translator.apply(BlockStored([5], None, [0] * 5, 4)).outcome is Outcome.MALFORMED
-    assert translator.apply(BlockStored([5], None, [0] * 8, 8)).outcome is (
-        Outcome.BLOCK_SIZE_MISMATCH
-    )
+    assert apply(translator, BlockStored([5], 4, [0] * 4, 4)).unknown_parent == 1
+    assert apply(translator, BlockStored([5], None, [0] * 5, 4)).malformed == 1
+    assert apply(translator, BlockStored([5], None, [0] * 8, 8)).mismatched == 1
     # Once mismatched, the worker's events are not indexed (until an engine restart).
-    assert translator.apply(BlockStored([5], None, [0] * 4, 4)).outcome is (
-        Outcome.BLOCK_SIZE_MISMATCH
-    )
+    assert apply(translator, BlockStored([5], None, [0] * 4, 4)).mismatched == 1
     assert index.entry_count() == 0
     translator.clear(restarted=True)
-    assert translator.apply(BlockStored([5], None, [0] * 4, 4)).outcome is Outcome.APPLIED
+    assert apply(translator, BlockStored([5], None, [0] * 4, 4)).stored_events == 1
 
 
 def test_lora_and_salt_from_events_match_request_seeds() -> None:
@@ -110,7 +119,7 @@ def test_lora_and_salt_from_events_match_request_seeds() -> None:
     tokens = list(range(4))
     event = BlockStored([1], None, tokens, 4, 7, "GPU", "adapter", [["adapter", "salty"]])
     assert cache_salt_of(event) == "salty"
-    translator.apply(event)
+    apply(translator, event)
     assert index.find_matches(block_keys(tokens, 4, cache_seed("adapter", "salty")))
     assert not index.find_matches(block_keys(tokens, 4, SEED))
 

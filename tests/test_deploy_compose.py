@@ -172,3 +172,14 @@ def test_compose_uses_the_quickstart_engine_flags_and_ports() -> None:
         for doc in doc_events:
             assert events["publisher"] == doc["publisher"]
             assert events["enable_kv_cache_events"] == doc["enable_kv_cache_events"]
+
+
+def test_compose_carries_no_secret_value() -> None:
+    """The admin token is passed through from the operator's shell, never written here;
+    without it kvgate (listening beyond loopback) keeps /admin and /debug disabled."""
+    kvgate = compose()["services"]["kvgate"]
+    environment = kvgate.get("environment", [])
+    assert "KVGATE_ADMIN_TOKEN" in environment  # the bare name: no value in the file
+    assert not any(str(item).startswith("KVGATE_ADMIN_TOKEN=") for item in environment)
+    text = COMPOSE.read_text()
+    assert "api_key=" not in text and "--admin-token" not in text

@@ -1,4 +1,5 @@
-"""deploy/k8s: schema-valid offline, and consistent with kvgate's own config and discovery."""
+"""deploy/k8s: schema-valid offline, consistent with kvgate's own config and discovery, and
+without a working placeholder secret (the admin token must be made before anything starts)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from backends.discovery import parse_discovery_url
-from router.config import Settings, load_settings
+from router.config import ConfigError, Settings, load_settings
 from router.flags import given_settings
 from router.serve import build_parser
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSIONS = ("1.29", "1.37")  # oldest and newest schemas we promise
 
 
@@ -65,9 +67,50 @@ def test_validator_rejects_a_misspelt_field() -> None:
         kv_utils.validate(broken, "1.37", strict=True)
 
 
+def kustomization() -> dict[str, Any]:
+    (found,) = documents(K8S / "kustomization.yaml")
+    return found
+
+
 def test_kustomization_lists_every_manifest() -> None:
-    (kustomization,) = documents(K8S / "kustomization.yaml")
-    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifest_files())
+    assert sorted(kustomization()["resources"]) == sorted(p.name for p in manifest_files())
+
+
+def admin_token_ref() -> dict[str, Any]:
+    kvgate = container(resources()[("Deployment", "kvgate")], "kvgate")
+    token = next(e for e in kvgate["env"] if e["name"] == "KVGATE_ADMIN_TOKEN")
+    ref: dict[str, Any] = token["valueFrom"]["secretKeyRef"]
+    return ref
+
+
+def test_no_working_placeholder_secret() -> None:
+    """No Secret with a value is in the repository: the admin token Secret is generated from
+    a file the operator creates (git-ignored), so `kubectl apply -k` fails without it and
+    the kvgate pods cannot start without the Secret."""
+    for (kind, name), doc in resources().items():
+        if kind == "Secret":
+            assert not doc.get("data") and not doc.get("stringData"), name
+    ref = admin_token_ref()
+    assert ref.get("optional", False) is False
+    (generator,) = (g for g in kustomization()["secretGenerator"] if g["name"] == ref["name"])
+    source = next(f for f in generator["files"] if f.startswith(ref["key"] + "="))
+    key, _, file_name = source.partition("=")
+    assert key == ref["key"] and generator["namespace"] == "llm"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert (K8S / file_name).relative_to(ROOT).as_posix() in ignored
+    assert "openssl rand" in (K8S / "kustomization.yaml").read_text()
+    assert f"deploy/k8s/{file_name}" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_kvgate_refuses_an_empty_admin_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Secret created from an empty file still stops kvgate, with the reason."""
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "")
+    with pytest.raises(ConfigError, match="admin_token"):
+        kvgate_settings(tmp_path)
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "9f8e7d6c5b4a")
+    assert kvgate_settings(tmp_path).admin_token is not None
 
 
 def test_kvgate_deployment_shape() -> None:
@@ -80,10 +123,7 @@ def test_kvgate_deployment_shape() -> None:
     assert kvgate["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert {"cpu", "memory"} <= kvgate["resources"]["requests"].keys()
     assert {"cpu", "memory"} <= kvgate["resources"]["limits"].keys()
-    token = next(e for e in kvgate["env"] if e["name"] == "KVGATE_ADMIN_TOKEN")
-    secret_ref = token["valueFrom"]["secretKeyRef"]
-    secret = resources()[("Secret", secret_ref["name"])]
-    assert secret_ref["key"] in secret["stringData"]
+    assert admin_token_ref()["key"] == "token"
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
 

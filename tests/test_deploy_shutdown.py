@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,10 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from fakes.server import serve
+from fakes.server import serve, wait_for
 from starlette.types import Receive, Scope, Send
+
+from backends.process import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -87,25 +89,10 @@ class GatedEngine:
         await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 def refuses_connections(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1.0)
         return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-async def poll(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @asynccontextmanager
@@ -185,7 +172,7 @@ async def test_sigterm_lets_an_in_flight_stream_finish(tmp_path: Path) -> None:
             await asyncio.wait_for(first.wait(), 10)
 
             process.send_signal(signal.SIGTERM)
-            await poll(lambda: refuses_connections(port), 10, "the listener to close")
+            await wait_for(lambda: refuses_connections(port), 10, "the listener to close")
             assert process.returncode is None, log.read_text()  # still draining the stream
 
             engine.release.set()

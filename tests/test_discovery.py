@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 
 import pytest
+from fakes.server import wait_for
 from prometheus_client import CollectorRegistry
 
+from backends.config import WorkerConfig
 from backends.discovery import (
     DiscoveredWorker,
     DiscoveryMetrics,
-    DiscoveryUrlError,
     DnsDiscovery,
     DnsDiscoveryConfig,
     loop_resolver,
     parse_discovery_url,
     worker_for_address,
 )
-from router.config import WorkerConfig
+from backends.errors import DiscoveryUrlError
 
 TARGET = "vllm.ns.svc.cluster.local:8000"
 
@@ -250,16 +250,6 @@ async def test_addresses_are_normalised_and_junk_ignored(caplog: pytest.LogCaptu
         "http://[fe80::1%eth0]:8000",
     ]
     assert "not an IP address" in caplog.text
-
-
-async def wait_for(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
-    """Poll ``predicate`` until true; fail after ``limit_s`` seconds."""
-    step = 0.005
-    for _ in range(int(limit_s / step)):
-        if predicate():
-            return
-        await asyncio.sleep(step)
-    raise AssertionError(f"condition not met within {limit_s} s")
 
 
 @pytest.mark.anyio

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
-import uvicorn
+from fakes.server import serve, wait_for
 from prometheus_client import CollectorRegistry
 from test_deploy_shutdown import MODEL, GatedEngine
 
@@ -29,37 +28,13 @@ from router.gateway import Gateway
 pytestmark = pytest.mark.anyio
 
 
-async def poll(predicate: Callable[[], bool], limit_s: float = 10.0, what: str = "it") -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 @asynccontextmanager
 async def serve_on(
-    app: Any, host: str, port: int = 0, *, lifespan: str = "off"
+    app: Any, host: str, port: int = 0, *, lifespan: Literal["on", "off"] = "off"
 ) -> AsyncIterator[int]:
     """Run ``app`` under uvicorn on ``host:port`` (0: any free port); yields the port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    config = uvicorn.Config(
-        app, lifespan=lifespan, log_level="warning", access_log=False, ws="none",
-        http="httptools", timeout_graceful_shutdown=2,
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        await poll(lambda: server.started or task.done(), 10, "server start")
-        if task.done():
-            task.result()
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with serve(app, lifespan=lifespan, port=port, host=host) as running:
+        yield running.port
 
 
 class ScriptedDns:
@@ -133,7 +108,7 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client,
         ):
             assert {w.url for w in gateway.registry} == {url_a, url_b}
-            await poll(lambda: gateway.registry.healthy_count() == 2, what="both healthy")
+            await wait_for(lambda: gateway.registry.healthy_count() == 2, 10, "both healthy")
 
             # a long stream lands on B (A is busy with one of its own)
             first = asyncio.Event()
@@ -149,12 +124,14 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
                             first.set()
 
             held = [asyncio.create_task(stream("one")), asyncio.create_task(stream("two"))]
-            await poll(lambda: len(streams) == 2 and all(len(s) > 1 for s in streams.values()))
+            await wait_for(
+                lambda: len(streams) == 2 and all(len(s) > 1 for s in streams.values()), 10
+            )
             assert {s[0] for s in streams.values()} == {url_a, url_b}
             on_b = next(tag for tag, s in streams.items() if s[0] == url_b)
 
             dns.answer = ["127.0.0.1"]  # pod B leaves the headless Service
-            await poll(lambda: gateway.registry.find(url_b) is None, what="B removed")
+            await wait_for(lambda: gateway.registry.find(url_b) is None, 10, "B removed")
             assert gateway.index is not None
             assert url_b not in gateway.index.workers()
 
@@ -171,11 +148,11 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
 
             dns.answer = None  # a DNS outage keeps the last known set
             calls = dns.calls
-            await poll(lambda: dns.calls >= calls + 3, what="failed resolutions")
+            await wait_for(lambda: dns.calls >= calls + 3, 10, "failed resolutions")
             assert [w.url for w in gateway.registry] == [url_a]
 
             dns.answer = ["127.0.0.1", "127.0.0.2"]  # B is back (a new pod, same address)
-            await poll(lambda: gateway.registry.find(url_b) is not None, what="B re-added")
+            await wait_for(lambda: gateway.registry.find(url_b) is not None, 10, "B re-added")
 
 
 async def test_statically_configured_worker_is_never_removed_by_discovery() -> None:
@@ -201,7 +178,7 @@ async def test_statically_configured_worker_is_never_removed_by_discovery() -> N
             assert gateway.discovery.owned == set()
             dns.answer = []
             calls = dns.calls
-            await poll(lambda: dns.calls >= calls + 3, what="resolutions")
+            await wait_for(lambda: dns.calls >= calls + 3, 10, "resolutions")
             assert [w.url for w in gateway.registry] == [static]
 
 

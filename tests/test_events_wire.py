@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from index.errors import EventDecodeError
 from index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    EventDecodeError,
+    EventEncoder,
     decode_event_batch,
-    encode_event_batch,
     fold_hash,
 )
 
@@ -24,8 +24,8 @@ STORED = BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")
 
 
 def test_map_tagged_shape_is_vllms() -> None:
-    payload = encode_event_batch(
-        EventBatch(1.5, [STORED, AllBlocksCleared()], None), array_tagged=False
+    payload = EventEncoder(array_tagged=False).encode(
+        EventBatch(1.5, [STORED, AllBlocksCleared()], None)
     )
     assert msgspec.msgpack.decode(payload) == [
         1.5,
@@ -38,6 +38,7 @@ def test_map_tagged_shape_is_vllms() -> None:
                 "block_size": 16,
                 "lora_id": None,
                 "medium": "GPU",
+                "lora_name": None,
             },
             {"type": "AllBlocksCleared"},
         ],
@@ -45,7 +46,7 @@ def test_map_tagged_shape_is_vllms() -> None:
 
 
 def test_array_tagged_shape() -> None:
-    payload = encode_event_batch(EventBatch(2.0, [BlockRemoved([3], "CPU")], 1), array_tagged=True)
+    payload = EventEncoder(array_tagged=True).encode(EventBatch(2.0, [BlockRemoved([3], "CPU")], 1))
     assert msgspec.msgpack.decode(payload) == [2.0, [["BlockRemoved", [3], "CPU"]], 1]
 
 
@@ -53,7 +54,7 @@ def test_array_tagged_shape() -> None:
 def test_round_trip(array_tagged: bool) -> None:
     stored = BlockStored([9], 8, [1] * 16, 16, 3, "CPU", "adapter", [["salt"]])
     batch = EventBatch(3.0, [stored, BlockRemoved([9], None), AllBlocksCleared()], 2)
-    decoded = decode_event_batch(encode_event_batch(batch, array_tagged=array_tagged))
+    decoded = decode_event_batch(EventEncoder(array_tagged=array_tagged).encode(batch))
     assert decoded.ts == 3.0 and decoded.data_parallel_rank == 2
     first, second, third = decoded.events
     assert isinstance(first, BlockStored) and isinstance(second, BlockRemoved)

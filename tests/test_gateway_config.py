@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from backends.config import parse_worker_spec
 from router import serve
-from router.config import ConfigError, Settings, load_settings, parse_worker_spec
+from router.config import ConfigError, Settings, load_settings
 from router.flags import given_settings
 
 
@@ -60,6 +61,10 @@ def test_yaml_env_and_flags_with_precedence(
     assert len(settings.workers) == 2
 
 
+def tokenizer_for(settings: Settings, model: str) -> str | None:
+    return settings.tokenizers.get(model, settings.tokenizers.get("*"))
+
+
 def test_cli_worker_form_and_repeatable_flags() -> None:
     overrides = flags(
         "--worker", "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558",
@@ -72,11 +77,24 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
     settings = load_settings(None, overrides)
     assert [w.url for w in settings.workers] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert settings.workers[1].models == ["a", "b"] and settings.workers[1].engine == "sglang"
-    assert settings.tokenizer_for("m1") == "/tok/m1"
-    assert settings.tokenizer_for("other") == "/tok/default"
+    assert tokenizer_for(settings, "m1") == "/tok/m1"
+    assert tokenizer_for(settings, "other") == "/tok/default"
     assert [k.get_secret_value() for k in settings.api_keys] == ["k1", "k2"]
     assert settings.capture_usage is False
     assert parse_worker_spec("http://h:1,models=x") == {"url": "http://h:1", "models": ["x"]}
+
+
+def test_worker_spec_with_event_endpoints() -> None:
+    """The one worker-spec parser (index/ had a second one, used only by its tests)."""
+    assert parse_worker_spec(
+        "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+    ) == {
+        "url": "http://127.0.0.1:9001",
+        "events": "tcp://127.0.0.1:5557",
+        "replay": "tcp://127.0.0.1:5558",
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_worker_spec("http://h:1,events")
 
 
 def test_env_workers_as_words_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,12 +162,17 @@ def test_help_documents_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
     for name, info in Settings.model_fields.items():
         assert (
             f"KVGATE_{name.upper()}" in text
-            or name in {"health", "upstream"}
+            or name in {"health", "upstream", "client"}
             or (info.annotation is not None and "KVGATE_" in text)
         )
-    for prefix, model in (("health", "HealthConfig"), ("upstream", "UpstreamConfig")):
+    for prefix, model in (
+        ("health", "HealthConfig"),
+        ("upstream", "UpstreamConfig"),
+        ("client", "ClientConfig"),
+    ):
         nested = Settings.model_fields[prefix].annotation
         assert nested is not None and nested.__name__ == model
         for name in nested.model_fields:
             assert f"--{prefix}-{name.replace('_', '-')}" in text
     assert "--worker" in text and "--sim" in text and "--config" in text
+    assert "--worker-allow" in text

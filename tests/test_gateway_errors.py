@@ -9,8 +9,10 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import closed_port, unresponsive_port, wait_for
+from fakes.server import unresponsive_port, wait_for
 
+from backends import errors as backend
+from backends.process import free_port
 from router import errors
 
 pytestmark = pytest.mark.anyio
@@ -134,7 +136,7 @@ async def test_error_after_stream_started_goes_inside_the_stream() -> None:
 
 
 async def test_every_worker_refusing_is_502() -> None:
-    dead = f"http://127.0.0.1:{closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     async with kvgate([{"url": dead, "models": ["fake-model"]}]) as gw:
         gw.gateway.registry.get(dead).healthy = True  # as if it died after its last probe
         r = await gw.client.post("/v1/chat/completions", json=CHAT)
@@ -186,6 +188,44 @@ def test_httpx_errors_map_to_the_most_specific_class(
     assert mapped.status == status
     assert "http://w" in mapped.message
     assert mapped.sse_bytes().endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("exc", "cls", "status", "code", "param"),
+    [
+        (backend.WorkerExists("http://w"), errors.WorkerExists, 409, "worker_exists", "url"),
+        (backend.WorkerNotFound("http://w"), errors.WorkerNotFound, 404, "worker_not_found", "id"),
+        (backend.BackendError("odd"), errors.KvgateError, 500, "internal_error", None),
+    ],
+)
+def test_backend_errors_map_to_client_errors(
+    exc: backend.BackendError,
+    cls: type[errors.KvgateError],
+    status: int,
+    code: str,
+    param: str | None,
+) -> None:
+    assert not isinstance(exc, errors.KvgateError)  # the backends layer knows no HTTP
+    with pytest.raises(errors.KvgateError) as caught, errors.backend_errors():
+        raise exc
+    mapped = caught.value
+    assert type(mapped) is cls and mapped.__cause__ is exc
+    assert (mapped.status, mapped.code, mapped.param) == (status, code, param)
+
+
+async def test_registry_refusals_are_openai_errors() -> None:
+    async with fleet(FakeEngine()) as f, kvgate(f.urls) as gw:
+        again = await gw.client.post("/admin/workers", json={"url": f.urls[0]})
+        assert again.status_code == 409
+        assert error_of(again) == {
+            "message": f"worker {f.urls[0]!r} is already registered",
+            "type": "invalid_request_error",
+            "param": "url",
+            "code": "worker_exists",
+        }
+        gone = await gw.client.delete("/admin/workers/http%3A%2F%2F127.0.0.1%3A1")
+        assert gone.status_code == 404
+        assert error_of(gone)["code"] == "worker_not_found" and error_of(gone)["param"] == "id"
 
 
 async def test_client_leaving_mid_body_is_counted_499() -> None:

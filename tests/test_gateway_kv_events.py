@@ -13,7 +13,7 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.server import wait_for
 
-from index.events import BlockStored, EventBatch, encode_event_batch
+from index.events import BlockStored, EventBatch, EventEncoder
 from index.types import EngineBlockHash
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +37,7 @@ async def publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
 def stored(tokens: list[int]) -> bytes:
     hashes = [EngineBlockHash(1000 + i) for i in range(len(tokens) // 16)]
     event = BlockStored(hashes, None, tokens, 16, medium="GPU")
-    return encode_event_batch(EventBatch(time.time(), [event]), array_tagged=False)
+    return EventEncoder(array_tagged=False).encode(EventBatch(time.time(), [event]))
 
 
 async def test_events_from_an_engine_route_its_prefix_to_it() -> None:

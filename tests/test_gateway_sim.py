@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,34 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 from fakes.gateway import kvgate
 
+from backends.process import ChildProcess, free_port_range, wait_http, wait_until
 from router.config import load_settings
 from router.simfleet import SIM_MODEL, SimFleet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-def free_run(count: int, start: int) -> int:
-    """First port p >= start with p .. p+count-1 free on 127.0.0.1."""
-    port = start
-    while port < 60000:
-        try:
-            for p in range(port, port + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            port += count
-            continue
-        return port
-    raise RuntimeError("no free ports")
-
-
 async def test_sim_fleet_is_routed_cache_aware_and_stopped() -> None:
-    base = free_run(2, 31500)
-    events = free_run(4, 32500)
+    base = free_port_range(2, start=31500)
+    events = free_port_range(4, start=32500)
     fleet = SimFleet(2, base_port=base, events_port=events)
     with fleet:
         overrides = fleet.settings_overrides({})
@@ -78,16 +62,16 @@ async def test_sim_fleet_is_routed_cache_aware_and_stopped() -> None:
             assert again.headers["x-kvgate-worker"] == worker
             assert int(again.headers["x-kvgate-predicted-cached-tokens"]) == overlap
         process = fleet._process
-        assert process is not None and process.poll() is None
-    assert process.poll() is not None  # the fleet stopped with the block
+        assert process is not None and process.alive()
+    assert not process.alive()  # the fleet stopped with the block
 
 
 async def test_streamed_requests_calibrate_each_replicas_ttft_model() -> None:
     """Every answered streamed request through kvgate to a simulated replica is one
     observation: /debug/route shows each replica's predicted TTFT and its parts, /metrics
     the prediction error and the learned model per replica."""
-    base = free_run(2, 36500)
-    events = free_run(4, 37500)
+    base = free_port_range(2, start=36500)
+    events = free_port_range(4, start=37500)
     with SimFleet(2, base_port=base, events_port=events) as fleet:
         overrides = fleet.settings_overrides({})
         async with kvgate(
@@ -128,33 +112,18 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait_until(condition: object, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 @contextmanager
 def _serve_sim(log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``kvgate serve --sim 2`` on free ports, ready; yields it and its simulator's pid."""
-    port, base, events = free_run(1, 33500), free_run(2, 34500), free_run(4, 35500)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--sim", "2", "--port", str(port),
-             "--sim-port", str(base), "--sim-events-port", str(events)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    port = free_port_range(1, start=33500)
+    base, events = free_port_range(2, start=34500), free_port_range(4, start=35500)
+    argv = [sys.executable, "-m", "router.cli", "serve", "--sim", "2", "--port", str(port),
+            "--sim-port", str(base), "--sim-events-port", str(events)]  # fmt: skip
+    serve = ChildProcess(argv, name="kvgate serve --sim", log_path=log, cwd=ROOT, own_group=False)
+    proc = serve.start().popen
+    assert proc is not None
     try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.TransportError:  # not listening yet
-                return False
-
-        _wait_until(ready, "kvgate serve --sim did not become ready", 90)
+        wait_http(f"http://127.0.0.1:{port}/ready", 90, serve, poll_s=0.05)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert len(children) == 1, children  # the kvgate sim subprocess
         yield proc, int(children[0])
@@ -175,4 +144,4 @@ def test_simulated_replicas_exit_when_serve_is_killed_outright(tmp_path: Path) -
     with _serve_sim(tmp_path / "serve.log") as (proc, sim):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        _wait_until(lambda: not _alive(sim), "the simulator outlived kvgate serve")
+        wait_until(lambda: not _alive(sim), 30, "the simulator to exit with kvgate serve")

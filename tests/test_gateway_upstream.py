@@ -7,8 +7,9 @@ import json
 import httpx
 import pytest
 from fakes.engine import FakeEngine
-from fakes.server import closed_port, serve
+from fakes.server import serve
 
+from backends.process import free_port
 from router.upstream import Origin, UpstreamPool
 
 pytestmark = pytest.mark.anyio
@@ -64,7 +65,7 @@ async def test_a_restarted_engine_gets_a_fresh_connection() -> None:
 async def test_errors_use_httpx_classes() -> None:
     pool = UpstreamPool(connect_timeout=2, read_timeout=0.2)
     with pytest.raises(httpx.ConnectError):
-        await pool.request(Origin.of(f"http://127.0.0.1:{closed_port()}"), "GET", "/", [], b"")
+        await pool.request(Origin.of(f"http://127.0.0.1:{free_port()}"), "GET", "/", [], b"")
     engine = FakeEngine()
     async with serve(engine) as server:
         held = body(fake={"hold": "before_headers"})

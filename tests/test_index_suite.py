@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,10 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
-from index.blocks import block_keys, cache_seed
-from index.indexers import ApproxIndex, EventIndex
-from index.table import _Lru
-from index.tables import TableKind, native_available, new_table
+from index.keys import block_keys, cache_seed
+from index.table import ApproxIndex, EventIndex, TableKind, new_table
+from index.table._table import _Lru
 from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
@@ -53,7 +53,9 @@ FACTORIES: dict[str, Callable[[TableKind], Indexer]] = {
 
 
 def test_native_table_is_built() -> None:
-    assert native_available(), "index._native missing: run `pip install -e .` (make does)"
+    assert importlib.util.find_spec("index._native") is not None, (
+        "index._native missing: run `pip install -e .` (make does)"
+    )
 
 
 @pytest.fixture(params=[(name, kind) for name in sorted(FACTORIES) for kind in TABLES])
@@ -432,3 +434,68 @@ def test_lru_log_equals_ordered_dict(ops: list[tuple[str, int]]) -> None:
         ref[1] = 1e9
         ref.move_to_end(1)
     assert lru.oldest() == next(iter(ref.items()))
+
+
+# ------------------------------------------------------------- a publisher forging links
+ALL_KEYS = sorted({k for path in (*PATHS, *LONG) for k in path[:14]})
+HONEST = (W0, W1)
+ATTACKER = W0R1
+
+
+@st.composite
+def forged_op_st(draw: st.DrawFn) -> tuple[str, WorkerKey, list[BlockKey], BlockKey | None, Tier]:
+    """Any keys in any order under any parent (itself included): what forged token ids give."""
+    keys = draw(st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=5))
+    parent = draw(st.one_of(st.none(), st.sampled_from(ALL_KEYS), st.just(keys[0])))
+    kind = draw(st.sampled_from(["store", "store", "remove", "clear"]))
+    return kind, ATTACKER, keys, parent, draw(tier_st)
+
+
+@st.composite
+def honest_op_st(draw: st.DrawFn) -> tuple[str, WorkerKey, list[BlockKey], BlockKey | None, Tier]:
+    worker = draw(st.sampled_from(HONEST))
+    path = PATHS[draw(path_st)]
+    start = draw(st.integers(0, 11))
+    end = draw(st.integers(start + 1, 12))
+    kind = draw(st.sampled_from(["store", "store", "remove", "clear"]))
+    keys = (
+        path[start:end]
+        if kind == "store"
+        else draw(st.sampled_from([path[start:end], [path[start]]]))
+    )
+    return kind, worker, keys, path[start - 1] if start else None, draw(tier_st)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.one_of(forged_op_st(), honest_op_st()), max_size=40))
+def test_forged_links_change_nothing_for_other_domains(
+    ops: list[tuple[str, WorkerKey, list[BlockKey], BlockKey | None, Tier]],
+) -> None:
+    """A domain storing blocks under parents they do not have (its own key included, or a
+    parent that descends from the block) neither hangs the table nor changes another domain's
+    answers; the two tables keep the same entries, records and orphans."""
+    tables = [EventIndex(table=new_table("native")), EventIndex(table=new_table("python"))]
+    ref = Reference()
+    for kind, worker, keys, parent, tier in ops:
+        op: object
+        if kind == "store":
+            op = StoreBlocks(keys, tier, parent)
+        elif kind == "remove":
+            op = RemoveBlocks(keys, tier)
+        else:
+            op = ClearAll()
+        for index in tables:
+            index.apply(worker, op)  # type: ignore[arg-type]
+        ref.apply(worker, op)
+        stats = [sorted((str(s.worker), s.entries, s.orphans) for s in t.stats()) for t in tables]
+        assert stats[0] == stats[1]
+        assert tables[0].block_count() == tables[1].block_count() <= tables[0].entry_count()
+        for query in PATHS:
+            want = {w: m for w, m in ref.find_matches(query).items() if w in HONEST}
+            for index in tables:  # the forger's own answers are whatever its chains say
+                got = dict(index.find_matches(query))
+                assert {w: m for w, m in got.items() if w in HONEST} == want
+    for index in tables:
+        for worker in WORKERS:
+            index.clear_worker(worker)
+        assert index.entry_count() == index.block_count() == 0

@@ -16,24 +16,26 @@ from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
+from index.api import Endpoints, EngineWorker, PromptInput
 from index.config import IndexConfig
-from index.events import BlockStored
+from index.events import BlockStored, _sources, parse_sources, resolve_endpoint
+from index.keys import _engine, block_keys, cache_seed
 from index.service import KvIndexService
-from index.sources import parse_sources, parse_worker_spec, resolve_endpoint
-from index.subscriber import Endpoints
 from index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 
 
 class FakeVllm:
-    def __init__(self, sources: dict[str, Any] | None, port: int = 0) -> None:
+    def __init__(
+        self, sources: dict[str, Any] | None, port: int = 0, *, raw: bytes | None = None
+    ) -> None:
+        """``raw``: what to answer both calls with instead (a hostile worker)."""
         self.sources = sources
+        self.raw = raw
         self.tokenize_bodies: list[dict[str, Any]] = []
         app = Starlette(
             routes=[
@@ -46,14 +48,18 @@ class FakeVllm:
         )
         self.task: asyncio.Task[None] | None = None
 
-    async def kv_event_sources(self, request: Request) -> JSONResponse:
+    async def kv_event_sources(self, request: Request) -> Response:
+        if self.raw is not None:
+            return Response(self.raw, media_type="application/json")
         if self.sources is None:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse(self.sources)
 
-    async def tokenize(self, request: Request) -> JSONResponse:
+    async def tokenize(self, request: Request) -> Response:
         body = await request.json()
         self.tokenize_bodies.append(body)
+        if self.raw is not None:
+            return Response(self.raw, media_type="application/json")
         text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
         tokens = [len(word) for word in text.split()]
         return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
@@ -101,14 +107,6 @@ def test_parse_sources_and_wildcards() -> None:
     ]
     assert resolve_endpoint("tcp://10.1.1.1:5", "http://h:1") == "tcp://10.1.1.1:5"
     assert resolve_endpoint("tcp://*:5", "http://[::1]:1") == "tcp://[::1]:5"
-    assert parse_worker_spec(
-        "http://127.0.0.1:9001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
-    ) == (
-        "http://127.0.0.1:9001",
-        {"events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"},
-    )
-    with pytest.raises(ValueError, match="NAME=VALUE"):
-        parse_worker_spec("http://h:1,events")
 
 
 async def test_discovered_events_are_ingested(http: httpx.AsyncClient) -> None:
@@ -130,7 +128,8 @@ async def test_discovered_events_are_ingested(http: httpx.AsyncClient) -> None:
     try:
         async with FakeVllm(sources) as url:
             worker = WorkerId(url)
-            await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+            service.worker_added(EngineWorker(worker, url, healthy=True))
+            await service.settled()
             assert service.has_events(worker)
             async with asyncio.timeout(5):
                 await publisher.subscribed.wait()
@@ -156,7 +155,8 @@ async def test_no_events_means_approximate_mode_and_engine_tokenize(
     try:
         async with FakeVllm(None) as url:
             worker = WorkerId(url)
-            await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+            service.worker_added(EngineWorker(worker, url, healthy=True))
+            await service.settled()
             assert not service.has_events(worker)
             prompt = PromptInput("chat", messages=[{"role": "user", "content": "a bb ccc dddd"}])
             keys = await service.keys_for("m", prompt)
@@ -175,6 +175,68 @@ async def test_no_events_means_approximate_mode_and_engine_tokenize(
     finally:
         await service.stop()
     assert registry.get_sample_value("kvgate_tokenize_total", {"model": "m", "mode": "engine"}) == 2
+
+
+HOSTILE_ANSWERS = {
+    "too large": b'{"tokens": [' + b"1," * 40_000 + b'1], "0": {"endpoint": "tcp://*:1"}}',
+    "nested": b'{"tokens": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "not token ids": b'{"tokens": [-1, 4294967296, true], "0": "x"}',
+    "not json": b"{tokens",
+}
+
+
+@pytest.mark.parametrize("answer", sorted(HOSTILE_ANSWERS))
+async def test_hostile_engine_answers_cost_nothing(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """Whatever a worker answers to /kv_event_sources and /tokenize (past the byte caps,
+    nested too deep, ids that are not uint32, not JSON), the index carries on: approximate
+    mode, approximate keys."""
+    monkeypatch.setattr(_engine, "_MAX_ANSWER_BYTES", 64 * 1024)
+    monkeypatch.setattr(_sources, "_MAX_ANSWER_BYTES", 64 * 1024)
+    service = KvIndexService(IndexConfig(block_size=2), CollectorRegistry(), http)
+    await service.start()
+    try:
+        async with FakeVllm(None, raw=HOSTILE_ANSWERS[answer]) as url:
+            worker = WorkerId(url)
+            service.worker_added(EngineWorker(worker, url, healthy=True))
+            await service.settled()
+            assert not service.has_events(worker)
+            prompt = PromptInput("chat", messages=[{"role": "user", "content": "a bb ccc"}])
+            assert (await service.keys_for("m", prompt)).mode == "approx"
+    finally:
+        await service.stop()
+
+
+async def test_a_declared_endpoint_elsewhere_needs_the_allowlist(http: httpx.AsyncClient) -> None:
+    """An event endpoint a worker declares on another host is subscribed to only if the
+    router's check admits it (without one: never); on its own host it always is."""
+    asked: list[str] = []
+
+    async def allow_127_0_0_2(endpoint: str) -> bool:
+        asked.append(endpoint)
+        return endpoint.startswith("tcp://127.0.0.2:")
+
+    declared = {
+        "0": {"publisher": "zmq", "endpoint": "tcp://127.0.0.2:5999"},
+        "1": {"publisher": "zmq", "endpoint": "tcp://10.1.2.3:5999"},
+        "2": {"publisher": "zmq", "endpoint": "tcp://*:5999", "replay_endpoint": "tcp://*:6000"},
+    }
+    for check, ranks in ((None, [2]), (allow_127_0_0_2, [0, 2])):
+        service = KvIndexService(
+            IndexConfig(block_size=2), CollectorRegistry(), http, endpoint_allowed=check
+        )
+        await service.start()
+        try:
+            async with FakeVllm(declared) as url:
+                worker = WorkerId(url)
+                service.worker_added(EngineWorker(worker, url))
+                await service.settled()
+                subscribers = service.stats()["workers"][worker]["subscribers"]
+                assert [s["dp_rank"] for s in subscribers] == ranks
+        finally:
+            await service.stop()
+    assert asked == ["tcp://127.0.0.2:5999", "tcp://10.1.2.3:5999"]
 
 
 def free_port() -> int:
@@ -200,7 +262,8 @@ async def test_discovery_is_retried_until_the_worker_answers(http: httpx.AsyncCl
     service = KvIndexService(config, CollectorRegistry(), http)
     await service.start()
     try:
-        await service.add_worker(worker, url, engine="vllm", events=None, replay=None)
+        service.worker_added(EngineWorker(worker, url, healthy=True))
+        await service.settled()
         assert not service.has_events(worker)  # not up yet: approximate mode meanwhile
         async with FakeVllm(sources, port=port):
             async with asyncio.timeout(10):

@@ -8,19 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
 from index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventEncoder,
+    EventFeed,
     KvEvent,
-    encode_event_batch,
 )
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
+from index.table import EventIndex
 from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 BS = 2
@@ -112,7 +112,7 @@ def test_translated_index_equals_engine_cache(
             events = engine.evict(path, n)
         else:
             events = engine.reset()
-        payload = encode_event_batch(EventBatch(0.0, events), array_tagged=array_tagged)
+        payload = EventEncoder(array_tagged=array_tagged).encode(EventBatch(0.0, events))
         feed.apply_payload(payload)
         for p, query in enumerate(queries):
             expected = engine.held(p)

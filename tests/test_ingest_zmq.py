@@ -14,12 +14,11 @@ import zmq.asyncio
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
-from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
+from index.api import Endpoints, EngineWorker, PromptInput
 from index.config import IndexConfig
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
-from index.subscriber import Endpoints
 from index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
@@ -93,13 +92,8 @@ async def publisher(
 
 
 async def connect(service: KvIndexService, pub: KvPublisher, *, replay: bool = True) -> None:
-    await service.add_worker(
-        WORKER,
-        str(WORKER),
-        engine="vllm",
-        events=pub.events_endpoint,
-        replay=pub.replay_endpoint if replay else None,
-    )
+    endpoints = Endpoints(pub.events_endpoint, pub.replay_endpoint if replay else None)
+    service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=(endpoints,)))
     async with asyncio.timeout(5):
         await pub.subscribed.wait()
 
@@ -298,7 +292,7 @@ async def test_reconnects_when_engine_comes_up_late(
 ) -> None:
     port, replay_port = free_port(), free_port()
     events, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
-    await service.add_worker(WORKER, str(WORKER), engine="vllm", events=events, replay=replay)
+    service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=(Endpoints(events, replay),)))
     pub = KvPublisher(zmq_context, bind=(port, replay_port))
     try:
         async with asyncio.timeout(5):
@@ -319,7 +313,8 @@ async def test_remove_worker_drops_entries(
     await connect(service, publisher)
     await service.wait_applied(WORKER, await publisher.publish(stored(0, 5)))
     assert service.events.entry_count() == 5
-    await service.remove_worker(WORKER)
+    service.worker_removed(WORKER)
+    await service.settled()
     assert service.events.entry_count() == 0
     assert matched(service) is None
     assert metric(registry, "kvgate_index_resets_total", worker=WORKER, reason="removed") == 1
@@ -333,9 +328,7 @@ async def test_data_parallel_ranks_are_separate(
         sources = [
             Endpoints(p.events_endpoint, p.replay_endpoint, rank) for rank, p in enumerate(pubs)
         ]
-        await service.add_worker(
-            WORKER, str(WORKER), engine="vllm", events=None, replay=None, sources=sources
-        )
+        service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=tuple(sources)))
         for pub in pubs:
             async with asyncio.timeout(5):
                 await pub.subscribed.wait()
@@ -347,6 +340,39 @@ async def test_data_parallel_ranks_are_separate(
     finally:
         for pub in pubs:
             await pub.close()
+
+
+async def test_health_changes_follow_the_worker_and_keep_its_entries(
+    http: httpx.AsyncClient, publisher: KvPublisher
+) -> None:
+    """A worker's health as the registry reports it changes nothing it indexed; learning its
+    model (the registry reads it from /v1/models) subscribes it again with that model's block
+    size, and its history is replayed under it."""
+    config = IndexConfig(block_size=BS, model_block_sizes={"big": 2 * BS}, replay_timeout_s=2.0)
+    registry = CollectorRegistry()
+    service = KvIndexService(config, registry, http)
+    await service.start()
+    endpoints = (Endpoints(publisher.events_endpoint, publisher.replay_endpoint),)
+    try:
+        service.worker_added(EngineWorker(WORKER, str(WORKER), endpoints=endpoints))
+        async with asyncio.timeout(5):
+            await publisher.subscribed.wait()
+        big_block = BlockStored([1000], None, TOKENS[: 2 * BS], 2 * BS, None, "GPU")
+        seq = await publisher.publish(big_block)
+        await service.wait_applied(WORKER, seq)
+        mismatched = "kvgate_index_block_size_mismatch_total"
+        assert metric(registry, mismatched, worker=WORKER) == 1  # checked against BS
+        unhealthy = EngineWorker(WORKER, str(WORKER), endpoints=endpoints, healthy=False)
+        service.worker_health_changed(unhealthy)
+        assert service.stats()["workers"][WORKER]["healthy"] is False
+        big = EngineWorker(WORKER, str(WORKER), endpoints=endpoints, model="big", healthy=True)
+        service.worker_health_changed(big)
+        big_keys = block_keys(TOKENS[: 2 * BS], 2 * BS, cache_seed(None, None))
+        await wait_until(lambda: service.match(big_keys).get(WORKER) == PrefixMatch(gpu=1))
+        service.worker_health_changed(EngineWorker(WORKER, str(WORKER), endpoints, model="big"))
+        assert service.match(big_keys).get(WORKER) == PrefixMatch(gpu=1)  # nothing dropped
+    finally:
+        await service.stop()
 
 
 async def test_entries_metric_by_worker_and_tier(

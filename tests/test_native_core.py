@@ -14,15 +14,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index import _native
-from index.blocks import _python_chain_keys, block_keys, cache_seed, pack_tokens
 from index.config import IndexConfig
 from index.events import fold_hash
-from index.native_table import NativeBlockTable
-from index.table import BlockTable
-from index.tables import new_table
+from index.keys import block_keys, cache_seed, pack_tokens
+from index.table import BlockTable, NativeBlockTable, new_table
 from index.types import WorkerId, WorkerKey
 
 U64 = st.integers(0, 2**64 - 1)
+
+
+def python_chain_keys(data: memoryview, block_size: int, prev: int) -> list[int]:
+    """The chain, block by block with the xxhash package: what the native core must equal."""
+    step = block_size * 4
+    keys = []
+    for offset in range(0, len(data) - len(data) % step, step):
+        prev = xxhash.xxh3_64_intdigest(data[offset : offset + step], prev)
+        keys.append(prev)
+    return keys
 
 
 @pytest.mark.parametrize("length", [*range(0, 260), 511, 512, 1024, 1025, 4096, 10_007])
@@ -47,7 +55,7 @@ def test_xxh3_matches_the_xxhash_package(data: bytes, seed: int) -> None:
 def test_chain_keys_equal_the_python_loop(tokens: list[int], block_size: int, seed: int) -> None:
     full = len(tokens) - len(tokens) % block_size
     data = pack_tokens(tokens[:full])
-    assert _native.chain_keys(data, block_size, seed) == _python_chain_keys(data, block_size, seed)
+    assert _native.chain_keys(data, block_size, seed) == python_chain_keys(data, block_size, seed)
     raw = msgspec.Raw(msgspec.msgpack.encode(tokens[:full]))
     from_wire = _native.chain_keys_msgpack(raw, block_size, seed, full // block_size)
     assert list(from_wire) == block_keys(tokens[:full], block_size, seed)
@@ -189,7 +197,8 @@ def test_native_table_wrapper_reuses_released_slots() -> None:
         table.store(worker, [1, 2], 0, None)
     table.clear(workers[1])
     table.store(WorkerKey(WorkerId("http://new"), 0), [1], 0, None)
-    assert table.native_slot(workers[2])[1] == 2
+    assert table._slot_of[workers[2]] == 2  # the slot it had
+    assert table._slot_of[WorkerKey(WorkerId("http://new"), 0)] == 1  # the released one
     assert sorted(m.gpu for m in table.find_matches([1, 2]).values()) == [1, 2, 2]
 
 

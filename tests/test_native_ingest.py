@@ -3,8 +3,10 @@
 Random streams of vLLM/SGLang-shaped payloads (both encodings) mix what the native path takes
 (GPU stores and removals, known and unknown parents, malformed token ids, salt-free extra keys,
 bytes and signed hashes) with what it must hand back (CPU tier, LoRA, cache salts,
-AllBlocksCleared, another rank or block size, garbage). After every payload the two feeds
-must agree on the batch result, every chain's match, the entry counts and every metric.
+AllBlocksCleared, another rank or block size, garbage) and what a hostile publisher sends
+(a key twice in an event map, deep nesting, many and huge ranks, events past the block bound).
+After every payload the two feeds must agree on the batch result, every chain's match, the
+entry counts and every metric.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.blocks import block_keys, cache_seed
+from index.api import BatchResult
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import BatchResult, EventFeed
+from index.events import EventFeed
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
-from index.tables import TableKind, new_table
+from index.table import EventIndex, TableKind, new_table
 from index.types import BlockKey, WorkerId, WorkerKey
 
 BS = 4
@@ -136,16 +138,47 @@ def as_array(event: dict[str, Any]) -> list[Any]:
     return [event["type"], *(event[f] for f in fields[: len(present)])]
 
 
+def encode_map(event: dict[str, Any], repeat: str | None, nesting: int) -> bytes:
+    """``event`` as a msgpack map, with ``repeat`` (a key of it) sent twice and an
+    ``extra_keys`` nested ``nesting`` arrays deep (0: as it is)."""
+    pairs = list(event.items()) + ([(repeat, event[repeat])] if repeat else [])
+    raw = b""
+    if nesting:
+        pairs = [(k, v) for k, v in pairs if k != "extra_keys"]
+        raw = msgspec.msgpack.encode("extra_keys") + b"\x91" * nesting + b"\xc0"
+    count = len(pairs) + (1 if nesting else 0)
+    out = bytes([0x80 | count]) if count < 16 else bytes([0xDE, 0, count])
+    for name, value in pairs:
+        out += msgspec.msgpack.encode(name) + msgspec.msgpack.encode(value)
+    return out + raw
+
+
+@st.composite
+def hostile_payload_st(draw: st.DrawFn) -> bytes:
+    """Map-tagged events with a key twice or deep nesting, under any rank."""
+    events = draw(st.lists(draw(st.sampled_from([common_event_st, event_st])), max_size=4))
+    encoded = []
+    for event in events:
+        repeat = draw(st.sampled_from([None, None, *sorted(event)]))
+        encoded.append(encode_map(event, repeat, draw(st.sampled_from([0, 0, 40, 3000]))))
+    rank = draw(st.sampled_from([0, 2, 3, 5, 2**40]))
+    head = b"\x93" + msgspec.msgpack.encode(1.5)
+    count = len(encoded)
+    return head + bytes([0x90 | count]) + b"".join(encoded) + msgspec.msgpack.encode(rank)
+
+
 @st.composite
 def payload_st(draw: st.DrawFn) -> bytes:
     if draw(st.integers(0, 30)) == 0:
         return draw(st.sampled_from([b"\xc1garbage", b"\x93\x01", msgspec.msgpack.encode([1.0])]))
+    if draw(st.integers(0, 5)) == 0:
+        return draw(hostile_payload_st())
     events = draw(st.lists(draw(st.sampled_from([common_event_st] * 3 + [event_st])), max_size=6))
     if draw(st.booleans()):
         body: list[Any] = [1.5, [as_array(e) for e in events]]
     else:
         body = [1.5, events]
-    rank = draw(st.sampled_from(["absent", "none", 0, 0, 1]))
+    rank = draw(st.sampled_from(["absent", "none", 0, 0, 1, 2, 4, 2**40]))
     if rank != "absent":
         body.append(None if rank == "none" else rank)
     return msgspec.msgpack.encode(body)
@@ -167,7 +200,10 @@ def make_feed(table: TableKind, native: bool, max_entries: int) -> Side:
         WORKER,
         0,
         index,
-        IndexConfig(block_size=BS, max_entries=10_000),
+        # small bounds, so that random streams cross them
+        IndexConfig(
+            block_size=BS, max_entries=10_000, max_event_blocks=8, max_ranks_per_endpoint=3
+        ),
         block_size=BS,
         metrics=IndexMetrics(registry),
         clock=lambda: 2.0,
@@ -239,10 +275,10 @@ def test_the_common_shape_takes_the_native_path() -> None:
     }
     removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
 
-    def no_general_path(_payload: bytes) -> BatchResult:
+    def no_general_path(*_args: object) -> BatchResult:
         raise AssertionError("the general path was used")
 
-    fast.apply_batch = no_general_path  # type: ignore[method-assign,assignment]
+    fast._apply_batch = no_general_path  # type: ignore[method-assign,assignment]
     fast._decoder.decode = no_general_path  # type: ignore[method-assign,assignment]
     result = fast.apply_payload(msgspec.msgpack.encode([1.0, [stored, removed], 0]))
     assert result.events == 2

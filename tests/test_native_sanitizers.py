@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ["test_native_core.py", "test_native_ingest.py", "test_index_suite.py"]
+SUITES = [
+    "test_native_core.py",
+    "test_native_ingest.py",
+    "test_index_suite.py",
+    "test_events_hostile.py",  # crafted streams in child processes: they inherit the copy
+    "test_ingest_fuzz.py",  # seeded fuzz of both paths, shorter (KVGATE_FUZZ_SECONDS below)
+]
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +58,7 @@ def test_native_suites_pass_under_address_and_ub_sanitizers(tmp_path: Path) -> N
             "-fPIC",
             "-shared",
             f"-I{sysconfig.get_paths()['include']}",
-            str(package / "csrc" / "native.c"),
+            *sorted(str(source) for source in (package / "csrc").glob("*.c")),
             "-o",
             str(package / f"_native{suffix}"),
         ],
@@ -65,6 +71,7 @@ def test_native_suites_pass_under_address_and_ub_sanitizers(tmp_path: Path) -> N
         "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
         "PYTHONPATH": str(tmp_path),
+        "KVGATE_FUZZ_SECONDS": "15",
     }
 
     def python(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -7,9 +7,9 @@ import random
 import pytest
 from test_scoring_cost import cand, req
 
+from backends.config import WorkerConfig
 from backends.registry import WorkerRegistry
 from index.types import WorkerId
-from router.config import WorkerConfig
 from scoring.api import DEFAULT_TTFT
 from scoring.config import KvPolicyConfig
 from scoring.cost import footprint_ratios, request_size, worker_cost

@@ -5,13 +5,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from backends.sim.cache import BlockCache
-from backends.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder
 from backends.sim.lora import Adapter
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventEncoder,
+    EventFeed,
+)
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
+from index.table import EventIndex
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 
@@ -131,7 +137,7 @@ def test_salted_blocks_are_keyed_with_the_salt_by_kvgate() -> None:
     chain: a salted repeat matches, the same tokens without the salt do not."""
     cache = BlockCache(num_blocks=4, block_size=4)
     _stored(cache, [1, 2], salt="tenant-a")
-    encoder = EventEncoder("map", "int")
+    encoder = EventEncoder()
     feed_index = EventIndex()
     feed = EventFeed(
         WorkerId("http://sim"),
@@ -141,7 +147,7 @@ def test_salted_blocks_are_keyed_with_the_salt_by_kvgate() -> None:
         block_size=4,
         metrics=IndexMetrics(CollectorRegistry()),
     )
-    feed.apply_payload(encoder.encode(0.0, list(_drain(cache))))  # type: ignore[arg-type]
+    feed.apply_payload(encoder.encode(EventBatch(0.0, list(_drain(cache)), 0)))
     tokens = [1] * 4 + [2] * 4
     salted = block_keys(tokens, 4, cache_seed(None, "tenant-a"))
     plain = block_keys(tokens, 4, cache_seed(None, None))

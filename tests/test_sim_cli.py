@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from backends.process import ChildProcess, free_port_range, wait_http
 from backends.sim.cli import build_parser, config_from_args, main
 from backends.sim.config import ApiConfig, LoraModule
 
@@ -70,54 +67,25 @@ def test_invalid_settings_exit_2(argv: list[str], capsys: pytest.CaptureFixture[
     assert "kvgate sim:" in capsys.readouterr().err
 
 
-def _free_ports(count: int) -> int:
-    """A base port with ``count`` consecutive free loopback ports."""
-    for base in range(42000, 60000, 97):
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
 def test_kvgate_sim_serves_then_stops_on_sigterm(tmp_path: Path) -> None:
-    http = _free_ports(6)
+    http = free_port_range(6, start=42000)
     events = http + 2
     log = tmp_path / "sim.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "sim", "--replicas", "2", "--port", str(http),
-             "--events-port", str(events), "--topic="],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
-        )  # fmt: skip
+    argv = [sys.executable, "-m", "router.cli", "sim", "--replicas", "2", "--port", str(http),
+            "--events-port", str(events), "--topic="]  # fmt: skip
+    sim = ChildProcess(argv, name="kvgate sim", log_path=log, cwd=ROOT, own_group=False).start()
+    assert sim.popen is not None
     try:
-        deadline = time.monotonic() + 60
+        health = [f"http://127.0.0.1:{port}/health" for port in (http, http + 1)]
+        wait_http(health, 60, sim, poll_s=0.05)
         with httpx.Client(timeout=2) as client:
-            for port in (http, http + 1):
-                while True:
-                    try:
-                        if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                            break
-                    except httpx.TransportError:  # not listening yet, or still starting
-                        pass
-                    assert proc.poll() is None, log.read_text()
-                    assert time.monotonic() < deadline, "kvgate sim did not come up"
-                    time.sleep(0.05)
             sources = client.get(f"http://127.0.0.1:{http + 1}/kv_event_sources").json()
         assert sources["0"]["endpoint"] == f"tcp://127.0.0.1:{events + 2}"
         assert sources["0"]["replay_endpoint"] == f"tcp://127.0.0.1:{events + 3}"
         assert sources["0"]["topic"] == ""
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
+        sim.popen.send_signal(signal.SIGTERM)
+        code = sim.popen.wait(timeout=30)
     printed = log.read_text()
     assert code == 0, printed
     assert "port scheme" in printed

@@ -13,9 +13,9 @@ import pytest
 
 from backends.sim.config import ConfigError, EngineConfig, TimingConfig
 from backends.sim.engine import Engine, SimRequest
-from backends.sim.events import KVEvent
 from backends.sim.faults import FaultState
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from index.events import KvEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 class Recorder:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)
     preempted: int = 0
-    batches: list[list[KVEvent]] = field(default_factory=list)
+    batches: list[list[KvEvent]] = field(default_factory=list)
     engine: Engine | None = None
     first_token_steps: list[int] = field(default_factory=list)
     """``engine.steps`` when each first token came (the engine counts the step first)."""

@@ -16,12 +16,11 @@ from test_sim_support import EventLog, expected, sim_config, sim_fleet, wait_for
 
 from backends.sim.config import LoraModule
 from backends.sim.fleet import SimFleet
-from index.blocks import block_keys, cache_seed
 from index.config import IndexConfig
-from index.events import BlockStored, decode_event_batch
-from index.indexers import EventIndex
-from index.ingest import EventFeed
+from index.events import BlockStored, EventFeed, decode_event_batch
+from index.keys import block_keys, cache_seed
 from index.metrics import IndexMetrics
+from index.table import EventIndex
 from index.types import PrefixMatch, WorkerId, WorkerKey
 
 pytestmark = pytest.mark.anyio

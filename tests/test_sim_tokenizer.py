@@ -22,7 +22,7 @@ from backends.sim.tokenizer import (
     tokenizer_dir,
 )
 from backends.sim.vocab import GENERATED_WORDS, SPECIAL_TOKENS, generated_word, vocabulary
-from index.chat_template import TemplateError
+from index.errors import TemplateError
 
 pytestmark = pytest.mark.anyio
 

@@ -17,11 +17,10 @@ from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
-from index.chat_template import ChatTemplate, TemplateError
 from index.config import IndexConfig
+from index.errors import TemplateError
+from index.keys import ChatTemplate, ModelTokenizer, block_keys, cache_seed
 from index.service import KvIndexService
-from index.tokenize import ModelTokenizer
 
 CHATML = (
     "{% for message in messages %}"

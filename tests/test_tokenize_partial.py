@@ -12,8 +12,7 @@ import pytest
 from test_sim_support import shared_tokenizer
 
 from backends.sim.vocab import generated_word
-from index.blocks import block_keys
-from index.tokenize import PARTIAL_CHARS, WINDOW_CHARS, ModelTokenizer
+from index.keys import PARTIAL_CHARS, WINDOW_CHARS, ModelTokenizer, block_keys
 from index.types import BlockKey
 
 pytestmark = pytest.mark.anyio

@@ -27,10 +27,9 @@ from tokenizers import (
     trainers,
 )
 
-import index.prefix_cache
+import index.keys._prefix_cache as prefix_cache
 from backends.sim.vocab import generated_word
-from index.blocks import block_keys
-from index.tokenize import ModelTokenizer, space_cuts_provable
+from index.keys import ModelTokenizer, block_keys, space_cuts_provable
 
 CHATML = (
     "{% for message in messages %}"
@@ -188,8 +187,8 @@ def safe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def small_gap() -> Iterator[None]:
     """Cut points every few characters, so that short texts exercise many of them."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(index.prefix_cache, "MIN_GAP_CHARS", 6)
-        patch.setattr(index.prefix_cache, "SPACE_GAP_CHARS", 9)
+        patch.setattr(prefix_cache, "MIN_GAP_CHARS", 6)
+        patch.setattr(prefix_cache, "SPACE_GAP_CHARS", 9)
         yield
 
 
@@ -313,7 +312,7 @@ def test_selected_cut_points_depend_only_on_the_text_before(sim_dir: Path) -> No
     text = random_text(rng, 3_000)
     marks = tokenizer.cache.plan(text).marks
     assert len(marks) > 10
-    gaps = index.prefix_cache.MIN_GAP_CHARS, index.prefix_cache.SPACE_GAP_CHARS
+    gaps = prefix_cache.MIN_GAP_CHARS, prefix_cache.SPACE_GAP_CHARS
     tokens = [m for m in marks if not m[2]]
     assert tokens and len(tokens) < len(marks)
     assert all(b[0] - a[1] >= gaps[0] for a, b in itertools.pairwise(tokens))
@@ -328,7 +327,7 @@ def test_repeated_and_grown_prompts_tokenize_only_their_tail(sim_dir: Path) -> N
     rng = random.Random(4)
     text = " ".join(generated_word(rng.randrange(20_000)) for _ in range(4_000))
     assert_exact(tokenizer, text, special=True)
-    reach = index.prefix_cache.SPACE_GAP_CHARS + 64
+    reach = prefix_cache.SPACE_GAP_CHARS + 64
     assert tokenizer.cache.plan(text).start > len(text) - reach
     grown = text + " " + " ".join(generated_word(rng.randrange(20_000)) for _ in range(50))
     assert tokenizer.cache.plan(grown).start > len(text) - reach

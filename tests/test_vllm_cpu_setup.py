@@ -1,25 +1,24 @@
-"""``kvgate engines`` set-up code that needs no vLLM: plans, commands, stamps, process groups."""
+"""``kvgate engines`` set-up code that needs no vLLM: plans, commands, stamps, a failed start.
+
+Ports and process groups are ``backends.process``'s (tests/test_process.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from backends.process import PortAllocator
 from backends.vllm_cpu.install import CONSTRAINTS_FILE, REQUIREMENTS, _wanted_stamp, is_installed
 from backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
-    PortAllocator,
     ReplicaSpec,
     engine_command,
     engine_env,
-    kill_group,
     plan_replicas,
     socket_dir,
 )
@@ -63,18 +62,6 @@ def test_socket_dir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
     assert len(f"{socket_dir(deep)}/r10-4194304.events") < 100
 
 
-def test_port_allocator_skips_taken_and_ephemeral_ports() -> None:
-    ports = PortAllocator(start=24000)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 24001))
-        taken.listen()
-        first = ports.take(3)
-    assert 24001 not in first
-    assert len(set(first + ports.take(3))) == 6
-    near_ephemeral = PortAllocator(start=32760).take(10)
-    assert all(port < 32768 or port > 60999 for port in near_ephemeral)
-
-
 def test_install_stamp_decides_reuse(tmp_path: Path) -> None:
     layout = EngineLayout(tmp_path)
     assert not is_installed(layout)
@@ -112,28 +99,3 @@ def test_a_replica_that_cannot_start_fails_fast_with_its_log(tmp_path: Path) -> 
         fleet.start(ready_timeout=60.0)
     assert "No module named 'vllm'" in str(failure.value)
     assert fleet.process_groups() == []
-
-
-def test_kill_group_ends_the_leader_and_its_children() -> None:
-    script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    leader = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True
-    )
-    assert leader.stdout is not None
-    child_pid = int(leader.stdout.readline())
-    kill_group(leader.pid, timeout=10.0, leader=leader)
-    assert leader.wait(timeout=5.0) != 0
-    leader.stdout.close()
-    assert not Path(f"/proc/{child_pid}").exists() or "Z" in _state(child_pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"

@@ -54,7 +54,7 @@ from backends.sim.streaming import (
     Send,
     respond,
 )
-from index.chat_template import TemplateError
+from index.errors import TemplateError
 
 if TYPE_CHECKING:
     from backends.sim.replica import SimReplica

@@ -23,16 +23,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from backends.sim.events import (
+from backends.sim.lora import Adapter
+from index.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEvent,
+    KvEvent,
 )
-from backends.sim.lora import Adapter
+from index.types import EngineBlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +79,8 @@ def _stored(
     lora: Adapter | None,
 ) -> BlockStored:
     return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
+        block_hashes=cast("list[EngineBlockHash]", hashes),  # the sim is the engine: its hashes
+        parent_block_hash=None if parent is None else EngineBlockHash(parent),
         token_ids=tokens,
         block_size=block_size,
         lora_id=None if lora is None else lora.lora_id,
@@ -95,7 +97,7 @@ class BlockCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cpu_capacity = cpu_blocks
-        self.events: list[KVEvent] = []
+        self.events: list[KvEvent] = []
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -257,7 +259,7 @@ class BlockCache:
         del self._gpu[h]
         if self.cpu_capacity > 0:
             self._offload(h)
-        self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU))
+        self.events.append(BlockRemoved(block_hashes=[EngineBlockHash(h)], medium=MEDIUM_GPU))
         if h not in self._cpu:
             del self._meta[h]
 
@@ -268,7 +270,7 @@ class BlockCache:
             return
         while len(cpu) >= self.cpu_capacity:
             old, _none = cpu.popitem(last=False)
-            self.events.append(BlockRemoved(block_hashes=[old], medium=MEDIUM_CPU))
+            self.events.append(BlockRemoved(block_hashes=[EngineBlockHash(old)], medium=MEDIUM_CPU))
             if old not in self._gpu:
                 del self._meta[old]
         cpu[h] = None

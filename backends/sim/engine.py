@@ -38,11 +38,11 @@ import xxhash
 
 from backends.sim.cache import BlockCache
 from backends.sim.config import EngineConfig, TimingConfig
-from backends.sim.events import KVEvent
 from backends.sim.faults import FaultState
 from backends.sim.lora import Adapter
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
 from backends.sim.vocab import GENERATED_WORDS
+from index.events import KvEvent
 
 _MIN_SLEEP_S = 0.001
 """Shorter steps are not slept one by one: their time accumulates until it is worth a
@@ -193,7 +193,7 @@ class Engine:
         rng: random.Random,
         hash_seed: int,
         first_output_id: int,
-        on_batch: Callable[[list[KVEvent]], None],
+        on_batch: Callable[[list[KvEvent]], None],
         observer: EngineObserver,
     ) -> None:
         self.config = config

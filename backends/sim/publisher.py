@@ -24,9 +24,9 @@ import zmq
 import zmq.asyncio
 
 from backends.sim.config import EventsConfig
-from backends.sim.events import EventEncoder, KVEvent
 from backends.sim.faults import FaultState
 from backends.sim.metrics import ReplicaMetrics
+from index.events import EventBatch, EventEncoder, KvEvent
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 log = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class EventPublisher:
         self._faults = faults
         self._metrics = metrics
         self._clock = clock
-        self._encoder = EventEncoder(config.encoding, config.hash_format)
+        self._encoder = EventEncoder(
+            array_tagged=config.encoding == "array", bytes_hashes=config.hash_format == "bytes"
+        )
         self._topic = config.topic.encode()
         self._ring: deque[tuple[int, bytes]] = deque()
         self._ring_bytes = 0
@@ -134,11 +136,11 @@ class EventPublisher:
         ):
             self._ring_bytes -= len(ring.popleft()[1])
 
-    def publish(self, events: list[KVEvent]) -> None:
+    def publish(self, events: list[KvEvent]) -> None:
         if self._faults.active("stop_events") is not None:
             self._metrics.on_batch("stopped")
             return
-        payload = self._encoder.encode(time.time(), events)
+        payload = self._encoder.encode(EventBatch(time.time(), events, 0))
         seq = self._next_seq
         self._next_seq += 1
         dropped = self._faults.hit("drop_events")

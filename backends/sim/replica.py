@@ -19,7 +19,6 @@ from backends.sim.api import ReplicaApp
 from backends.sim.cache import CacheSnapshot
 from backends.sim.config import SimConfig
 from backends.sim.engine import Engine
-from backends.sim.events import KVEvent
 from backends.sim.faults import (
     FAULT_KINDS,
     Fault,
@@ -34,6 +33,7 @@ from backends.sim.publisher import EventPublisher
 from backends.sim.responses import ResponseStore
 from backends.sim.server import HttpServer
 from backends.sim.tokenizer import SimTokenizer
+from index.events import KvEvent
 
 _STANDING: tuple[str, ...] = get_args(StandingKind)
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class SimReplica:
         key = f"{self.config.seed}:{self.index}:{self.generation}"
         return xxhash.xxh3_64_intdigest(key.encode())
 
-    def _publish(self, events: list[KVEvent]) -> None:
+    def _publish(self, events: list[KvEvent]) -> None:
         self.publisher.publish(events)
 
     def _apply_startup_faults(self) -> None:

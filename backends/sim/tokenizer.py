@@ -36,7 +36,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from backends.sim.template import CHAT_TEMPLATE, cut_after_final_message
 from backends.sim.vocab import CONTINUATION_PREFIX, SPECIAL_TOKENS, generated_word, vocabulary
-from index.chat_template import ChatTemplate, TemplateError
+from index.errors import TemplateError
+from index.keys import ChatTemplate
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from backends.process import kill_group
 from backends.vllm_cpu.install import InstallError, ensure_installed
 from backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
     iter_state_groups,
-    kill_group,
     plan_replicas,
     socket_dir,
     write_state,

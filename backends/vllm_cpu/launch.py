@@ -9,15 +9,10 @@ socket; the replay ROUTER socket always binds, so it is ``tcp://127.0.0.1:PORT``
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +21,14 @@ from typing import Literal
 
 import httpx
 
-LOOPBACK = "127.0.0.1"
+from backends.process import (
+    LOOPBACK,
+    ChildProcess,
+    http_ready,
+    port_free,
+    wait_until,
+)
+
 EventsTransport = Literal["ipc", "tcp"]
 
 
@@ -100,62 +102,6 @@ def plan_replicas(
     return specs
 
 
-def _ephemeral_ports() -> range:
-    """The kernel's ephemeral range: ports it hands out on its own (engines use many)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return range(int(low), int(high) + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)
-
-
-class PortAllocator:
-    """Hands out ports free on 127.0.0.1, outside the ephemeral range (so a process binding
-    port 0 meanwhile, as vLLM's internals do, cannot take one before its owner binds it),
-    never the same port twice."""
-
-    def __init__(self, start: int | None = None) -> None:
-        self._next = start if start is not None else 20000 + (os.getpid() * 7) % 10000
-        self._ephemeral = _ephemeral_ports()
-
-    def take(self, count: int = 1) -> list[int]:
-        found: list[int] = []
-        scanned = 0
-        while len(found) < count:
-            port, self._next = self._next, self._next + 1
-            if self._next >= 65536:
-                self._next = 1024
-            scanned += 1
-            if scanned > 65536:
-                raise EngineStartError("no free port on 127.0.0.1")
-            if port not in self._ephemeral and not port_in_use(port):
-                found.append(port)
-        return found
-
-    def one(self) -> int:
-        return self.take(1)[0]
-
-
-def plan_free_replicas(count: int, run_dir: Path, ports: PortAllocator) -> list[ReplicaSpec]:
-    """Replicas on free ports with ipc publishers (for tests)."""
-    taken = ports.take(2 * count)
-    return [
-        ReplicaSpec(i, taken[2 * i], taken[2 * i + 1], f"ipc://{run_dir}/r{i}-{os.getpid()}.events")
-        for i in range(count)
-    ]
-
-
-def port_in_use(port: int) -> bool:
-    """Someone listens on ``port`` (TIME_WAIT leftovers do not count, as for the servers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError:
-            return True
-        return False
-
-
 def engine_command(options: EngineOptions, spec: ReplicaSpec) -> list[str]:
     events_config = {
         "enable_kv_cache_events": True,
@@ -211,39 +157,6 @@ def engine_env(options: EngineOptions, spec: ReplicaSpec) -> dict[str, str]:
     return env
 
 
-def _live_members(pgid: int) -> list[int]:
-    """Processes of group ``pgid`` that still run (zombies waiting to be reaped do not)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state not in {"Z", "X"}:
-            members.append(int(stat.parent.name))
-    return members
-
-
-def kill_group(
-    pgid: int, timeout: float = 20.0, leader: subprocess.Popen[bytes] | None = None
-) -> None:
-    """SIGTERM a process group, then SIGKILL whatever still runs after ``timeout``.
-
-    ``leader`` (our own child, the group leader) is reaped as soon as it exits."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if leader is not None:
-            leader.poll()
-        if not _live_members(pgid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 class Replica:
     """One vLLM server process group, its log file and its readiness."""
 
@@ -251,7 +164,7 @@ class Replica:
         self.options = options
         self.spec = spec
         self.log_path = options.logs / f"replica-{spec.index}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: ChildProcess | None = None
 
     @property
     def pid(self) -> int | None:
@@ -259,28 +172,25 @@ class Replica:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._proc.alive()
 
     def start(self) -> None:
         if self.running:
             return
         for port in (self.spec.http_port, self.spec.replay_port):
-            if port_in_use(port):
+            if not port_free(port):
                 raise EngineStartError(f"replica {self.spec.index}: port {port} is in use")
-        self.options.logs.mkdir(parents=True, exist_ok=True)
         if self.spec.events_bind.startswith("ipc://"):
             Path(self.spec.events_bind.removeprefix("ipc://")).parent.mkdir(
                 parents=True, exist_ok=True
             )
-        with self.log_path.open("ab") as log_file:
-            self._proc = subprocess.Popen(
-                engine_command(self.options, self.spec),
-                env=engine_env(self.options, self.spec),
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._proc = ChildProcess(
+            engine_command(self.options, self.spec),
+            name=f"replica {self.spec.index}",
+            log_path=self.log_path,
+            env=engine_env(self.options, self.spec),
+            append_log=True,
+        ).start()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -299,27 +209,21 @@ class Replica:
         """One readiness probe; raises when the process has exited."""
         if self._proc is None:
             raise self._failure("was never started")
-        code = self._proc.poll()
+        code = self._proc.exit_code()
         if code is not None:
             raise self._failure(f"exited with code {code}")
-        try:
-            return client.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
-        except httpx.TransportError:
-            return False
+        return http_ready(client, f"{self.spec.url}/health")
 
     def terminate(self) -> None:
         """Ask the process group to exit (SIGTERM) without waiting."""
         if self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.terminate()
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the process group: SIGTERM, SIGKILL after ``timeout``; reaps the leader."""
         if self._proc is None:
             return
-        kill_group(self._proc.pid, timeout, leader=self._proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=5.0)
+        self._proc.stop(timeout)
         self._proc = None
         if self.spec.events_bind.startswith("ipc://"):  # vLLM leaves its socket file behind
             Path(self.spec.events_bind.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -327,16 +231,18 @@ class Replica:
 
 def wait_ready(replicas: Sequence[Replica], timeout: float, poll: float = 0.5) -> None:
     """Block until every replica answers ``/health`` 200; ``EngineStartError`` otherwise."""
-    deadline = time.monotonic() + timeout
     pending = list(replicas)
-    with httpx.Client() as client:
-        while pending:
-            pending = [r for r in pending if not r.check_ready(client)]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise pending[0]._failure(f"not ready after {timeout:.0f} s")
-            time.sleep(poll)
+
+    def ready() -> bool:
+        nonlocal pending
+        pending = [r for r in pending if not r.check_ready(client)]
+        return not pending
+
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        try:
+            wait_until(ready, timeout, "vLLM replicas", poll_s=poll)
+        except TimeoutError as exc:
+            raise pending[0]._failure(f"not ready after {timeout:.0f} s") from exc
 
 
 class Fleet:

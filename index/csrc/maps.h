@@ -8,6 +8,12 @@
  * grows. Cells move on insertion and deletion, so a cell pointer is valid only until the
  * map's next insertion or deletion.
  *
+ * Keys come from the network (engine hashes as sent, block keys a publisher can choose with
+ * crafted token ids), so a key's home cell is a keyed mix: each map has a secret ``seed``
+ * (random per table / key map, see kv_random_seed) and without it a publisher cannot choose
+ * keys that pile up in one probe run (with a public mix, 300,000 chosen engine hashes took
+ * 75 s to insert; linear probing turns a shared home cell into quadratic work).
+ *
  * Cell arrays come zero-filled from calloc, or for large ones (>= 4 MiB, Linux) straight from
  * mmap, 2 MiB-aligned and advised for transparent huge pages: a growing index then takes one
  * page fault per 2 MiB instead of per 4 KiB (page faults were a third of the time of ingesting
@@ -23,7 +29,11 @@
 
 #ifdef __linux__
 #include <sys/mman.h>
+#include <sys/random.h>
 #endif
+#include <time.h>
+
+#include "common.h"
 
 #define KV_MAP_MIN_CAP 8
 #define KV_HUGE_PAGE ((size_t)2 << 20)
@@ -32,7 +42,7 @@
 static inline size_t kv_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 /* Zero-filled memory for a cell array of ``bytes``; NULL when there is none. */
-static void *kv_cells_alloc(size_t bytes)
+static KV_UNUSED void *kv_cells_alloc(size_t bytes)
 {
 #ifdef __linux__
     if (bytes >= KV_HUGE_MIN) {
@@ -54,7 +64,7 @@ static void *kv_cells_alloc(size_t bytes)
     return calloc(1, bytes ? bytes : 1);
 }
 
-static void kv_cells_free(void *cells, size_t bytes)
+static KV_UNUSED void kv_cells_free(void *cells, size_t bytes)
 {
     if (cells == NULL)
         return;
@@ -77,9 +87,27 @@ static void kv_cells_free(void *cells, size_t bytes)
 #define KV_PREFETCH(address) ((void)(address))
 #endif
 
-/* Keys are engine hashes (often small sequential ints) or xxh3 keys: mix them all. */
-static inline size_t kv_map_home(uint64_t key, size_t mask)
+/* A secret for a map's key mix: from the OS, else (never seen on Linux) clock and address. */
+static KV_UNUSED uint64_t kv_random_seed(void)
 {
+    uint64_t seed = 0;
+#ifdef __linux__
+    if (getrandom(&seed, sizeof(seed), GRND_NONBLOCK) == (ssize_t)sizeof(seed) && seed)
+        return seed;
+#endif
+    struct timespec now;
+    timespec_get(&now, TIME_UTC);
+    seed ^= (uint64_t)now.tv_nsec * 0x9E3779B97F4A7C15ULL ^ (uint64_t)now.tv_sec;
+    seed ^= (uint64_t)(uintptr_t)&seed * 0xC2B2AE3D27D4EB4FULL;
+    return seed | 1;
+}
+
+/* Home cell of ``key``: a multiply between xorshifts (half of murmur3's finalizer) over the key
+ * xor the map's secret. Without the secret the mix is invertible, so a publisher could choose
+ * keys for any cell (bench/hostile.py's colliding_engine_hashes); with it, it cannot. */
+static inline size_t kv_map_home(uint64_t key, uint64_t seed, size_t mask)
+{
+    key ^= seed;
     key ^= key >> 33;
     key *= 0xFF51AFD7ED558CCDULL;
     key ^= key >> 33;
@@ -100,16 +128,17 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
         NAME##Cell *cells;                                                                   \
         size_t cap; /* a power of two, or 0 before the first insertion */                    \
         size_t len;                                                                          \
+        uint64_t seed; /* the secret of the key mix (kept when the map is emptied) */        \
     } NAME;                                                                                  \
                                                                                              \
-    static void NAME##_free(NAME *m)                                                         \
+    static KV_UNUSED void NAME##_free(NAME *m)                                               \
     {                                                                                        \
         kv_cells_free(m->cells, m->cap * sizeof(NAME##Cell));                                \
         m->cells = NULL;                                                                     \
         m->cap = m->len = 0;                                                                 \
     }                                                                                        \
                                                                                              \
-    static int NAME##_resize(NAME *m, size_t cap)                                            \
+    static KV_UNUSED int NAME##_resize(NAME *m, size_t cap)                                  \
     {                                                                                        \
         NAME##Cell *old = m->cells;                                                          \
         size_t old_cap = m->cap;                                                             \
@@ -119,7 +148,7 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
         for (size_t i = 0; i < old_cap; i++) {                                               \
             if (!old[i].USED)                                                                \
                 continue;                                                                    \
-            size_t j = kv_map_home(old[i].key, cap - 1);                                     \
+            size_t j = kv_map_home(old[i].key, m->seed, cap - 1);                            \
             while (cells[j].USED)                                                            \
                 j = (j + 1) & (cap - 1);                                                     \
             cells[j] = old[i];                                                               \
@@ -135,7 +164,7 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
         if (m->len == 0)                                                                     \
             return NULL;                                                                     \
         size_t mask = m->cap - 1;                                                            \
-        for (size_t i = kv_map_home(key, mask);; i = (i + 1) & mask) {                       \
+        for (size_t i = kv_map_home(key, m->seed, mask);; i = (i + 1) & mask) {              \
             NAME##Cell *cell = &m->cells[i];                                                 \
             if (!cell->USED)                                                                 \
                 return NULL;                                                                 \
@@ -148,12 +177,12 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
     static inline void NAME##_prefetch(const NAME *m, uint64_t key)                          \
     {                                                                                        \
         if (m->cap)                                                                          \
-            KV_PREFETCH(&m->cells[kv_map_home(key, m->cap - 1)]);                           \
+            KV_PREFETCH(&m->cells[kv_map_home(key, m->seed, m->cap - 1)]);                   \
     }                                                                                        \
                                                                                              \
     /* The cell of ``key``, inserted zero-filled if missing (*created tells); NULL: no       \
      * memory. */                                                                            \
-    static NAME##Cell *NAME##_insert(NAME *m, uint64_t key, int *created)                    \
+    static KV_UNUSED NAME##Cell *NAME##_insert(NAME *m, uint64_t key, int *created)          \
     {                                                                                        \
         if ((m->len + 1) * 4 > m->cap * 3) {                                                 \
             NAME##Cell *found = NAME##_find(m, key);                                         \
@@ -165,7 +194,7 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
                 return NULL;                                                                 \
         }                                                                                    \
         size_t mask = m->cap - 1;                                                            \
-        size_t i = kv_map_home(key, mask);                                                   \
+        size_t i = kv_map_home(key, m->seed, mask);                                          \
         for (; m->cells[i].USED; i = (i + 1) & mask) {                                       \
             if (m->cells[i].key == key) {                                                    \
                 *created = 0;                                                                \
@@ -182,7 +211,7 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
     }                                                                                        \
                                                                                              \
     /* Remove ``key``; its value goes to *out when given. Returns 1 if it was there. */      \
-    static int NAME##_remove(NAME *m, uint64_t key, VTYPE *out)                              \
+    static KV_UNUSED int NAME##_remove(NAME *m, uint64_t key, VTYPE *out)                    \
     {                                                                                        \
         NAME##Cell *cell = NAME##_find(m, key);                                              \
         if (cell == NULL)                                                                    \
@@ -192,7 +221,7 @@ static inline size_t kv_map_home(uint64_t key, size_t mask)
         size_t mask = m->cap - 1;                                                            \
         size_t hole = (size_t)(cell - m->cells);                                             \
         for (size_t j = (hole + 1) & mask; m->cells[j].USED; j = (j + 1) & mask) {           \
-            size_t home = kv_map_home(m->cells[j].key, mask);                                \
+            size_t home = kv_map_home(m->cells[j].key, m->seed, mask);                       \
             /* the cell at j may move back to the hole unless its home lies in (hole, j] */  \
             int stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j); \
             if (!stays) {                                                                    \

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #define MP_MAX_DEPTH 32
 
 typedef struct {
@@ -28,7 +30,7 @@ static inline uint64_t mp_be(const uint8_t *p, size_t n)
 static inline int mp_left(const Reader *r, size_t n) { return (size_t)(r->end - r->p) >= n; }
 
 /* An array header: its element count. */
-static int mp_array(Reader *r, size_t *count)
+static KV_UNUSED int mp_array(Reader *r, size_t *count)
 {
     if (!mp_left(r, 1))
         return -1;
@@ -49,7 +51,7 @@ static int mp_array(Reader *r, size_t *count)
 }
 
 /* A map header: its pair count. */
-static int mp_map(Reader *r, size_t *count)
+static KV_UNUSED int mp_map(Reader *r, size_t *count)
 {
     if (!mp_left(r, 1))
         return -1;
@@ -72,7 +74,7 @@ static int mp_map(Reader *r, size_t *count)
 static inline int mp_is_nil(const Reader *r) { return mp_left(r, 1) && *r->p == 0xC0; }
 
 /* A string: pointer and length into the buffer. */
-static int mp_str(Reader *r, const uint8_t **s, size_t *len)
+static KV_UNUSED int mp_str(Reader *r, const uint8_t **s, size_t *len)
 {
     if (!mp_left(r, 1))
         return -1;
@@ -105,7 +107,7 @@ static inline int mp_str_is(const uint8_t *s, size_t len, const char *want)
     return len == strlen(want) && memcmp(s, want, len) == 0;
 }
 
-static int mp_int_slow(Reader *r, uint64_t *value, int *negative);
+static KV_UNUSED int mp_int_slow(Reader *r, uint64_t *value, int *negative);
 
 /* An integer: *negative tells whether ``*value`` is a two's complement negative. Token ids
  * are mostly fixints and uint16s: those two are read inline. */
@@ -129,7 +131,7 @@ static inline int mp_int(Reader *r, uint64_t *value, int *negative)
     return mp_int_slow(r, value, negative);
 }
 
-static int mp_int_slow(Reader *r, uint64_t *value, int *negative)
+static KV_UNUSED int mp_int_slow(Reader *r, uint64_t *value, int *negative)
 {
     if (!mp_left(r, 1))
         return -1;
@@ -169,7 +171,7 @@ static int mp_int_slow(Reader *r, uint64_t *value, int *negative)
 }
 
 /* A number (int or float) as a double. */
-static int mp_number(Reader *r, double *out)
+static KV_UNUSED int mp_number(Reader *r, double *out)
 {
     if (!mp_left(r, 1))
         return -1;
@@ -197,7 +199,7 @@ static int mp_number(Reader *r, double *out)
 }
 
 /* Skip one value of any type (nested up to MP_MAX_DEPTH). */
-static int mp_skip_depth(Reader *r, int depth)
+static KV_UNUSED int mp_skip_depth(Reader *r, int depth)
 {
     if (!mp_left(r, 1) || depth > MP_MAX_DEPTH)
         return -1;

@@ -6,9 +6,15 @@ A request body may carry ``"fake": {...}`` (kvgate forwards unknown fields untou
 * ``"hold": "before_headers" | "after_first_chunk"``: stop there until the connection
   goes away (the engine records the cancel) or ``FakeEngine.release`` is set;
 * ``"status": CODE``: answer with this HTTP status and an OpenAI error body;
-* ``"break_stream": true``: send one chunk, then break the connection.
+* ``"break_stream": true``: send one chunk, then break the connection;
+* ``"trickle": true``: stream one chunk every few milliseconds until the client goes away
+  (a response that never ends, though no single wait is long);
+* ``"pad": N``: add a field of N bytes to the (non-streamed) JSON body.
 
 Every request is recorded in ``FakeEngine.seen`` (path, headers, parsed body).
+
+Like vLLM, it can also answer ``GET /kv_event_sources`` (``sources``: the JSON to answer; None:
+404) and ``POST /tokenize`` (``tokenize``: one token per word, the word's length).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: Any
+    raw_path: bytes = b""
 
 
 @dataclass
@@ -43,6 +50,8 @@ class FakeEngine:
     cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     holding: int = 0
+    sources: dict[str, Any] | None = None
+    tokenize: bool = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,7 +59,8 @@ class FakeEngine:
         body = await _read_body(receive)
         parsed = json.loads(body) if body.strip() else None
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        self.seen.append(Seen(scope["method"], scope["path"], headers, parsed))
+        raw_path = scope.get("raw_path") or b""
+        self.seen.append(Seen(scope["method"], scope["path"], headers, parsed, raw_path))
         await self._route(scope["method"], scope["path"], parsed, receive, send)
 
     async def _route(self, method: str, path: str, body: Any, receive: Receive, send: Send) -> None:
@@ -65,6 +75,11 @@ class FakeEngine:
                 await _json(send, {"object": "list", "data": cards})
             case ("GET", "/metrics"):
                 await _text(send, self._metrics())
+            case ("GET", "/kv_event_sources") if self.sources is not None:
+                await _json(send, self.sources)
+            case ("POST", "/tokenize") if self.tokenize:
+                text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+                await _json(send, {"tokens": [len(word) for word in text.split()]})
             case ("POST", "/v1/chat/completions" | "/v1/completions"):
                 await self._generate(path, body, receive, send)
             case ("POST", "/v1/embeddings"):
@@ -115,7 +130,10 @@ class FakeEngine:
         tokens = int(fake.get("tokens", 3))
         usage = self._usage(body, tokens)
         if not body.get("stream"):
-            await _json(send, _completion(body, chat, tokens, usage, self.name))
+            answer = _completion(body, chat, tokens, usage, self.name)
+            if "pad" in fake:
+                answer["pad"] = "x" * int(fake["pad"])
+            await _json(send, answer)
             return
         await send(
             {
@@ -127,6 +145,9 @@ class FakeEngine:
                 ],
             }
         )
+        if fake.get("trickle"):
+            await self._trickle(body, chat, receive, send)
+            return
         for i in range(tokens):
             await _event(send, _chunk(body, chat, i))
             if i == 0 and fake.get("hold") == "after_first_chunk":
@@ -146,6 +167,23 @@ class FakeEngine:
                 },
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _trickle(
+        self, body: dict[str, Any], chat: bool, receive: Receive, send: Send
+    ) -> None:
+        """One chunk every few milliseconds until the connection goes."""
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            i = 0
+            while not gone.done():
+                await _event(send, _chunk(body, chat, i))
+                i += 1
+                await asyncio.wait({gone}, timeout=0.005)
+            self.cancels += 1
+            self.cancel_seen.set()
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
 
     async def _hold(self, receive: Receive) -> None:
         """Wait until the client disconnects (counted as a cancel) or the test releases us."""

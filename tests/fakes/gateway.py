@@ -1,4 +1,5 @@
-"""Start kvgate (real uvicorn) in front of fake engines for a test."""
+"""Start kvgate (real uvicorn, ``kvgate serve``'s listener configuration) in front of fake
+engines for a test."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from index.api import BlockIndex
 from router.app import create_app
 from router.config import load_settings
 from router.gateway import Gateway
+from router.serve import uvicorn_config
 
 
 @dataclass
@@ -64,8 +66,9 @@ async def kvgate(
     settings = load_settings(overrides={"workers": list(workers), **overrides})
     registry = CollectorRegistry()
     app = create_app(settings, block_index=block_index, metrics_registry=registry)
+    config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
     async with (
-        serve(app, lifespan="on") as server,
+        serve(app, config=config) as server,
         httpx.AsyncClient(base_url=server.url, timeout=10.0) as client,
     ):
         yield Kvgate(server.url, app.state.gateway, client, registry)

@@ -1,4 +1,4 @@
-"""Run an ASGI app under a real uvicorn server on 127.0.0.1 (an ephemeral port) in this loop."""
+"""Run an ASGI app under a real uvicorn server on loopback (an ephemeral port) in this loop."""
 
 from __future__ import annotations
 
@@ -25,19 +25,11 @@ async def wait_for(
         await asyncio.sleep(0.005)
 
 
-def bound_socket(port: int = 0) -> socket.socket:
+def bound_socket(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
+    sock.bind((host, port))
     return sock
-
-
-def closed_port() -> int:
-    """A loopback port nobody listens on (connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @contextmanager
@@ -51,11 +43,13 @@ def unresponsive_port() -> Iterator[int]:
 
 
 class RunningServer:
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+    def __init__(
+        self, server: uvicorn.Server, task: asyncio.Task[None], port: int, host: str = "127.0.0.1"
+    ) -> None:
         self.server = server
         self.task = task
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
 
     async def stop(self) -> None:
         if not self.task.done():
@@ -65,22 +59,29 @@ class RunningServer:
 
 @asynccontextmanager
 async def serve(
-    app: Any, *, lifespan: Literal["on", "off"] = "off", port: int = 0
+    app: Any,
+    *,
+    lifespan: Literal["on", "off"] = "off",
+    port: int = 0,
+    host: str = "127.0.0.1",
+    config: uvicorn.Config | None = None,
 ) -> AsyncIterator[RunningServer]:
-    """Serve ``app`` on 127.0.0.1:``port`` (0: a free one) until the block exits."""
-    sock = bound_socket(port)
-    config = uvicorn.Config(
-        app,
-        lifespan=lifespan,
-        log_level="warning",
-        access_log=False,
-        ws="none",
-        http="httptools",
-        timeout_graceful_shutdown=2,
-    )
+    """Serve ``app`` on ``host``:``port`` (0: a free one; a loopback host) until the block
+    exits; with ``config`` (its host and port unused: the socket is bound here), under it."""
+    sock = bound_socket(port, host)
+    if config is None:
+        config = uvicorn.Config(
+            app,
+            lifespan=lifespan,
+            log_level="warning",
+            access_log=False,
+            ws="none",
+            http="httptools",
+            timeout_graceful_shutdown=2,
+        )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    running = RunningServer(server, task, sock.getsockname()[1])
+    running = RunningServer(server, task, sock.getsockname()[1], host)
     try:
         await wait_for(lambda: server.started or task.done(), STARTUP_TIMEOUT_S, "server start")
         if task.done():

@@ -8,6 +8,7 @@ is not ready in time fails the test with the tail of its log.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,13 +17,13 @@ import pytest
 import zmq
 from kvgate_server import KvgateServer
 
+from backends.process import PortAllocator
 from backends.vllm_cpu.install import InstallError, ensure_installed
 from backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
-    PortAllocator,
-    plan_free_replicas,
+    ReplicaSpec,
     socket_dir,
 )
 from backends.vllm_cpu.layout import EngineLayout
@@ -71,6 +72,15 @@ def tiny_model_dir(engine_layout: EngineLayout) -> Path:
     except InstallError as exc:
         pytest.fail(f"vLLM set-up failed: {exc}", pytrace=False)
     return engine_layout.model_dir
+
+
+def plan_free_replicas(count: int, run_dir: Path, ports: PortAllocator) -> list[ReplicaSpec]:
+    """Replicas on free ports with ipc publishers."""
+    taken = ports.take(2 * count)
+    return [
+        ReplicaSpec(i, taken[2 * i], taken[2 * i + 1], f"ipc://{run_dir}/r{i}-{os.getpid()}.events")
+        for i in range(count)
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -12,7 +10,8 @@ from typing import Any
 
 import httpx
 
-from backends.vllm_cpu.launch import kill_group
+from backends.errors import ProcessExited
+from backends.process import ChildProcess, wait_until
 
 READY_TIMEOUT_S = 60.0
 
@@ -52,24 +51,13 @@ class KvgateServer:
             *(arg for spec in workers for arg in ("--worker", spec)),
             *extra_args,
         ]
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc = ChildProcess(self.args, name="kvgate", log_path=log_path, append_log=True)
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self._proc.log_tail(lines)
 
     def start(self) -> KvgateServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log_file:
-            self._proc = subprocess.Popen(
-                self.args,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._proc.start()
         try:
             self._wait_ready()
             self._wait_joined()
@@ -78,10 +66,15 @@ class KvgateServer:
             raise
         return self
 
+    def _wait(self, ready: Any, what: str) -> None:
+        """``ready()`` within READY_TIMEOUT_S, kvgate running; else a failure with its log."""
+        try:
+            wait_until(ready, READY_TIMEOUT_S, what, watch=[self._proc])
+        except (ProcessExited, TimeoutError) as exc:
+            raise AssertionError(f"{exc}; log {self.log_path}:\n{self.log_tail()}") from exc
+
     def _ready(self, client: httpx.Client) -> bool:
         """Every worker healthy and every event subscriber connected."""
-        if self._proc is None or self._proc.poll() is not None:
-            raise AssertionError(f"kvgate exited; log {self.log_path}:\n{self.log_tail()}")
         try:
             workers = client.get(f"{self.url}/admin/workers").json()["workers"]
             index = client.get(f"{self.url}/debug/index").json()
@@ -93,15 +86,8 @@ class KvgateServer:
         return len(subscribers) == len(self.workers) and all(s["connected"] for s in subscribers)
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
         with httpx.Client(timeout=5.0) as client:
-            while not self._ready(client):
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"kvgate not ready after {READY_TIMEOUT_S} s; log {self.log_path}:\n"
-                        + self.log_tail()
-                    )
-                time.sleep(0.2)
+            self._wait(lambda: self._ready(client), "kvgate to be ready")
 
     def _wait_joined(self) -> None:
         """Make every engine publish once, then wait until kvgate has replayed its history.
@@ -116,14 +102,7 @@ class KvgateServer:
                 prompt = f"prime {self.port} {url} " * 16  # unique: new blocks, a new event
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
                 client.post(f"{url}/v1/completions", json=body).raise_for_status()
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not self._joined(client):
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"kvgate did not replay the engines' history; log {self.log_path}:\n"
-                        + self.log_tail()
-                    )
-                time.sleep(0.2)
+            self._wait(lambda: self._joined(client), "kvgate to replay the engines' history")
 
     def _joined(self, client: httpx.Client) -> bool:
         index = client.get(f"{self.url}/debug/index").json()
@@ -131,11 +110,7 @@ class KvgateServer:
         return all(s["history_complete"] and s["applied_seq"] is not None for s in subscribers)
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        kill_group(self._proc.pid, timeout=10.0, leader=self._proc)
-        self._proc.wait(timeout=5.0)
-        self._proc = None
+        self._proc.stop(timeout_s=10.0)
 
     def __enter__(self) -> KvgateServer:
         return self.start()

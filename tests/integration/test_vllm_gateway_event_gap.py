@@ -21,11 +21,11 @@ from vllm_helpers import (
     ChatSession,
     engine_cached_tokens,
     usage_of,
-    wait_for,
     wait_subscribed,
 )
 
-from backends.vllm_cpu.launch import Fleet, PortAllocator, ReplicaSpec
+from backends.process import PortAllocator, wait_until
+from backends.vllm_cpu.launch import Fleet, ReplicaSpec
 from backends.vllm_cpu.layout import EngineLayout
 
 pytestmark = pytest.mark.vllm
@@ -87,18 +87,18 @@ def test_dropped_batch_is_replayed_and_routed_exactly(
 
         warm = ChatSession.start("gap-gw-warm", seed=4001).ask(40)
         warm_tokens = _direct_chat(replica, warm)
-        wait_for(lambda: blocks_known(warm) == warm_tokens // BLOCK, 10.0, "warm-up indexed")
+        wait_until(lambda: blocks_known(warm) == warm_tokens // BLOCK, 10.0, "warm-up indexed")
         replays_before = _replays_covered(client, replica.url)
 
         relay.drop(1)
         lost = ChatSession.start("gap-gw-lost", seed=4002).ask(90)
         lost_tokens = _direct_chat(replica, lost)
-        wait_for(lambda: relay.counts()[1] == 1, 10.0, "the relay to drop one batch")
+        wait_until(lambda: relay.counts()[1] == 1, 10.0, "the relay to drop one batch")
         assert blocks_known(lost) == 0
 
         revealing = ChatSession.start("gap-gw-next", seed=4003).ask(30)
         _direct_chat(replica, revealing)
-        wait_for(lambda: blocks_known(lost) == lost_tokens // BLOCK, 10.0, "the gap replayed")
+        wait_until(lambda: blocks_known(lost) == lost_tokens // BLOCK, 10.0, "the gap replayed")
         assert _replays_covered(client, replica.url) == replays_before + 1
 
         reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": lost})

@@ -7,8 +7,9 @@ from typing import Any
 import httpx
 import pytest
 from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
-from vllm_helpers import MODEL, ChatSession, wait_for
+from vllm_helpers import MODEL, ChatSession
 
+from backends.process import wait_until
 from backends.vllm_cpu.launch import Fleet
 
 pytestmark = pytest.mark.vllm
@@ -22,7 +23,7 @@ def _turn(client: httpx.Client, session: ChatSession) -> str:
     reply.raise_for_status()
     worker = reply.headers["x-kvgate-worker"]
     sent = {"model": MODEL, "messages": list(session.messages)}
-    wait_for(
+    wait_until(
         lambda: matched_blocks(route_explain(client, sent), worker) > 0,
         10.0,
         f"the turn of {session.name} indexed on {worker}",

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 from kvgate_server import KvgateServer, route_explain
-from vllm_helpers import BLOCK, MODEL, ChatSession, engine_cached_tokens, wait_for
+from vllm_helpers import BLOCK, MODEL, ChatSession, engine_cached_tokens
+
+from backends.process import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +32,7 @@ def _wait_indexed(kvgate: KvgateServer, messages: list[dict[str, str]]) -> None:
         def indexed() -> bool:
             return any(w["overlap_tokens"] > 0 for w in route_explain(client, body)["workers"])
 
-        wait_for(indexed, 10.0, "the first turn indexed")
+        wait_until(indexed, 10.0, "the first turn indexed")
 
 
 def test_sdk_streams_chat_with_usage_and_cache_hits(

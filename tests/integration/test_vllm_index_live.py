@@ -22,10 +22,11 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.vllm_cpu.launch import Fleet, PortAllocator, ReplicaSpec
-from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
+from backends.process import PortAllocator
+from backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from index.api import Endpoints, EngineWorker, PromptInput
 from index.config import IndexConfig
+from index.keys import block_keys, cache_seed
 from index.service import KvIndexService
 from index.types import WorkerId
 
@@ -147,13 +148,8 @@ async def test_events_make_the_index_predict_the_engine_cache(
     service: KvIndexService, engine: httpx.AsyncClient, replica: ReplicaSpec
 ) -> None:
     worker = WorkerId(replica.url)
-    await service.add_worker(
-        worker,
-        replica.url,
-        engine="vllm",
-        events=replica.events_endpoint,
-        replay=replica.replay_endpoint,
-    )
+    endpoints = Endpoints(replica.events_endpoint, replica.replay_endpoint)
+    service.worker_added(EngineWorker(worker, replica.url, endpoints=(endpoints,), healthy=True))
     await wait_until(lambda: service.connected(worker), 10.0, "the subscriber to connect")
     session = ChatSession.start("index-live", seed=11)
     for turn in range(3):
@@ -169,7 +165,8 @@ async def test_discovery_from_kv_event_sources(
     service: KvIndexService, engine: httpx.AsyncClient, replica: ReplicaSpec
 ) -> None:
     worker = WorkerId(replica.url)
-    await service.add_worker(worker, replica.url, engine="vllm", events=None, replay=None)
+    service.worker_added(EngineWorker(worker, replica.url, healthy=True))
+    await service.settled()
     subscribers = service.stats()["workers"][worker]["subscribers"]
     assert [(s["events"], s["replay"]) for s in subscribers] == [
         (replica.events_endpoint, replica.replay_endpoint)
@@ -199,13 +196,8 @@ async def test_a_dropped_batch_is_replayed_from_the_engine(
     relay = DroppingRelay(zmq_context, upstream, ports.one()).start()
     try:
         worker = WorkerId(replica.url)
-        await service.add_worker(
-            worker,
-            replica.url,
-            engine="vllm",
-            events=relay.endpoint,
-            replay=replica.replay_endpoint,
-        )
+        endpoints = Endpoints(relay.endpoint, replica.replay_endpoint)
+        service.worker_added(EngineWorker(worker, replica.url, endpoints=(endpoints,)))
         await wait_until(lambda: service.connected(worker), 10.0, "the subscriber to connect")
         warm = ChatSession.start("gap-warm", seed=21).ask(40)
         tokens, _ = await _chat(engine, warm)
@@ -226,5 +218,6 @@ async def test_a_dropped_batch_is_replayed_from_the_engine(
         _, cached = await _chat(engine, lost)
         assert cached == engine_cached_tokens(lost_tokens, lost_tokens // BLOCK)
     finally:
-        await service.remove_worker(WorkerId(replica.url))
+        service.worker_removed(WorkerId(replica.url))
+        await service.settled()
         relay.close()

@@ -13,8 +13,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
-from vllm_helpers import BLOCK, MODEL, ChatSession, usage_of, wait_for
+from vllm_helpers import BLOCK, MODEL, ChatSession, usage_of
 
+from backends.process import wait_until
 from backends.vllm_cpu.launch import EngineStartError, Fleet
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +64,7 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
             before the next turn (one sent at once could be routed before they arrive)."""
             user = {"role": "user", "content": "?"}
             probe = {"model": MODEL, "messages": [*session.messages, user]}
-            wait_for(
+            wait_until(
                 lambda: matched_blocks(route_explain(client, probe), home) > 0,
                 10.0,
                 f"kvgate to index the session's blocks on {home}: {index_stats(client)}",
@@ -88,9 +89,9 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
         restarter.start()
         served_while_down: list[str] = []
         try:
-            wait_for(lambda: not _healthy(client, home), 60.0, f"kvgate to mark {home} down")
+            wait_until(lambda: not _healthy(client, home), 60.0, f"kvgate to mark {home} down")
             # Forgotten: kvgate's index holds nothing of the restarted replica any more.
-            wait_for(lambda: _entries(client, home) == 0, 10.0, "kvgate to clear the replica")
+            wait_until(lambda: _entries(client, home) == 0, 10.0, "kvgate to clear the replica")
             while restarter.is_alive() and len(served_while_down) < MAX_REQUESTS_DURING_RESTART:
                 # short sessions of 3 turns each, so no prompt outgrows the context
                 count = len(served_while_down)
@@ -110,15 +111,15 @@ def test_restarted_replica_is_forgotten_bypassed_and_relearned(
         assert served_while_down and set(served_while_down) == {other}, served_while_down
         report(f"restart: {len(served_while_down)} requests served by {other} meanwhile")
 
-        wait_for(lambda: _healthy(client, home), 60.0, f"kvgate to mark {home} healthy again")
-        wait_for(lambda: _subscribed(client, home), 30.0, "kvgate to re-subscribe")
+        wait_until(lambda: _healthy(client, home), 60.0, f"kvgate to mark {home} healthy again")
+        wait_until(lambda: _subscribed(client, home), 30.0, "kvgate to re-subscribe")
         # Relearned: a prompt served by the new engine is indexed from its new events...
         fresh = ChatSession.start("restart-new", seed=6003)
         body = {"model": MODEL, "messages": fresh.ask(100), "max_tokens": 1}
         direct = httpx.post(f"{home}/v1/chat/completions", json=body, timeout=60.0)
         direct.raise_for_status()
         blocks = usage_of(direct.json())[0] // BLOCK
-        wait_for(
+        wait_until(
             lambda: matched_blocks(route_explain(client, body), home) == blocks,
             10.0,
             "kvgate to index the restarted replica's new events",

@@ -175,12 +175,3 @@ def replay_from(
     finally:
         dealer.close(linger=0)
     return frames[:-1]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.2) -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)

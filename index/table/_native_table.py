@@ -1,18 +1,22 @@
-"""The native block table (index/csrc/table.h) behind the same interface as ``BlockTable``.
+"""The native block table (index/csrc/table.h) behind the table protocol (the default one).
 
 The C core knows cache domains as small integer slots; this wrapper maps ``WorkerKey`` to
-slots (reusing released ones) and builds the ``PrefixMatch`` and ``SlotStats`` results.
+slots (reusing released ones) and builds the ``PrefixMatch``, ``SlotStats`` and
+``BatchResult`` results. Beyond the protocol it applies whole KV-event payloads in C
+(``ingest``): the event index's fast path.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from index import _native
-from index.table import SECOND_CHANCES, SlotStats
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.api import BatchResult
+from index.memo import BoundedMemo
+from index.table._table import SECOND_CHANCES
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
-_ALL_TIERS = 0b111
 _MATCH_MEMO_LIMIT = 4096
 
 
@@ -24,7 +28,7 @@ class NativeBlockTable:
         self._slot_of: dict[WorkerKey, int] = {}
         self._worker_at: dict[int, WorkerKey] = {}
         self._free_slots: list[int] = []
-        self._matches: dict[tuple[int, int, int], PrefixMatch] = {}
+        self._matches = BoundedMemo[tuple[int, int, int], PrefixMatch](_MATCH_MEMO_LIMIT)
 
     def _slot(self, worker: WorkerKey) -> int:
         slot = self._slot_of.get(worker)
@@ -55,6 +59,14 @@ class NativeBlockTable:
     def slot_entries(self, worker: WorkerKey) -> int:
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._core.slot_info(slot)[0]
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        slot = self._slot_of.get(worker)
+        return slot is not None and self._core.holds(slot, key)
+
+    def held_keys(self, worker: WorkerKey) -> array[int]:
+        slot = self._slot_of.get(worker)
+        return array("Q", b"" if slot is None else self._core.held_keys(slot))
 
     def stats(self) -> list[SlotStats]:
         out = []
@@ -100,35 +112,59 @@ class NativeBlockTable:
         slot = self._slot_of.get(worker)
         return slot is not None and self._core.prune_leaf(slot, second_chances)
 
-    def largest(self) -> WorkerKey | None:
-        """The domain with the most entries (the lowest slot on ties, as the native ingest's
-        own pruning picks it)."""
-        slot = self._core.largest_slot()
-        return None if slot is None else self._worker_at[slot]
+    def prune_to(self, max_entries: int) -> int:
+        return self._core.prune_to(max_entries)
 
-    def native_slot(self, worker: WorkerKey) -> tuple[_native.Table, int]:
-        """The C table and the slot this domain has, or gets once it stores a block: call
-        ``claim_slot`` then (the native batch ingestion)."""
+    def ingest(
+        self,
+        worker: WorkerKey,
+        payload: bytes,
+        keys: _native.KeyMap,
+        *,
+        block_size: int,
+        root_seed: int,
+        max_entries: int,
+        max_blocks: int,
+    ) -> BatchResult | None:
+        """A whole KV-event payload applied in C to one domain and its engine-hash map
+        (index/csrc/ingest.c), with ``max_entries`` kept by the table's pruning rule after
+        every stored event; None (nothing applied) when the payload is not in the shape the C
+        side takes. A domain storing its first block gets its slot here."""
         slot = self._slot_of.get(worker)
-        return self._core, self._next_slot() if slot is None else slot
-
-    def claim_slot(self, worker: WorkerKey) -> None:
-        """The domain's slot from ``native_slot`` holds blocks now: record it."""
-        self._slot(worker)
+        new = slot is None
+        if slot is None:
+            slot = self._next_slot()
+        counts = self._core.ingest(
+            slot, payload, keys, worker.dp_rank, block_size, root_seed, max_entries, max_blocks
+        )
+        if counts is None:
+            return None
+        ts, events, stored, blocks, removed, gone, malformed, unknown, pruned, skipped = counts
+        if new and blocks:
+            self._slot(worker)
+        return BatchResult(
+            ts=ts,
+            events=events,
+            stored_events=stored,
+            stored_blocks=blocks,
+            removed_events=removed,
+            removed_blocks=gone,
+            unknown_parent=unknown,
+            pruned_parent=skipped,
+            malformed=malformed,
+            pruned=pruned,
+        )
 
     def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]:
         """Per cache domain holding ``keys[0]``: its contiguous matched prefix by tier."""
         worker_at, memo = self._worker_at, self._matches
+        remembered = memo.get  # once per call: every holder is a lookup
         result: dict[WorkerKey, PrefixMatch] = {}
         for slot, gpu, cpu, any_ in self._core.find_matches(keys):
             worker = worker_at.get(slot)
             if worker is None:  # only if a native ingest failed (out of memory) mid-store
                 continue
             runs = (gpu, cpu - gpu, any_ - cpu)
-            match = memo.get(runs)
-            if match is None:
-                if len(memo) > _MATCH_MEMO_LIMIT:
-                    memo.clear()
-                match = memo[runs] = PrefixMatch(*runs)
-            result[worker] = match
+            match = remembered(runs)
+            result[worker] = memo.put(runs, PrefixMatch(*runs)) if match is None else match
         return result

@@ -1,18 +1,19 @@
-"""Which block table backs the indexers: the native core (default) or the pure-Python one.
+"""The table protocol both block tables implement, and the choice between them.
 
-Both implement ``BlockTableApi`` with the same answers (one test suite and the property tests
-run against each). The native table is built from index/csrc/ at install time; a source tree
-that was never built uses the Python table.
+The native table (index/csrc/, built at install) is the default; ``IndexConfig.table =
+"python"`` picks the pure-Python one. Both give the same answers to the same operations:
+tests/test_index_suite.py runs one suite and the property tests against each and against a
+plain dict-of-sets model, the reference of what the answers are.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from index.table import BlockTable, SlotStats
-from index.types import BlockKey, PrefixMatch, Tier, WorkerKey
+from index.table._native_table import NativeBlockTable
+from index.table._table import BlockTable
+from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 TableKind = Literal["native", "python"]
 
@@ -33,29 +34,22 @@ class BlockTableApi(Protocol):
     def oldest(self, worker: WorkerKey) -> tuple[int, float] | None: ...
     def evict(self, worker: WorkerKey, key: int) -> None: ...
     def prune_leaf(self, worker: WorkerKey, second_chances: int = ...) -> bool: ...
-    def largest(self) -> WorkerKey | None: ...
+    def prune_to(self, max_entries: int) -> int:
+        """The cap's pruning rule: evict least recently stored leaves of the largest domain
+        (the lowest slot on ties) until at most ``max_entries`` entries are held; how many
+        went."""
+        ...
+
     def find_matches(self, keys: Sequence[BlockKey]) -> dict[WorkerKey, PrefixMatch]: ...
     def workers(self) -> list[WorkerKey]: ...
     def entry_count(self) -> int: ...
     def block_count(self) -> int: ...
     def slot_entries(self, worker: WorkerKey) -> int: ...
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool: ...
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]: ...
     def stats(self) -> list[SlotStats]: ...
 
 
-def native_available() -> bool:
-    """Whether the native core was built (``pip install`` builds it; see setup.py)."""
-    return importlib.util.find_spec("index._native") is not None
-
-
-def default_kind() -> TableKind:
-    """Native when built, else python."""
-    return "native" if native_available() else "python"
-
-
 def new_table(kind: TableKind | None = None) -> BlockTableApi:
-    """A fresh block table of ``kind`` (default: ``default_kind()``)."""
-    if (kind or default_kind()) == "python":
-        return BlockTable()
-    from index.native_table import NativeBlockTable  # noqa: PLC0415 - needs the built core
-
-    return NativeBlockTable()
+    """A fresh block table of ``kind`` (default: the native one)."""
+    return BlockTable() if kind == "python" else NativeBlockTable()

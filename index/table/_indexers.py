@@ -1,7 +1,8 @@
 """The two ``Indexer`` implementations.
 
-* ``EventIndex``: fed by the engines' KV events (translated to kvgate keys); bounded by a cap
-  on entries, pruning least recently stored leaves of the largest cache domain first.
+* ``EventIndex``: fed by the engines' KV events (translated to kvgate keys, or whole payloads
+  applied in C over the native table); bounded by a cap on entries, kept by the table's
+  pruning rule (least recently stored leaves of the largest cache domain first) on both paths.
 * ``ApproxIndex``: for engines without events; kvgate's own routing decisions, each assumed
   cached for ``ttl_s`` and at most ``capacity`` blocks per cache domain.
 """
@@ -11,27 +12,54 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from index.api import ClearAll, IndexOp, RemoveBlocks, StoreBlocks
-from index.table import SlotStats
-from index.tables import BlockTableApi, new_table
-from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+from index import _native
+from index.api import BatchResult, ClearAll, IndexOp, RemoveBlocks, StoreBlocks
+from index.table._native_table import NativeBlockTable
+from index.table._protocol import BlockTableApi, new_table
+from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 Clock = Callable[[], float]
 
 
-class EventIndex:
+class _OverTable:
+    """What both indexers answer straight from their table."""
+
+    def __init__(self, table: BlockTableApi | None) -> None:
+        self._table = new_table() if table is None else table
+
+    @property
+    def table(self) -> BlockTableApi:
+        return self._table
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        self._table.clear(worker)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        for key in self._table.workers():
+            if key.worker == worker:
+                self._table.clear(key)
+
+    def holds(self, worker: WorkerKey, key: BlockKey) -> bool:
+        return self._table.holds(worker, key)
+
+    def domain_entries(self, worker: WorkerKey) -> int:
+        return self._table.slot_entries(worker)
+
+    def held_keys(self, worker: WorkerKey) -> Sequence[int]:
+        return self._table.held_keys(worker)
+
+
+class EventIndex(_OverTable):
     """Exact block → cache-domain index fed by engine events, capped at ``max_entries``."""
 
     def __init__(self, max_entries: int = 2_000_000, table: BlockTableApi | None = None) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
-        self._table = new_table() if table is None else table
+        super().__init__(table)
         self._max_entries = max_entries
         self.pruned = 0
-
-    @property
-    def table(self) -> BlockTableApi:
-        return self._table
+        # the table's own method: asked for every stored event on the general path
+        self.holds = self._table.holds  # type: ignore[method-assign]
 
     @property
     def max_entries(self) -> int:
@@ -41,30 +69,43 @@ class EventIndex:
         if isinstance(op, StoreBlocks):
             self._table.store(worker, op.keys, op.tier, op.parent)
             if self._table.entry_count() > self._max_entries:
-                self._prune()
+                self.pruned += self._table.prune_to(self._max_entries)
         elif isinstance(op, RemoveBlocks):
             self._table.remove(worker, op.keys, op.tier)
         elif isinstance(op, ClearAll):
             self._table.clear(worker)
 
-    def _prune(self) -> None:
+    def ingest(
+        self,
+        worker: WorkerKey,
+        payload: bytes,
+        keys: _native.KeyMap,
+        *,
+        block_size: int,
+        root_seed: int,
+        max_blocks: int,
+    ) -> BatchResult | None:
+        """A whole payload of ``worker``'s events applied in C, the cap kept as ``apply`` keeps
+        it; None (nothing applied) over the Python table or when the payload is not in the
+        shape the C side takes (the caller then decodes it and applies its events)."""
         table = self._table
-        while table.entry_count() > self._max_entries:
-            largest = table.largest()
-            if largest is None or not table.prune_leaf(largest):
-                return
-            self.pruned += 1
+        if not isinstance(table, NativeBlockTable):
+            return None
+        result = table.ingest(
+            worker,
+            payload,
+            keys,
+            block_size=block_size,
+            root_seed=root_seed,
+            max_entries=self._max_entries,
+            max_blocks=max_blocks,
+        )
+        if result is not None:
+            self.pruned += result.pruned
+        return result
 
     def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
         return self._table.find_matches(keys)
-
-    def clear_worker(self, worker: WorkerKey) -> None:
-        self._table.clear(worker)
-
-    def remove_worker(self, worker: WorkerId) -> None:
-        for key in self._table.workers():
-            if key.worker == worker:
-                self._table.clear(key)
 
     def entry_count(self) -> int:
         return self._table.entry_count()
@@ -76,7 +117,7 @@ class EventIndex:
         return self._table.stats()
 
 
-class ApproxIndex:
+class ApproxIndex(_OverTable):
     """Index of kvgate's own routing decisions: TTL-bounded and capacity-bounded per domain."""
 
     def __init__(
@@ -88,7 +129,7 @@ class ApproxIndex:
     ) -> None:
         if ttl_s <= 0 or capacity <= 0:
             raise ValueError("ttl_s and capacity must be positive")
-        self._table = new_table() if table is None else table
+        super().__init__(table)
         self._ttl_s = ttl_s
         self._capacity = capacity
         self._clock = clock
@@ -128,14 +169,6 @@ class ApproxIndex:
     def find_matches(self, keys: Sequence[BlockKey]) -> Mapping[WorkerKey, PrefixMatch]:
         self.expire()
         return self._table.find_matches(keys)
-
-    def clear_worker(self, worker: WorkerKey) -> None:
-        self._table.clear(worker)
-
-    def remove_worker(self, worker: WorkerId) -> None:
-        for key in self._table.workers():
-            if key.worker == worker:
-                self._table.clear(key)
 
     def entry_count(self) -> int:
         self.expire()

@@ -22,6 +22,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from index.errors import TemplateError
+
 ContentFormat = Literal["string", "openai"]
 
 _CONTENT_LOOP = re.compile(
@@ -29,8 +31,10 @@ _CONTENT_LOOP = re.compile(
 )
 
 
-class TemplateError(ValueError):
-    """The template raised (``raise_exception``) or could not be rendered."""
+# What a template (and message preparation) raises on request data it was not written for.
+_REQUEST_DATA_ERRORS = (
+    TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError,
+)  # fmt: skip
 
 
 def _raise_exception(message: str) -> None:
@@ -160,17 +164,21 @@ class ChatTemplate:
         variables: dict[str, Any] = dict(self._special)
         if extra:
             variables.update(extra)
-        variables.update(
-            messages=prepare_messages(messages, self.content_format),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-        )
         try:
+            variables.update(
+                messages=prepare_messages(messages, self.content_format),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+            )
             return self._template.render(variables)
         except TemplateError:
             raise
         except jinja2.TemplateError as error:
             raise TemplateError(f"chat template failed: {error}") from error
+        except _REQUEST_DATA_ERRORS as error:  # e.g. tool_calls: 5, arguments nested 5000 deep
+            raise TemplateError(
+                f"chat template failed on this request's data: {error!r}"
+            ) from error
 
 
 def load_template_source(config: Mapping[str, Any], name: str | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""KV-event wire decoding (vLLM and SGLang ZMQ publishers) and a matching encoder.
+"""The KV-event wire format (vLLM and SGLang ZMQ publishers): one module for both ends.
 
 A payload is a msgpack array ``[ts, events, data_parallel_rank?]``. Each event is either a map
 tagged by its ``"type"`` key (current vLLM) or an array whose first element is the tag (older
@@ -6,25 +6,32 @@ vLLM, SGLang). Fields are positional in the array form; newer trailing fields ar
 unknown trailing fields are ignored. Block hashes arrive as unsigned 64-bit ints, signed ints
 (SGLang) or 32 raw bytes (vLLM with int hashes disabled); all fold to an unsigned 64-bit int.
 
-Decoded events keep ``token_ids`` as the raw msgpack array (``msgspec.Raw``): the translator
-keys the blocks straight from those bytes in the native core, without a Python int per token.
-``BlockStored.tokens()`` gives the ids as a list either way.
+* Decoding (``EventDecoder``): decoded events keep ``token_ids`` as the raw msgpack array
+  (``msgspec.Raw``): the translator keys the blocks straight from those bytes in the native
+  core, without a Python int per token. ``BlockStored.tokens()`` gives the ids as a list
+  either way.
+* Encoding (``EventEncoder``): what the simulator publishes and tests and benchmarks send,
+  shaped as vLLM's own msgspec structs encode it (``lora_name`` always present, defaults
+  such as ``extra_keys=None`` omitted from maps), in either encoding, with int or 32-byte
+  hashes (``hash_bytes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import xxhash
 
+from index import _native
+from index.errors import EventDecodeError
 from index.types import EngineBlockHash
 
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
 _U64 = (1 << 64) - 1
-
-
-class EventDecodeError(ValueError):
-    """A payload that is not a KV-event batch."""
 
 
 def fold_hash(value: int | bytes) -> EngineBlockHash:
@@ -34,21 +41,10 @@ def fold_hash(value: int | bytes) -> EngineBlockHash:
     return EngineBlockHash(value & _U64)
 
 
-_WIRE_HASHES = msgspec.msgpack.Decoder(list[int | bytes])
-_native_fold_hashes: Callable[[msgspec.Raw], Sequence[int]] | None
-try:
-    from index._native import fold_hashes as _native_fold_hashes
-except ImportError:  # never built (pip install builds it): msgspec, then fold one by one
-    _native_fold_hashes = None
-
-
 def _fold_all(hashes: Sequence[Any] | msgspec.Raw) -> Sequence[Any]:
     """Block hashes as unsigned 64-bit ints; from the wire (``Raw``) as ``array('Q')``."""
     if isinstance(hashes, msgspec.Raw):
-        if _native_fold_hashes is not None:
-            return _native_fold_hashes(hashes)  # ValueError (a validation error) if malformed
-        wire: list[Any] = _WIRE_HASHES.decode(hashes)
-        hashes = wire
+        return _native.fold_hashes(hashes)  # ValueError (a validation error) if malformed
     try:
         if min(hashes) >= 0 and max(hashes) <= _U64:
             return hashes
@@ -171,6 +167,17 @@ class EventDecoder:
         self._arr = msgspec.msgpack.Decoder(_ArrBatch)
 
     def decode(self, payload: bytes) -> EventBatch:
+        """One payload's batch. A map event holding a known key twice is refused (the native
+        path's rule, checked by its own reader: tests/test_native_ingest.py), and so is
+        nesting too deep for the decoder."""
+        if _native.repeats_a_key(payload):
+            raise EventDecodeError("an event repeats a key")
+        try:
+            return self._decode(payload)
+        except RecursionError as error:
+            raise EventDecodeError("nested too deeply") from error
+
+    def _decode(self, payload: bytes) -> EventBatch:
         try:
             wire: _MapBatch | _ArrBatch = self._map.decode(payload)
         except msgspec.ValidationError as map_error:
@@ -191,40 +198,86 @@ def decode_event_batch(payload: bytes) -> EventBatch:
     return EventDecoder().decode(payload)
 
 
-def _stored_fields(event: BlockStored) -> list[tuple[str, Any]]:
-    fields: list[tuple[str, Any]] = [
-        ("block_hashes", list(event.block_hashes)),
-        ("parent_block_hash", event.parent_block_hash),
-        ("token_ids", event.tokens()),
-        ("block_size", event.block_size),
-        ("lora_id", event.lora_id),
-        ("medium", event.medium),
-    ]
-    if event.lora_name is not None or event.extra_keys is not None:
-        fields.append(("lora_name", event.lora_name))
-    if event.extra_keys is not None:
-        fields.append(("extra_keys", event.extra_keys))
-    return fields
+def hash_bytes(block_hash: int) -> bytes:
+    """The 32-byte form of a block hash (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``): its last 8
+    bytes, big-endian, are the int form (what ``fold_hash`` reads back); the first 24 are
+    derived from it."""
+    head = xxhash.xxh3_128_digest(block_hash.to_bytes(8, "big"))
+    tail = xxhash.xxh3_64_digest(head)
+    return head + tail + block_hash.to_bytes(8, "big")
 
 
-def _wire_event(event: KvEvent, array_tagged: bool) -> Any:
-    if isinstance(event, BlockStored):
-        tag, fields = "BlockStored", _stored_fields(event)
-    elif isinstance(event, BlockRemoved):
-        fields = [("block_hashes", list(event.block_hashes)), ("medium", event.medium)]
-        tag = "BlockRemoved"
-    else:
-        tag, fields = "AllBlocksCleared", []
-    if array_tagged:
-        return [tag, *(value for _, value in fields)]
-    return {"type": tag, **dict(fields)}
+# What vLLM's own structs put on the wire (vllm/distributed/kv_events.py): every field up to
+# ``lora_name``, then the ones with defaults, omitted from maps when at their default.
+class _StoredOut(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
 
 
-def encode_event_batch(batch: EventBatch, *, array_tagged: bool) -> bytes:
-    """vLLM's wire shape: events as maps tagged by ``"type"`` (current vLLM) or as arrays with
-    the tag first (older vLLM, SGLang). ``lora_name``/``extra_keys`` are sent only when set and
-    ``data_parallel_rank`` only when not None, as the engines omit defaults."""
-    body: list[Any] = [batch.ts, [_wire_event(e, array_tagged) for e in batch.events]]
-    if batch.data_parallel_rank is not None:
-        body.append(batch.data_parallel_rank)
-    return msgspec.msgpack.encode(body)
+class _RemovedOut(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[Any]
+    medium: str | None
+
+
+class _ClearedOut(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    pass
+
+
+class _StoredOutArray(_StoredOut, array_like=True):
+    pass
+
+
+class _RemovedOutArray(_RemovedOut, array_like=True):
+    pass
+
+
+class _ClearedOutArray(_ClearedOut, array_like=True):
+    pass
+
+
+class EventEncoder:
+    """Encodes batches as an engine publishes them: events as maps tagged by ``"type"``
+    (current vLLM) or, ``array_tagged``, as arrays with the tag first (older vLLM, SGLang);
+    block hashes as ints or, ``bytes_hashes``, in their 32-byte form (``hash_bytes``)."""
+
+    def __init__(self, *, array_tagged: bool = False, bytes_hashes: bool = False) -> None:
+        self._stored = _StoredOutArray if array_tagged else _StoredOut
+        self._removed = _RemovedOutArray if array_tagged else _RemovedOut
+        self._cleared = _ClearedOutArray() if array_tagged else _ClearedOut()
+        self._bytes = bytes_hashes
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, batch: EventBatch) -> bytes:
+        """``[ts, events]``, then ``data_parallel_rank`` unless it is None."""
+        body: list[Any] = [batch.ts, [self._wire(event) for event in batch.events]]
+        if batch.data_parallel_rank is not None:
+            body.append(batch.data_parallel_rank)
+        return self._encoder.encode(body)
+
+    def _hashes(self, hashes: Sequence[int]) -> list[Any]:
+        return [hash_bytes(h) for h in hashes] if self._bytes else list(hashes)
+
+    def _wire(self, event: KvEvent) -> Any:
+        if isinstance(event, BlockStored):
+            parent = event.parent_block_hash
+            if self._bytes and parent is not None:
+                parent = hash_bytes(parent)  # type: ignore[assignment]
+            return self._stored(
+                self._hashes(event.block_hashes),
+                parent,
+                event.tokens(),
+                event.block_size,
+                event.lora_id,
+                event.medium,
+                event.lora_name,
+                event.extra_keys,
+            )
+        if isinstance(event, BlockRemoved):
+            return self._removed(self._hashes(event.block_hashes), event.medium)
+        return self._cleared

@@ -3,30 +3,22 @@
 ``key[i] = xxh3_64(token bytes of block i, seed=key[i-1])`` with ``key[-1]`` the chain's root
 seed (``cache_seed``: LoRA name and cache salt folded in) or the given parent key. Token ids
 are packed once as little-endian uint32 and the chain hashed in one call of the native core
-(index/csrc/: its own xxh3_64, checked against the xxhash package by the tests); a source tree
-whose core was never built hashes each block from a memoryview slice with the xxhash package.
+(index/csrc/keys.c: its own xxh3_64, checked against the xxhash package by the tests).
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import xxhash
 
+from index import _native
 from index.types import BlockKey
 
-_ChainKeys = Callable[[memoryview, int, int], list[int]]
-_native_chain_keys: _ChainKeys | None
-try:
-    from index._native import chain_keys as _native_chain_keys
-except ImportError:  # never built (pip install builds it): the xxhash package, block by block
-    _native_chain_keys = None
-
 _ROOT_DOMAIN = b"kvgate/block-keys/v1"
-_TOKEN_BYTES = 4
 _hash = xxhash.xxh3_64_intdigest
 
 
@@ -68,20 +60,7 @@ def block_keys(
         return []
     data = pack_tokens(tokens if full == len(tokens) else tokens[:full])
     prev = seed if parent is None else int(parent)
-    if _native_chain_keys is not None:
-        return cast("list[BlockKey]", _native_chain_keys(data, block_size, prev))
-    return _python_chain_keys(data, block_size, prev)
-
-
-def _python_chain_keys(data: memoryview, block_size: int, prev: int) -> list[BlockKey]:
-    step = block_size * _TOKEN_BYTES
-    keys: list[BlockKey] = []
-    append = keys.append
-    hash_ = _hash
-    for offset in range(0, len(data) - len(data) % step, step):
-        prev = hash_(data[offset : offset + step], prev)
-        append(prev)  # type: ignore[arg-type]  # BlockKey is an int NewType
-    return keys
+    return cast("list[BlockKey]", _native.chain_keys(data, block_size, prev))
 
 
 def text_block_keys(text: str, chunk_chars: int, seed: int) -> list[BlockKey]:

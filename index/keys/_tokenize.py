@@ -30,9 +30,11 @@ from typing import Any
 from tokenizers import Encoding, Tokenizer
 
 from index.api import PromptInput
-from index.blocks import block_keys, cache_seed
-from index.chat_template import ChatTemplate, TemplateError, load_template_source
-from index.prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
+from index.errors import TemplateError, TokenizeError
+from index.keys._blocks import block_keys, cache_seed
+from index.keys._chat_template import ChatTemplate, load_template_source
+from index.keys._prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
+from index.memo import BoundedMemo
 from index.types import BlockKey
 
 log = logging.getLogger(__name__)
@@ -86,10 +88,6 @@ _SPACE_PROBES = (
     "emoji 😀 👍🏽 family 👨‍👩‍👧 flags 🇫🇷 zero\u200bwidth joiner a\u200db x",
     "a" * 120 + " " + "b" * 3 + "   " + "c",
 )
-
-
-class TokenizeError(ValueError):
-    """The prompt cannot be tokenized (bad template input, ids out of range...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +294,8 @@ class ModelTokenizer:
         self.cache = PrefixTokenCache(safe, cache_tokens, space_cuts=space_cuts)
         self._inline_chars = inline_chars
         self._affix = self._special_affix()
-        self._tails: dict[tuple[str, tuple[Mark, ...]], tuple[array[int], list[Cut]]] = {}
+        self._tails: BoundedMemo[tuple[str, tuple[Mark, ...]], tuple[array[int], list[Cut]]]
+        self._tails = BoundedMemo(_TAIL_MEMO_ENTRIES)
         self._background: set[asyncio.Task[TokenizedPrompt]] = set()
 
     @staticmethod
@@ -389,9 +388,7 @@ class ModelTokenizer:
                 mark = next(pending, None)
         encoded = ids, cuts
         if short:
-            if len(self._tails) >= _TAIL_MEMO_ENTRIES:
-                self._tails.clear()
-            self._tails[(text, marks)] = encoded  # shared: callers only read them
+            self._tails.put((text, marks), encoded)  # shared: callers only read them
         return encoded
 
     def _safe_token_at(

@@ -1,0 +1,91 @@
+"""The engine's own tokenization (vLLM's ``POST /tokenize``): the fallback for models whose
+tokenizer is not configured.
+
+Asked of healthy vLLM workers serving the model only, one after another until one answers,
+each call bounded (index/_http.py) and its answer checked: token ids in 0..2**32-1, or it is
+not used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import httpx
+import msgspec
+
+from index._http import call_engine
+from index.api import EngineWorker, PromptInput
+from index.errors import EngineCallError
+
+log = logging.getLogger(__name__)
+
+_MAX_ANSWER_BYTES = 16 << 20  # 2M+ token ids as JSON: past any model's context
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[_TokenId]
+
+
+_decode = msgspec.json.Decoder(_Tokenized).decode
+
+
+def _tokenize_body(model: str, prompt: PromptInput) -> dict[str, Any]:
+    """The ``/tokenize`` request of a prompt, as vLLM takes it."""
+    body: dict[str, Any] = {"model": model}
+    if prompt.kind == "completion":
+        body["prompt"] = prompt.prompt or ""
+        return body
+    body["messages"] = list(prompt.messages or [])
+    body["add_generation_prompt"] = prompt.add_generation_prompt
+    if prompt.tools:
+        body["tools"] = list(prompt.tools)
+    if prompt.chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(prompt.chat_template_kwargs)
+    return body
+
+
+def _can_tokenize(worker: EngineWorker, model: str) -> bool:
+    """A healthy vLLM worker that serves ``model`` (or whose model is not known)."""
+    return (
+        worker.healthy
+        and worker.engine == "vllm"
+        and (worker.model is None or worker.model == model)
+    )
+
+
+async def engine_tokens(
+    http: httpx.AsyncClient,
+    workers: Iterable[EngineWorker],
+    model: str,
+    prompt: PromptInput,
+    *,
+    timeout_s: float,
+) -> list[int] | None:
+    """The prompt's token ids from the first worker that can tokenize it, or None."""
+    body = _tokenize_body(model, prompt)
+    for worker in workers:
+        if not _can_tokenize(worker, model):
+            continue
+        try:
+            status, answer = await call_engine(
+                http,
+                worker,
+                "POST",
+                "/tokenize",
+                timeout_s=timeout_s,
+                max_bytes=_MAX_ANSWER_BYTES,
+                json=body,
+            )
+        except EngineCallError as error:
+            log.debug("%s: /tokenize failed: %s", worker.id, error)
+            continue
+        if status != 200:
+            continue
+        try:
+            return _decode(answer).tokens
+        except (msgspec.DecodeError, RecursionError) as error:
+            log.debug("%s: /tokenize answered %s", worker.id, error)
+    return None

@@ -1,0 +1,167 @@
+"""A prompt's block keys, by the best way available for its model (``PromptKeys.mode``):
+
+* ``token_ids``: a completion prompt given as token ids is used as is;
+* ``tokenizer``: the model's configured tokenizer and chat template (``ModelTokenizer``,
+  loaded once per model, off the event loop);
+* ``engine``: the engine's own ``POST /tokenize`` (index/keys/_engine.py);
+* ``approx``: the rendered text hashed in fixed character chunks (no tokens).
+
+Each keying is counted by model and mode, and timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import httpx
+from prometheus_client import Counter, Histogram
+
+from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode
+from index.config import IndexConfig
+from index.errors import TokenizeError
+from index.keys._blocks import block_keys, text_block_keys
+from index.keys._engine import engine_tokens
+from index.keys._tokenize import ModelTokenizer, Reach, plain_render, prompt_seed
+from index.memo import BoundedMemo
+from index.metrics import IndexMetrics
+from index.types import BlockKey
+
+log = logging.getLogger(__name__)
+
+_TEXT_OR_NONE = (str, type(None))
+_MAX_CACHED_LABELS = 4096  # labelled metric children kept at hand (models x modes)
+_MAX_CACHED_SEEDS = 4096  # (LoRA name, cache salt) -> chain seed
+
+
+class PromptKeyer:
+    """Prompt → block keys for every model (``keys_for``), with its tokenizers."""
+
+    def __init__(
+        self,
+        config: IndexConfig,
+        metrics: IndexMetrics,
+        http: httpx.AsyncClient,
+        workers: Callable[[], Iterable[EngineWorker]],
+        *,
+        reach: Reach | None = None,
+    ) -> None:
+        """``workers``: the fleet now, asked for the engine ``/tokenize`` fallback; ``reach``:
+        how far some worker's cache holds a prefix of keys (a long new prompt is tokenized
+        only that far, ``ModelTokenizer.tokenize``)."""
+        self._config = config
+        self._reach = reach
+        self._metrics = metrics
+        self._http = http
+        self._workers = workers
+        self.tokenizers: dict[str, ModelTokenizer | None] = {}
+        self._tokenizer_locks: dict[str, asyncio.Lock] = {}
+        self._counters = BoundedMemo[tuple[str, str], tuple[Counter, Histogram]](_MAX_CACHED_LABELS)
+        self._cache_counters = BoundedMemo[tuple[str, bool], Counter](_MAX_CACHED_LABELS)
+        self._seeds = BoundedMemo[tuple[str | None, str | None], int](_MAX_CACHED_SEEDS)
+
+    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+        started = time.perf_counter()
+        keys = await self._keys_for(model, prompt)
+        counters = self._counters.get((model, keys.mode))
+        if counters is None:
+            counters = self._counters.put(
+                (model, keys.mode),
+                (
+                    self._metrics.tokenize.labels(model, keys.mode),
+                    self._metrics.tokenize_seconds.labels(keys.mode),
+                ),
+            )
+        counters[0].inc()
+        counters[1].observe(time.perf_counter() - started)
+        return keys
+
+    async def _keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+        block_size = self._config.block_size_for(model)
+        seed = self._seed(prompt)
+        completion = prompt.kind == "completion"
+        if completion and not isinstance(prompt.prompt, _TEXT_OR_NONE):
+            given = prompt.prompt
+            ids = given if isinstance(given, list) else list(given)
+            return _keys(block_keys(ids, block_size, seed), block_size, len(ids), "token_ids")
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None and model not in self.tokenizers:
+            tokenizer = await self._tokenizer(model)
+        if tokenizer is not None and (completion or tokenizer.template):
+            try:
+                text = (prompt.prompt or "") if completion else tokenizer.render(prompt)
+                result = await tokenizer.tokenize(
+                    str(text),
+                    add_special_tokens=completion,
+                    block_size=block_size,
+                    seed=seed,
+                    reach=self._reach,
+                )
+            except TokenizeError as error:
+                log.info("%s: tokenizer failed (%s): approximate keys", model, error)
+            else:
+                self._count_cache(model, result.cache_hit)
+                return _keys(result.keys, block_size, result.token_count, "tokenizer")
+        if self._config.engine_tokenize:
+            engine_ids = await engine_tokens(
+                self._http,
+                self._workers(),
+                model,
+                prompt,
+                timeout_s=self._config.engine_tokenize_timeout_s,
+            )
+            if engine_ids is not None:
+                keys = block_keys(engine_ids, block_size, seed)
+                return _keys(keys, block_size, len(engine_ids), "engine")
+        text = plain_render(prompt)
+        keys = text_block_keys(text, self._config.approx_chars_per_block, seed)
+        return _keys(keys, block_size, len(text) // 4, "approx")
+
+    async def _tokenizer(self, model: str) -> ModelTokenizer | None:
+        if model in self.tokenizers:
+            return self.tokenizers[model]
+        directory = self._config.tokenizer_dir(model)
+        if directory is None:
+            self.tokenizers[model] = None
+            return None
+        lock = self._tokenizer_locks.setdefault(model, asyncio.Lock())
+        async with lock:
+            if model not in self.tokenizers:
+                try:
+                    loaded: ModelTokenizer | None = await asyncio.to_thread(
+                        ModelTokenizer,
+                        directory,
+                        self._config.tokenize_cache_tokens,
+                        self._config.tokenize_inline_chars,
+                    )
+                except (OSError, ValueError, TokenizeError) as error:
+                    log.error("%s: cannot load tokenizer from %s: %s", model, directory, error)
+                    loaded = None
+                self.tokenizers[model] = loaded
+        return self.tokenizers[model]
+
+    def close(self) -> None:
+        """Cancel the tokenizers' background work."""
+        for tokenizer in self.tokenizers.values():
+            if tokenizer is not None:
+                tokenizer.close()
+
+    def _seed(self, prompt: PromptInput) -> int:
+        """``prompt_seed(prompt)``, remembered per (LoRA name, cache salt)."""
+        domain = (prompt.lora_name, prompt.cache_salt)
+        seed = self._seeds.get(domain)
+        return self._seeds.put(domain, prompt_seed(prompt)) if seed is None else seed
+
+    def _count_cache(self, model: str, hit: bool) -> None:
+        counter = self._cache_counters.get((model, hit))
+        if counter is None:
+            counter = self._cache_counters.put(
+                (model, hit), self._metrics.tokenize_cache.labels(model, "hit" if hit else "miss")
+            )
+        counter.inc()
+
+
+def _keys(keys: Sequence[BlockKey], block_size: int, tokens: int, mode: TokenizeMode) -> PromptKeys:
+    return PromptKeys(keys, block_size, tokens, mode)

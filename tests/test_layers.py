@@ -1,0 +1,245 @@
+"""Layers only point down: ``index`` < ``scoring`` < ``backends`` < ``router`` < ``bench``.
+
+Every import in the product packages is read with ``ast`` (module level and inside functions,
+``import x``, ``from x import y``, relative imports, ``importlib.import_module("x")`` with a
+literal name) and resolved to the package it lands in. A package may import itself and the
+packages below it; an import of a package above, any import cycle between packages, and any
+product import of test code fail. ``tests/`` may import anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("index", "scoring", "backends", "router", "bench")
+RANK = {package: rank for rank, package in enumerate(LAYERS)}
+TEST_PACKAGES = frozenset(
+    {"tests", "conftest", "fakes"}
+    | {path.stem for path in (ROOT / "tests").glob("*.py")}
+    | {path.name for path in (ROOT / "tests").iterdir() if (path / "__init__.py").is_file()}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """One import statement: who imports what, and where."""
+
+    source: str  # the importing module, e.g. "backends.registry"
+    target: str  # the absolute module imported, e.g. "router.config"
+    where: str  # "backends/registry.py:26"
+
+    @property
+    def source_package(self) -> str:
+        return self.source.split(".")[0]
+
+    @property
+    def target_package(self) -> str:
+        return self.target.split(".")[0]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute name of ``from {'.' * level}{name} import ...`` inside ``module``."""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    if level - 1 > len(base) - 1:
+        raise ValueError(f"relative import beyond the top level in {module}")
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def imports_of(source: str, module: str, is_package: bool, filename: str) -> Iterator[Import]:
+    """Every import ``source`` (the text of ``module``) makes, wherever it sits in the tree."""
+    for node in ast.walk(ast.parse(source, filename)):
+        where = f"{filename}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, where)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _resolve_relative(module, is_package, node.level, node.module)
+            else:
+                base = node.module or ""
+            yield Import(module, base, where)
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                yield Import(module, first.value, where)
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in {"__import__", "import_module"}
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def product_imports(root: Path = ROOT) -> list[Import]:
+    found: list[Import] = []
+    for package in LAYERS:
+        for path in sorted((root / package).rglob("*.py")):
+            module = module_name(path, root)
+            filename = str(path.relative_to(root))
+            text = path.read_text(encoding="utf-8")
+            found += imports_of(text, module, path.name == "__init__.py", filename)
+    return found
+
+
+def upward(imports: list[Import]) -> list[str]:
+    """Imports of a package above the importer (or of test code, from the product)."""
+    problems = []
+    for imp in imports:
+        source, target = imp.source_package, imp.target_package
+        if target in TEST_PACKAGES:
+            problems.append(f"{imp.where}: {imp.source} imports test code {imp.target}")
+        elif target in RANK and RANK[target] > RANK[source]:
+            problems.append(f"{imp.where}: {imp.source} ({source}) imports {imp.target} (above)")
+    return problems
+
+
+def package_cycles(imports: list[Import]) -> list[list[str]]:
+    """Strongly connected groups of more than one package in the import graph (Tarjan)."""
+    graph: dict[str, set[str]] = {package: set() for package in LAYERS}
+    for imp in imports:
+        if imp.target_package in RANK and imp.target_package != imp.source_package:
+            graph[imp.source_package].add(imp.target_package)
+    return [sorted(group) for group in _components(graph) if len(group) > 1]
+
+
+def _components(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            groups.append(group)
+
+    for node in graph:
+        if node not in order:
+            visit(node)
+    return groups
+
+
+# -- the tree ------------------------------------------------------------------------------
+
+
+def test_every_product_module_is_read() -> None:
+    imports = product_imports()
+    importers = {imp.source_package for imp in imports}
+    assert importers == set(LAYERS), importers
+    assert len(imports) > 200  # a walker that found nothing would pass everything
+
+
+def test_no_package_imports_one_above_it() -> None:
+    problems = upward(product_imports())
+    assert not problems, "upward imports:\n" + "\n".join(problems)
+
+
+def test_no_import_cycle_between_packages() -> None:
+    cycles = package_cycles(product_imports())
+    assert not cycles, f"import cycles between packages: {cycles}"
+
+
+# -- the walker, on crafted sources --------------------------------------------------------
+
+CRAFTED = """
+import index.types
+import scoring.api as api, json
+from backends import registry
+from .config import X
+from .. import errors
+from ..sim.events import Y
+
+
+def late() -> None:
+    from router.errors import KvgateError
+
+
+class K:
+    def method(self) -> None:
+        import bench.fleet
+
+
+importlib.import_module("router.serve")
+"""
+
+
+def test_the_walker_finds_every_form_of_import() -> None:
+    found = {
+        imp.target for imp in imports_of(CRAFTED, "backends.vllm_cpu.launch", False, "crafted.py")
+    }
+    assert found == {
+        "index.types",
+        "scoring.api",
+        "json",
+        "backends",
+        "backends.vllm_cpu.config",
+        "backends.sim.events",
+        "router.errors",
+        "bench.fleet",
+        "router.serve",
+    }
+
+
+def test_relative_imports_in_a_package_init_resolve_from_the_package() -> None:
+    source = "from .keys import K\nfrom .. import api\n"
+    found = {imp.target for imp in imports_of(source, "index.keys", True, "x.py")}
+    assert found == {"index.keys.keys", "index"}
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "bad"),
+    [
+        ("backends.registry", "from router.config import WorkerConfig", True),
+        ("backends.registry", "def f():\n    import router.errors", True),
+        ("scoring.cost", "from index.types import BlockKey", False),
+        ("index.x", "from scoring import api", True),
+        ("router.app", "from bench import fleet", True),
+        ("bench.fleet", "from router.config import Settings", False),
+        ("router.app", "from fakes.server import serve", True),
+        ("router.app", "from .errors import KvgateError", False),
+    ],
+)
+def test_upward_and_test_imports_are_caught(module: str, source: str, bad: bool) -> None:
+    imports = list(imports_of(source, module, False, "crafted.py"))
+    assert bool(upward(imports)) is bad
+
+
+def test_a_cycle_between_packages_is_caught() -> None:
+    imports = [
+        Import("router.app", "backends.registry", "a.py:1"),
+        Import("backends.registry", "router.errors", "b.py:1"),
+        Import("scoring.cost", "index.types", "c.py:1"),
+    ]
+    assert package_cycles(imports) == [["backends", "router"]]
+    assert package_cycles(imports[::2]) == []
