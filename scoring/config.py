@@ -13,10 +13,25 @@ class KvPolicyConfig(BaseModel):
         cost = predicted TTFT + (fleet_factor + cache_factor) * own prefill seconds
 
     The TTFT model is learned online per worker (``scoring.calibration``); what remains
-    here are its priors, the tier credits, the load blend, the guards and the choice.
+    here are its priors, the overlap credit and tier credits, the load blend, the guards and
+    the choice.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    overlap_credit: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "How much a worker's cached prefix discounts its predicted prefill: the credited "
+            "blocks (after the tier weights) are scaled by it. 1: the calibrated model as is "
+            "(a cached token costs nothing to prefill); lower values give cache hits less "
+            "weight against load, favouring balance; 0: every worker is predicted to prefill "
+            "the whole prompt (load only). Only the choice changes: the TTFT model still "
+            "learns from what was really prefilled."
+        ),
+    )
 
     gpu_weight: float = Field(
         default=1.0,

@@ -157,8 +157,9 @@ def clip_match(match: PrefixMatch, blocks: int) -> PrefixMatch:
 
 
 def credited_blocks(match: PrefixMatch, config: KvPolicyConfig) -> float:
-    """``gpu_prefix + w_cpu * cpu_past_gpu + w_disk * disk_past_those`` (each tier weighted)."""
-    return (
+    """``overlap_credit * (w_gpu * gpu_prefix + w_cpu * cpu_past_gpu + w_disk *
+    disk_past_those)``: each tier weighted, the whole scaled by the operator's credit."""
+    return config.overlap_credit * (
         config.gpu_weight * match.gpu
         + config.cpu_weight * match.cpu
         + config.disk_weight * match.disk

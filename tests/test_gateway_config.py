@@ -84,6 +84,18 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
     assert parse_worker_spec("http://h:1,models=x") == {"url": "http://h:1", "models": ["x"]}
 
 
+def test_scoring_knobs_are_serve_flags() -> None:
+    """The operator's overlap credit and tier weights reach the kv policy's config."""
+    overrides = flags(
+        "--scoring-overlap-credit", "0.5", "--scoring-cpu-weight", "0.5",
+        "--scoring-disk-weight", "0.1",
+    )  # fmt: skip
+    scoring = load_settings(None, overrides).scoring
+    assert (scoring.overlap_credit, scoring.cpu_weight, scoring.disk_weight) == (0.5, 0.5, 0.1)
+    with pytest.raises(ConfigError, match=r"scoring\.overlap_credit"):
+        load_settings(None, flags("--scoring-overlap-credit", "2"))
+
+
 def test_worker_spec_with_event_endpoints() -> None:
     """The one worker-spec parser (index/ had a second one, used only by its tests)."""
     assert parse_worker_spec(

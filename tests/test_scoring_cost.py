@@ -113,6 +113,16 @@ def test_tier_weights_are_configurable(weights: dict[str, float], credited: floa
     assert cost.credited == pytest.approx(credited)
 
 
+@pytest.mark.parametrize(("credit", "credited"), [(1.0, 9.0), (0.5, 4.5), (0.0, 0.0)])
+def test_overlap_credit_scales_the_tier_credited_match(credit: float, credited: float) -> None:
+    config = KvPolicyConfig(footprint_weight=0.0, overlap_credit=credit)
+    size = request_size(req(10, prompt_tokens=170))
+    cost = worker_cost(size, cand("a", gpu=6, cpu=4), config)  # 6 + 4 x 0.75 = 9 blocks
+    assert cost.credited == pytest.approx(credited)
+    assert cost.ttft.prefill_s == pytest.approx((170 - credited * BS) / 1000)
+    assert cost.overlap_tokens == 160  # what is cached does not change, only its weight
+
+
 @pytest.mark.parametrize(
     ("load", "queued", "context"),
     [
@@ -266,6 +276,58 @@ def test_the_default_model_ranks_by_tokens_before_anything_is_learned() -> None:
 
 
 @pytest.mark.parametrize(
+    ("credit", "chosen"),
+    [(1.0, "home"), (0.7, "home"), (0.5, "idle"), (0.0, "idle")],
+)
+def test_a_lower_overlap_credit_gives_the_cache_less_weight_against_load(
+    credit: float, chosen: str
+) -> None:
+    """A fully cached session with 1 s of queue at home, 1.6 s to recompute on an idle
+    replica: home costs 1 s + (1 - credit) x 1.6 s of prefill, the idle replica 1.6 s."""
+    home = cand("home", gpu=100, pending_prefill_tokens=1000)
+    idle = cand("idle")
+    ranked = policy(overlap_credit=credit).rank(req(100, prompt_tokens=1610), [home, idle])
+    assert ranked.chosen == chosen
+
+
+def test_no_overlap_credit_is_load_only() -> None:
+    """0: the cache does not count at all, the less loaded replica wins however much the
+    other holds; 1: the cached replica wins against a slightly shorter queue."""
+    cached = cand("cached", gpu=100, pending_prefill_tokens=100)
+    lighter = cand("lighter", pending_prefill_tokens=50)
+    request = req(100, prompt_tokens=1610)
+    assert policy(overlap_credit=0.0).rank(request, [cached, lighter]).chosen == "lighter"
+    assert policy(overlap_credit=1.0).rank(request, [cached, lighter]).chosen == "cached"
+
+
+@pytest.mark.parametrize(
+    ("tiers", "chosen"),
+    [
+        ({}, "cpu_home"),  # 100 x 0.75 credited: 410 tokens + 600 queued < 1,610 tokens
+        ({"cpu_weight": 0.25, "disk_weight": 0.25}, "idle"),  # 1,210 + 600 > 1,610
+    ],
+)
+def test_tier_weights_decide_whether_a_cpu_resident_history_is_worth_its_queue(
+    tiers: dict[str, float], chosen: str
+) -> None:
+    cpu_home = cand("cpu_home", cpu=100, pending_prefill_tokens=600)
+    idle = cand("idle")
+    ranked = policy(**tiers).rank(req(100, prompt_tokens=1610), [cpu_home, idle])
+    assert ranked.chosen == chosen
+
+
+@pytest.mark.parametrize(("cpu_weight", "chosen"), [(0.75, "gpu50"), (1.0, "cpu60")])
+def test_a_gpu_match_beats_a_longer_cpu_match_by_its_tier_weight(
+    cpu_weight: float, chosen: str
+) -> None:
+    """50 GPU blocks against 60 CPU blocks: 50 > 60 x 0.75, but not 60 x 1."""
+    gpu50 = cand("gpu50", gpu=50)
+    cpu60 = cand("cpu60", cpu=60)
+    ranked = policy(cpu_weight=cpu_weight).rank(req(100), [gpu50, cpu60])
+    assert ranked.chosen == chosen
+
+
+@pytest.mark.parametrize(
     ("blocks", "prompt_tokens", "matched", "expected_blocks", "overlap"),
     [
         (10, 160, 10, 10, 144),  # aligned prompt: the last block's last token is computed
@@ -395,7 +457,9 @@ def test_explain_terms_present_and_consistent() -> None:
         {"calibration_window": 1},
         {"max_utilisation": 1.0},
         {"cpu_weight": 0.2, "disk_weight": 0.5},  # a slower tier may not credit more
-        {"overlap_credit": 1.0},  # the block-unit knobs are gone: the cost is in seconds
+        {"overlap_credit": 1.5},  # a cached block cannot save more than its prefill
+        {"overlap_credit": -0.1},
+        {"queued_prefill_weight": 0.33},  # the block-unit knobs are gone: the cost is in seconds
         {"no_such_knob": 1},
     ],
 )
@@ -409,6 +473,7 @@ def test_config_defaults_documented() -> None:
     config = KvPolicyConfig()
     assert (config.temperature, config.footprint_weight, config.max_utilisation) == (0, 0.5, 0.8)
     assert (config.gpu_weight, config.cpu_weight, config.disk_weight) == (1.0, 0.75, 0.25)
+    assert config.overlap_credit == 1.0  # the calibrated model as is
     prior = TtftParams.prior(config.prior_prefill_tokens_per_s, config.prior_base_s)
     assert prior == DEFAULT_TTFT  # the candidates' default is the configured prior
     for name, field in KvPolicyConfig.model_fields.items():

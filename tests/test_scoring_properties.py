@@ -23,6 +23,7 @@ tier_weights = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=3, max
 configs = st.builds(
     lambda tiers, **knobs: KvPolicyConfig(**tiers, **knobs),
     tier_weights,
+    overlap_credit=st.floats(min_value=0.0, max_value=1.0),
     footprint_weight=st.floats(min_value=0.0, max_value=1.0),
     max_utilisation=st.floats(min_value=0.0, max_value=0.95),
     eviction_risk_weight=st.floats(min_value=0.0, max_value=1.0),
