@@ -119,3 +119,45 @@ async def test_short_and_known_texts_take_the_exact_path(sim_dir: Path) -> None:
     )
     assert result.token_count == len(tokenizer.encode_full(short, False))
     assert not tokenizer._background
+
+
+async def test_the_index_service_keys_a_long_new_prompt_as_far_as_a_worker_holds_it(
+    sim_dir: Path,
+) -> None:
+    """Wired end to end: the service's keyer asks the index's own matches how far some worker
+    holds the prompt, and stopping the service cancels the background tokenization."""
+    import httpx  # noqa: PLC0415
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from index.api import PromptInput, StoreBlocks  # noqa: PLC0415
+    from index.config import IndexConfig  # noqa: PLC0415
+    from index.keys import prompt_seed  # noqa: PLC0415
+    from index.service import KvIndexService  # noqa: PLC0415
+    from index.types import WorkerId, WorkerKey  # noqa: PLC0415
+
+    shared = words(12_000, seed=8)
+    text = shared + " " + words(40_000, seed=9)
+    prompt = PromptInput(kind="completion", prompt=text)
+    config = IndexConfig(tokenizers={"m": sim_dir}, engine_tokenize=False)
+    full = ModelTokenizer(sim_dir, 1_000_000, 8_000).encode_full(text, True)
+    all_keys = block_keys(full, config.block_size_for("m"), prompt_seed(prompt))
+    held = len(all_keys) // 8  # the shared prefix's first blocks, on one worker
+    async with httpx.AsyncClient() as http:
+        service = KvIndexService(config, CollectorRegistry(), http)
+        await service.start()
+        try:
+            service.events.apply(WorkerKey(WorkerId("w1"), 0), StoreBlocks(all_keys[:held]))
+            keys = await service.keys_for("m", prompt)
+            assert keys.mode == "tokenizer"
+            assert held < len(keys.block_keys) < len(all_keys) // 2  # stopped past the match
+            assert list(keys.block_keys) == all_keys[: len(keys.block_keys)]
+            assert service.match(keys.block_keys)[WorkerId("w1")].blocks == held
+            assert keys.prompt_tokens == pytest.approx(len(full), rel=0.05)
+            tokenizer = service._keyer.tokenizers["m"]
+            assert tokenizer is not None
+            jobs = set(tokenizer._background)
+            assert len(jobs) == 1  # the whole text, for the next turn
+        finally:
+            await service.stop()
+        await tokenizer.drain()  # cancelled by stop (or done just before): none left running
+        assert all(job.done() for job in jobs) and not tokenizer._background
