@@ -120,3 +120,18 @@ def test_quick_and_subset_options() -> None:
 def test_missing_runs_are_not_medians() -> None:
     rc = matrix.RouterCell("kv", "kv", [])
     assert math.isnan(rc.median("ttft_p99_s")) and not rc.complete
+
+
+def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) -> None:
+    """``kv_baseline`` (kvgate from another checkout, side by side) refuses to start without
+    ``--baseline-tree`` instead of silently running this tree's kvgate under its name."""
+    from bench import compare  # noqa: PLC0415
+    from bench.args import compare_config  # noqa: PLC0415
+
+    assert compare.router_label(compare.BASELINE_TREE) == "kvgate kv (baseline tree)"
+    args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
+    config = compare_config(args, 16, tmp_path, "t")
+    assert config.baseline_tree is None
+    run = compare.RouterRun(compare.BASELINE_TREE, "kvgate kv (baseline tree)")
+    with pytest.raises(RuntimeError, match="--baseline-tree"):
+        compare._start_router(run, None, config, tmp_path)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,3 +135,15 @@ def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
     finally:
         owner.stop()
         other.stop()
+
+
+def test_bench_ports_are_free_and_offset_per_process() -> None:
+    """Benchmarks side by side start their port search at different places (by pid)."""
+    from backends.process import port_free  # noqa: PLC0415
+    from bench.fleet import bench_port_range  # noqa: PLC0415
+
+    first = bench_port_range(4, start=21000)
+    assert 21000 <= first < 60000
+    assert all(port_free(first + i) for i in range(4))
+    offset = (os.getpid() % 64) * 16 * 4
+    assert first >= 21000 + offset  # the search began at this process's offset
