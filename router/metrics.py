@@ -188,34 +188,9 @@ class WorkerStateCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gauges = {
-            "healthy": GaugeMetricFamily(
-                "kvgate_worker_healthy", "1 when the worker is healthy", labels=["worker"]
-            ),
-            "in_flight": GaugeMetricFamily(
-                "kvgate_worker_in_flight", "Requests in flight on the worker", labels=["worker"]
-            ),
-            "prefill": GaugeMetricFamily(
-                "kvgate_worker_pending_prefill_tokens",
-                "Predicted prompt tokens waiting for their first token",
-                labels=["worker"],
-            ),
-            "decode": GaugeMetricFamily(
-                "kvgate_worker_active_decode_blocks",
-                "Predicted KV blocks of requests in flight",
-                labels=["worker"],
-            ),
-            "waiting": GaugeMetricFamily(
-                "kvgate_worker_scraped_waiting",
-                "Waiting requests scraped from the engine's /metrics",
-                labels=["worker"],
-            ),
-            "kv_usage": GaugeMetricFamily(
-                "kvgate_worker_scraped_kv_usage",
-                "KV-cache usage (0..1) scraped from the engine's /metrics",
-                labels=["worker"],
-            ),
+            key: GaugeMetricFamily(name, text, labels=["worker"])
+            for key, name, text in (*_WORKER_GAUGES, *_MODEL_GAUGES)
         }
-        gauges |= _model_gauges()
         calibrator = self._workers.calibrator
         for w in self._workers:
             labels = [w.url]
@@ -241,35 +216,56 @@ class WorkerStateCollector(Collector):
         return iter(())
 
 
-def _model_gauges() -> dict[str, GaugeMetricFamily]:
-    """The learned TTFT model of each worker and its running calibration error."""
-    return {
-        "rate": GaugeMetricFamily(
-            "kvgate_ttft_model_prefill_tokens_per_second",
-            "Learned prefill rate of the worker (its own uncached tokens)",
-            labels=["worker"],
-        ),
-        "queued_weight": GaugeMetricFamily(
-            "kvgate_ttft_model_queued_weight",
-            "Learned delay of a queued prefill token relative to one of the request's own",
-            labels=["worker"],
-        ),
-        "base": GaugeMetricFamily(
-            "kvgate_ttft_model_base_seconds",
-            "Learned TTFT of an empty prompt on the idle worker",
-            labels=["worker"],
-        ),
-        "abs_error": GaugeMetricFamily(
-            "kvgate_ttft_prediction_mean_abs_error_seconds",
-            "Running mean |measured - predicted| TTFT of the worker's requests",
-            labels=["worker"],
-        ),
-        "bias": GaugeMetricFamily(
-            "kvgate_ttft_prediction_bias_seconds",
-            "Running mean measured - predicted TTFT of the worker's requests",
-            labels=["worker"],
-        ),
-    }
+_WORKER_GAUGES = (
+    ("healthy", "kvgate_worker_healthy", "1 when the worker is healthy"),
+    ("in_flight", "kvgate_worker_in_flight", "Requests in flight on the worker"),
+    (
+        "prefill",
+        "kvgate_worker_pending_prefill_tokens",
+        "Predicted prompt tokens waiting for their first token",
+    ),
+    ("decode", "kvgate_worker_active_decode_blocks", "Predicted KV blocks of requests in flight"),
+    (
+        "waiting",
+        "kvgate_worker_scraped_waiting",
+        "Waiting requests scraped from the engine's /metrics",
+    ),
+    (
+        "kv_usage",
+        "kvgate_worker_scraped_kv_usage",
+        "KV-cache usage (0..1) scraped from the engine's /metrics",
+    ),
+)
+"""Per-worker gauges of the registry's state: (key, metric name, help)."""
+
+_MODEL_GAUGES = (
+    (
+        "rate",
+        "kvgate_ttft_model_prefill_tokens_per_second",
+        "Learned prefill rate of the worker (its own uncached tokens)",
+    ),
+    (
+        "queued_weight",
+        "kvgate_ttft_model_queued_weight",
+        "Learned delay of a queued prefill token relative to one of the request's own",
+    ),
+    (
+        "base",
+        "kvgate_ttft_model_base_seconds",
+        "Learned TTFT of an empty prompt on the idle worker",
+    ),
+    (
+        "abs_error",
+        "kvgate_ttft_prediction_mean_abs_error_seconds",
+        "Running mean |measured - predicted| TTFT of the worker's requests",
+    ),
+    (
+        "bias",
+        "kvgate_ttft_prediction_bias_seconds",
+        "Running mean measured - predicted TTFT of the worker's requests",
+    ),
+)
+"""The learned TTFT model of each worker and its running calibration error."""
 
 
 def forget_series(metrics: Iterable[object], worker: str) -> None:
