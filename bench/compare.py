@@ -57,11 +57,17 @@ BASELINE_TREE = "kv_baseline"
 """Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
 
 
+KV_SECONDS = "kv_seconds"
+"""Router name of kvgate ``kv`` with the cost in seconds deciding (``--scoring-cost seconds``)."""
+
+
 def router_label(name: str) -> str:
     if name in PEERS:
         return PEERS[name].label
     if name == BASELINE_TREE:
         return "kvgate kv (baseline tree)"
+    if name == KV_SECONDS:
+        return "kvgate kv (cost in seconds)"
     return f"kvgate {name}"
 
 
@@ -123,17 +129,24 @@ def warm_up(url: str, model: str, requests: int, timeout_s: float = 30.0) -> int
     return ok
 
 
+def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
+    """How ``run`` (a kvgate router) is served: its policy, flags and checkout."""
+    extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
+    if run.name == BASELINE_TREE:
+        if cfg.baseline_tree is None:
+            raise RuntimeError("router kv_baseline needs a baseline tree (--baseline-tree)")
+        return KvgateSpec("kv", (), extra, cfg.baseline_tree)
+    if run.name == KV_SECONDS:
+        return KvgateSpec("kv", (), ("--scoring-cost", "seconds", *extra))
+    return KvgateSpec(run.name, (), extra)
+
+
 def _start_router(
     run: RouterRun, fleet: SimFleet, cfg: CompareConfig, log_dir: Path
 ) -> tuple[ManagedProcess, str]:
     if run.name in PEERS:
         return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
-    extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
-    if run.name == BASELINE_TREE:
-        if cfg.baseline_tree is None:
-            raise RuntimeError("router kv_baseline needs a baseline tree (--baseline-tree)")
-        return start_kvgate(KvgateSpec("kv", (), extra, cfg.baseline_tree), fleet, log_dir)
-    return start_kvgate(KvgateSpec(run.name, (), extra), fleet, log_dir)
+    return start_kvgate(kvgate_spec(run, cfg), fleet, log_dir)
 
 
 @dataclass(slots=True)

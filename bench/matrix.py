@@ -401,7 +401,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     names = [c.name for c in all_cells()]
     p.add_argument("--out", type=Path, help="results folder (default bench/results/matrix-<stamp>)")
     p.add_argument("--cells", help=f"comma list of cells (default all): {', '.join(names)}")
-    p.add_argument("--routers", default=",".join(ROUTERS), help="comma list of routers")
+    p.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help="comma list of routers: kv, kv_seconds (kv, the cost in seconds), kv_baseline, "
+        f"{', '.join(PEER_ROUTERS)}",
+    )
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per slice (default 40)")
     p.add_argument("--drain-timeout", type=float, default=60.0)

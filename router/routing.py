@@ -18,7 +18,7 @@ from index.api import BlockIndex, PromptInput, PromptKeys
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
-from scoring.cost import RequestSize, overlap_tokens, request_size
+from scoring.cost_parts import RequestSize, overlap_tokens, request_size
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
@@ -37,7 +37,7 @@ class Routed:
 
     @property
     def size(self) -> RequestSize:
-        """``scoring.cost.request_size(self.request)``, computed once."""
+        """``scoring.cost_parts.request_size(self.request)``, computed once."""
         size = self._size
         if size is None:
             size = request_size(self.request)

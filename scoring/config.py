@@ -2,34 +2,81 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KvPolicyConfig(BaseModel):
-    """Every knob of the ``kv`` policy. Costs are in seconds (docs/scoring.md, "The cost")::
+    """Every knob of the ``kv`` policy (docs/scoring.md). Two decision costs, by ``cost_model``:
+
+    ``blocks`` (the default), in KV blocks of the request's block size::
+
+        cost = overlap_credit * prefill_blocks * (1 + footprint term)
+             + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
+
+    ``seconds``::
 
         cost = predicted TTFT + (fleet_factor + cache_factor) * own prefill seconds
 
-    The TTFT model is learned online per worker (``scoring.calibration``); what remains
-    here are its priors, the overlap credit and tier credits, the load blend, the guards and
-    the choice.
+    Whichever decides, each worker's TTFT model is learned online (``scoring.calibration``)
+    and every candidate's predicted TTFT is shown; its priors and window are knobs here.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    cost_model: Literal["blocks", "seconds"] = Field(
+        default="blocks",
+        description=(
+            "The decision cost. blocks: the uncached blocks this request must prefill against "
+            "the worker's weighted load, in KV blocks (measured best on the project's matrix). "
+            "seconds: the worker's predicted TTFT plus what the choice costs the requests "
+            "behind it and the fleet's caches, from the online-calibrated TTFT model. The "
+            "predicted TTFT is learned and shown in /debug/route with either."
+        ),
+    )
     overlap_credit: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1e6,
+        description=(
+            "blocks cost. Stickiness: weight of the blocks this request would have to prefill "
+            "on a worker (its uncached part) against the worker's load. 0 ignores the cache "
+            "entirely (pure load balance); large values follow the cache whatever the load."
+        ),
+    )
+    queued_prefill_weight: float = Field(
+        default=0.33,
+        ge=0.0,
+        description=(
+            "blocks cost. Weight of the prefill work already queued on a worker (blocks of "
+            "prompt not yet prefilled), against overlap_credit for this request's own blocks. "
+            "A new request waits for all of it before its first token; but leaving the cache "
+            "recomputes the prefix, which is paid again by every request that queues behind it "
+            "and by the session's later turns, so a queued block counts about a third of an "
+            "own block."
+        ),
+    )
+    decode_weight: float = Field(
+        default=0.02,
+        ge=0.0,
+        description=(
+            "blocks cost. Weight of the KV blocks held by a worker's running requests. Decode "
+            "load slows a new request's first token far less than queued prefill does, and one "
+            "long running context can hold as many blocks as a whole session prefix, so it "
+            "weighs little; it still spreads new sessions and relieves KV memory pressure."
+        ),
+    )
+    seconds_overlap_credit: float = Field(
         default=1.0,
         ge=0.0,
         le=1.0,
         description=(
-            "How much a worker's cached prefix discounts its predicted prefill: the credited "
-            "blocks (after the tier weights) are scaled by it. 1: the calibrated model as is "
-            "(a cached token costs nothing to prefill); lower values give cache hits less "
-            "weight against load, favouring balance; 0: every worker is predicted to prefill "
-            "the whole prompt (load only). Only the choice changes: the TTFT model still "
-            "learns from what was really prefilled."
+            "seconds cost. How much a worker's cached prefix discounts its predicted prefill: "
+            "the credited blocks (after the tier weights) are scaled by it. 1: the calibrated "
+            "model as is (a cached token costs nothing to prefill); lower values give cache "
+            "hits less weight against load; 0: every worker is predicted to prefill the whole "
+            "prompt (load only). The TTFT model still learns from what was really prefilled."
         ),
     )
 
@@ -59,12 +106,14 @@ class KvPolicyConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description=(
-            "Cache spend (0: off). A worker's footprint is the prompt blocks routed to it "
-            "recently (decayed with footprint_half_life_s) over the candidates' mean; the "
-            "seconds a request prefills there are counted again, times footprint_weight * "
-            "clip(ratio - 1, -0.5, 1): new blocks written into a cache in more demand than "
-            "the fleet's mean evict other sessions' histories, which their next turns "
-            "recompute. Cached blocks write nothing, so sessions keep their home."
+            "Cache-footprint balance (0: off). A worker's footprint is the prompt blocks "
+            "routed to it recently (decayed with footprint_half_life_s) over the candidates' "
+            "mean (ratio). blocks cost: each block a request must prefill there is priced "
+            "overlap_credit * (1 + footprint_weight * clip(ratio - 1, -0.5, 1)). seconds cost: "
+            "its prefill seconds are counted again, times footprint_weight * clip(ratio - "
+            "lowest ratio, 0, 1). New blocks written into a cache in more demand than the "
+            "fleet's evict other sessions' histories; cached blocks write nothing, so sessions "
+            "keep their home."
         ),
     )
     duplicate_weight: float = Field(
@@ -72,7 +121,8 @@ class KvPolicyConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description=(
-            "Cache spend of a second copy (0: off). Of the tokens a worker would prefill, "
+            "seconds cost. Cache spend of a second copy (0: off). Of the tokens a worker "
+            "would prefill, "
             "those another candidate holds cached are written twice in the fleet: the new "
             "copy evicts cached blocks that are reused about as often as the fleet's recent "
             "requests reused theirs (reuse). Their prefill seconds are counted again, times "
@@ -122,7 +172,8 @@ class KvPolicyConfig(BaseModel):
         ge=0.0,
         le=0.95,
         description=(
-            "Cap on the fleet's prefill utilisation rho in the fleet factor rho / (1 - rho) "
+            "seconds cost. Cap on the fleet's prefill utilisation rho in the fleet factor "
+            "rho / (1 - rho) "
             "(0.8: at most 4 requests are expected to wait behind a new one's prefill). "
             "0 turns the fleet term off: each request then minimises its own TTFT."
         ),
@@ -206,16 +257,17 @@ class KvPolicyConfig(BaseModel):
         le=100.0,
         description=(
             "0 picks the lowest cost. Above 0, a worker is sampled with probability "
-            "proportional to exp(-(cost - lowest) / (temperature * full_prefill_s)), "
-            "full_prefill_s being the whole prompt's predicted prefill seconds."
+            "proportional to exp(-(cost - lowest) / (temperature * scale)), the scale being "
+            "the request's blocks (blocks cost) or the whole prompt's predicted prefill "
+            "seconds (seconds cost)."
         ),
     )
     tie_tolerance: float = Field(
         default=1e-6,
         ge=0.0,
         description=(
-            "Costs within this many seconds of the lowest count as tied (then lower in-flight "
-            "wins, then the rendezvous hash of the session key)."
+            "Costs within this much of the lowest (blocks or seconds, by cost_model) count as "
+            "tied (then lower in-flight wins, then the rendezvous hash of the session key)."
         ),
     )
     seed: int | None = Field(

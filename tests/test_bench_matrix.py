@@ -135,3 +135,22 @@ def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) 
     run = compare.RouterRun(compare.BASELINE_TREE, "kvgate kv (baseline tree)")
     with pytest.raises(RuntimeError, match="--baseline-tree"):
         compare._start_router(run, None, config, tmp_path)  # type: ignore[arg-type]
+
+
+def test_the_seconds_router_serves_kv_with_the_cost_in_seconds(tmp_path: Path) -> None:
+    """``kv_seconds`` is kvgate ``kv`` whose ``kvgate serve`` flags choose the cost in
+    seconds (the default cost is the block-unit one), labelled apart from ``kv``."""
+    from bench import compare  # noqa: PLC0415
+    from bench.args import compare_config  # noqa: PLC0415
+    from router import serve  # noqa: PLC0415
+    from router.config import Settings, load_settings  # noqa: PLC0415
+    from router.flags import given_settings  # noqa: PLC0415
+
+    assert compare.router_label(compare.KV_SECONDS) == "kvgate kv (cost in seconds)"
+    args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
+    config = compare_config(args, 16, tmp_path, "t")
+    for name, cost in (("kv", "blocks"), (compare.KV_SECONDS, "seconds")):
+        spec = compare.kvgate_spec(compare.RouterRun(name, name), config)
+        assert spec.policy == "kv"
+        flags = serve.build_parser().parse_args(list(spec.extra_args))
+        assert load_settings(None, given_settings(flags, Settings)).scoring.cost_model == cost

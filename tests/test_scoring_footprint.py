@@ -12,7 +12,9 @@ from backends.registry import WorkerRegistry
 from index.types import WorkerId
 from scoring.api import DEFAULT_TTFT
 from scoring.config import KvPolicyConfig
-from scoring.cost import footprint_ratios, request_size, worker_cost
+from scoring.cost_blocks import worker_cost
+from scoring.cost_parts import footprint_ratios, request_size
+from scoring.cost_seconds import worker_cost as seconds_cost
 from scoring.kv import KvPolicy
 
 ON = KvPolicyConfig(footprint_weight=0.5)
@@ -41,15 +43,30 @@ def test_ratios_are_relative_to_the_mean() -> None:
 
 def test_off_at_weight_zero_and_visible_when_on() -> None:
     size = request_size(req(10))
-    heavy = cand("a", footprint=3.0, ttft=DEFAULT_TTFT)
+    heavy = cand("a", footprint=3.0)
     off = KvPolicyConfig(footprint_weight=0.0)
     assert worker_cost(size, heavy, off, 2.0).cost == worker_cost(size, heavy, off).cost
     cost = worker_cost(size, heavy, ON, 2.0)
     assert cost.terms()["footprint_ratio"] == 2.0
+    # every one of the 10 blocks to prefill is priced 1 + 0.5 * (2 - 1)
+    assert cost.terms()["footprint_cost"] == pytest.approx(0.5 * 10 * (2.0 - 1.0))
+    assert cost.cost == pytest.approx(10 * 1.5)
+
+
+def test_seconds_cost_counts_the_prefill_seconds_again_above_the_floor() -> None:
+    size = request_size(req(10))
+    heavy = cand("a", footprint=3.0)
+    on = KvPolicyConfig(cost_model="seconds", footprint_weight=0.5)
+    cost = seconds_cost(size, heavy, on, 2.0)
+    assert heavy.ttft == DEFAULT_TTFT
     # the 160 tokens to prefill (8 ms at the prior's 20,000 tokens/s) count 0.5 x (2 - 1) more
     assert cost.ttft.prefill_s == pytest.approx(0.008)
     assert cost.terms()["cache_s"] == pytest.approx(0.5 * (2.0 - 1.0) * 0.008)
     assert cost.cost == pytest.approx(0.02 + 0.008 * 1.5)
+    # a session keeps its home with the seconds cost too: cached blocks write nothing
+    alone = [cand("a", gpu=100, footprint=500.0)] + [cand(f"w{i}") for i in range(7)]
+    policy = KvPolicy(on, random.Random(0))
+    assert policy.rank(req(104), alone).ranked[0] == WorkerId("a")
 
 
 def test_a_new_session_goes_where_the_footprint_is_smallest() -> None:
@@ -66,11 +83,10 @@ def test_a_session_keeps_its_home_whatever_the_footprints() -> None:
     alone = [cand("a", gpu=100, footprint=500.0)] + [cand(f"w{i}") for i in range(7)]
     assert footprint_ratios(alone)[0] == pytest.approx(8.0)
     assert policy.rank(req(104), alone).ranked[0] == WorkerId("a")
-    # its terms: ratio 8 counts as 1 above the floor (clipped), the empty workers' 0 is the
-    # floor; home prefills 4 blocks (64 tokens) at 1,000 tokens/s
+    # its terms: ratio 8 counts as 2 (clipped), the empty workers' 0 as 0.5
     scores = {s.worker: s.terms for s in policy.rank(req(104), alone).scores}
-    assert scores[WorkerId("a")]["cache_s"] == pytest.approx(0.5 * 1.0 * 0.064)
-    assert scores[WorkerId("w0")]["cache_s"] == 0.0
+    assert scores[WorkerId("a")]["footprint_cost"] == pytest.approx(0.5 * 4 * 1.0)
+    assert scores[WorkerId("w0")]["footprint_cost"] == pytest.approx(0.5 * 104 * -0.5)
 
 
 def test_a_shared_prefix_does_not_outweigh_a_crowded_cache() -> None:
@@ -78,8 +94,7 @@ def test_a_shared_prefix_does_not_outweigh_a_crowded_cache() -> None:
     for its own blocks at the crowded replica's price, the prefix at none."""
     policy = KvPolicy(ON, random.Random(0))
     workers = [cand("a", gpu=4, footprint=300.0), cand("b", footprint=10.0)]
-    # a: 96 blocks at 1 + 0.5 * (1.94 - 1) = 1.47 times their prefill seconds; b: 100 blocks
-    # at their plain prefill seconds
+    # a: 96 blocks at 1 + 0.5 * (1.94 - 1) = 1.47; b: 100 blocks at 1 + 0.5 * -0.5 = 0.75
     assert policy.rank(req(100), workers).ranked[0] == WorkerId("b")
 
 

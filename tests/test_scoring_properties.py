@@ -1,4 +1,4 @@
-"""Hypothesis properties of the ``kv`` cost and choice."""
+"""Hypothesis properties of the ``kv`` cost (blocks and seconds) and choice."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ from index.types import BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.calibration import TtftParams
 from scoring.config import KvPolicyConfig
-from scoring.cost import FleetView, request_size, worker_cost
+from scoring.cost_blocks import BlockCost
+from scoring.cost_blocks import worker_cost as blocks_cost
+from scoring.cost_parts import RequestSize, request_size
+from scoring.cost_seconds import FleetView, SecondsCost
+from scoring.cost_seconds import worker_cost as seconds_cost
 from scoring.kv import KvPolicy
 
 tier_weights = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=3, max_size=3).map(
@@ -23,7 +27,11 @@ tier_weights = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=3, max
 configs = st.builds(
     lambda tiers, **knobs: KvPolicyConfig(**tiers, **knobs),
     tier_weights,
-    overlap_credit=st.floats(min_value=0.0, max_value=1.0),
+    overlap_credit=st.floats(min_value=0.0, max_value=100.0),
+    queued_prefill_weight=st.floats(min_value=0.0, max_value=10.0),
+    decode_weight=st.floats(min_value=0.0, max_value=10.0),
+    cost_model=st.sampled_from(["blocks", "seconds"]),
+    seconds_overlap_credit=st.floats(min_value=0.0, max_value=1.0),
     footprint_weight=st.floats(min_value=0.0, max_value=1.0),
     max_utilisation=st.floats(min_value=0.0, max_value=0.95),
     eviction_risk_weight=st.floats(min_value=0.0, max_value=1.0),
@@ -81,6 +89,19 @@ def candidate_lists(draw: st.DrawFn) -> list[Candidate]:
         )
         for i in range(n)
     ]
+
+
+def worker_cost(
+    size: RequestSize,
+    candidate: Candidate,
+    config: KvPolicyConfig,
+    ratio: float = 1.0,
+    fleet_factor: float = 0.0,
+) -> BlockCost | SecondsCost:
+    """The cost ``config.cost_model`` decides on, with every term."""
+    if config.cost_model == "seconds":
+        return seconds_cost(size, candidate, config, ratio, FleetView(fleet_factor))
+    return blocks_cost(size, candidate, config, ratio)
 
 
 @given(
@@ -147,13 +168,20 @@ def test_cost_terms_are_sane(
     fleet: float,
 ) -> None:
     candidate = Candidate(WorkerId("w"), "u", load, match, model)
-    cost = worker_cost(request_size(request), candidate, config, ratio, FleetView(fleet))
+    cost = worker_cost(request_size(request), candidate, config, ratio, fleet)
     assert 0 <= cost.credited <= cost.request_blocks + 1e-9
     assert 0 <= cost.prefill_blocks <= cost.request_blocks + 1e-9
     assert cost.match.blocks <= cost.request_blocks
     assert 0 <= cost.overlap_tokens <= max(request.prompt_tokens, 0)
-    assert cost.cost >= cost.ttft.total_s >= 0  # the fleet and cache terms only add
-    assert cost.cost == pytest.approx(cost.ttft.total_s + cost.fleet_s + cost.cache_s)
+    assert cost.cost >= 0
+    # whichever cost decides, the predicted TTFT and its parts are among the terms
+    terms = cost.terms()
+    parts = ("ttft_base_s", "ttft_queue_s", "ttft_prefill_s", "ttft_interference_s")
+    assert terms["ttft_s"] == pytest.approx(sum(terms[p] for p in parts))
+    assert terms["ttft_s"] >= 0
+    if isinstance(cost, SecondsCost):
+        assert cost.cost >= cost.ttft.total_s  # the fleet and cache terms only add
+        assert cost.cost == pytest.approx(cost.ttft.total_s + cost.fleet_s + cost.cache_s)
 
 
 @settings(max_examples=200)
