@@ -44,7 +44,7 @@ from scoring.calibration import (
     attention_pairs,
 )
 from scoring.config import KvPolicyConfig
-from scoring.cost import ttft_features
+from scoring.cost_parts import ttft_features
 
 REUSE_REQUESTS = 32.0
 """Requests a worker's reuse (its recent cache hit share) averages over."""
