@@ -57,8 +57,10 @@ BASELINE_TREE = "kv_baseline"
 """Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
 
 
-KV_SECONDS = "kv_seconds"
-"""Router name of kvgate ``kv`` with the cost in seconds deciding (``--scoring-cost seconds``)."""
+KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
+}
+"""Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 
 
 def router_label(name: str) -> str:
@@ -66,8 +68,8 @@ def router_label(name: str) -> str:
         return PEERS[name].label
     if name == BASELINE_TREE:
         return "kvgate kv (baseline tree)"
-    if name == KV_SECONDS:
-        return "kvgate kv (cost in seconds)"
+    if name in KVGATE_VARIANTS:
+        return f"kvgate {name.replace('_', ' ')}"
     return f"kvgate {name}"
 
 
@@ -131,14 +133,14 @@ def warm_up(url: str, model: str, requests: int, timeout_s: float = 30.0) -> int
 
 def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
     """How ``run`` (a kvgate router) is served: its policy, flags and checkout."""
-    extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
     if run.name == BASELINE_TREE:
         if cfg.baseline_tree is None:
             raise RuntimeError("router kv_baseline needs a baseline tree (--baseline-tree)")
+        extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
         return KvgateSpec("kv", (), extra, cfg.baseline_tree)
-    if run.name == KV_SECONDS:
-        return KvgateSpec("kv", (), ("--scoring-cost", "seconds", *extra))
-    return KvgateSpec(run.name, (), extra)
+    policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
+    args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
+    return KvgateSpec(policy, (), args)
 
 
 def _start_router(

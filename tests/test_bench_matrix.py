@@ -146,10 +146,10 @@ def test_the_seconds_router_serves_kv_with_the_cost_in_seconds(tmp_path: Path) -
     from router.config import Settings, load_settings  # noqa: PLC0415
     from router.flags import given_settings  # noqa: PLC0415
 
-    assert compare.router_label(compare.KV_SECONDS) == "kvgate kv (cost in seconds)"
+    assert compare.router_label("kv_seconds") == "kvgate kv seconds"
     args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
     config = compare_config(args, 16, tmp_path, "t")
-    for name, cost in (("kv", "blocks"), (compare.KV_SECONDS, "seconds")):
+    for name, cost in (("kv", "blocks"), ("kv_seconds", "seconds")):
         spec = compare.kvgate_spec(compare.RouterRun(name, name), config)
         assert spec.policy == "kv"
         flags = serve.build_parser().parse_args(list(spec.extra_args))
