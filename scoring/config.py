@@ -229,9 +229,10 @@ class KvPolicyConfig(BaseModel):
         default=None,
         gt=0,
         description=(
-            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks' and "
-            "publishes it in cache_config_info, which wins), to turn the scraped KV usage into "
-            "decode context tokens. None: scraped KV usage only feeds the busy guard."
+            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks'), to "
+            "turn the scraped KV usage into decode blocks (blocks cost) or context tokens "
+            "(seconds cost and the TTFT model, where vLLM's published cache_config_info "
+            "wins). None: scraped KV usage only feeds the busy guard and the eviction risk."
         ),
     )
     max_waiting_requests: int | None = Field(
