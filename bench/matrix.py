@@ -288,18 +288,18 @@ def _router_cell(rc: RouterCell | None) -> str:
         return "–"
     lo, hi = rc.spread("ttft_p99_s")
     return (
-        f"{_s(rc.median('ttft_p99_s'))} [{_s(lo)}–{_s(hi)}] / {rc.median('hit_rate'):.3f}"
-        f" (n={len(rc.runs)})"
+        f"{_s(rc.median('ttft_p99_s'))} [{_s(lo)}–{_s(hi)}] / {_s(rc.median('ttft_p50_s'))} / "
+        f"{rc.median('hit_rate'):.3f} (n={len(rc.runs)})"
     )
 
 
 def cell_table(results: Sequence[CellResult]) -> str:
-    """One row per cell: kvgate's and every peer's median p99 TTFT [range] / hit rate, the
-    references, and the aims met or missed."""
+    """One row per cell: kvgate's and every peer's median p99 TTFT [range] / median p50 /
+    hit rate, the references, and the aims met or missed."""
     routers = [r.router for r in results[0].routers] if results else list(ROUTERS)
     head = (
         "| cell | what varies | req | "
-        + " | ".join(f"{router_label(r)}: p99 s [range] / hit" for r in routers)
+        + " | ".join(f"{router_label(r)}: p99 s [range] / p50 s / hit" for r in routers)
         + " | floor p99 s | oracle / pooled LRU hit | aims met | aims missed |\n"
         + "|---" * (7 + len(routers))
         + "|\n"

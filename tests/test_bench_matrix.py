@@ -86,7 +86,7 @@ def test_table_plot_and_resume(tmp_path: Path) -> None:
     table = matrix.write_matrix(results, cfg)
     lines = table.splitlines()
     assert len({line.count("|") for line in lines}) == 1  # header, rule and rows line up
-    assert "1.00 [0.90–3.00] / 0.800 (n=3)" in table
+    assert "1.00 [0.90–3.00] / 0.25 / 0.800 (n=3)" in table  # p99 [range] / p50 / hit
     assert (tmp_path / "matrix.png").stat().st_size > 0
     assert (tmp_path / "matrix.json").stat().st_size > 0
     # a run already on disk is read back, not run again
