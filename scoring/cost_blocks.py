@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from index.types import PrefixMatch, WorkerId
 from scoring.api import Candidate, WorkerLoad
-from scoring.calibration import TtftEstimate, TtftParams
 from scoring.config import KvPolicyConfig
 from scoring.cost_parts import (
     BlendedLoad,
+    CostRecord,
     RequestSize,
     blend,
     blended,
@@ -30,46 +29,24 @@ from scoring.cost_parts import (
     queued_token_parts,
     tier_credit,
     ttft_features,
-    ttft_terms,
 )
 
 
 @dataclass(frozen=True, slots=True)
-class BlockCost:
-    """Every term behind one worker's block-unit cost (all visible through ``terms()``)."""
+class BlockCost(CostRecord):
+    """Every term behind one worker's block-unit cost (all visible through ``terms()``); its
+    predicted TTFT is shown, not deciding."""
 
-    worker: WorkerId
-    match: PrefixMatch  # clipped to the request's blocks
-    request_blocks: int
-    overlap_tokens: int
-    uncached_tokens: int
-    credited: float
-    cache_survival: float  # expected share of the match still cached when the request runs
-    prefill_blocks: float
     queued_prefill: BlendedLoad
     decode: BlendedLoad
     load_blocks: float
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
     footprint_cost: float
-    cost: float
-    in_flight: int
-    busy: str | None  # why the worker is busy, or None
-    params: TtftParams  # the worker's learned TTFT model
-    ttft: TtftEstimate  # its prediction for this request there (shown, not deciding)
 
     def terms(self) -> dict[str, float]:
         """The named terms, for /debug/route and the decision log line."""
-        terms: dict[str, float] = {
-            "gpu_blocks": float(self.match.gpu),
-            "cpu_blocks": float(self.match.cpu),
-            "disk_blocks": float(self.match.disk),
-            "matched_blocks": float(self.match.blocks),
-            "overlap_tokens": float(self.overlap_tokens),
-            "uncached_tokens": float(self.uncached_tokens),
-            "request_blocks": float(self.request_blocks),
-            "credited": self.credited,
-            "cache_survival": self.cache_survival,
-            "prefill_blocks": self.prefill_blocks,
+        terms = self.common_terms()
+        terms |= {
             "predicted_queued_prefill_blocks": self.queued_prefill.predicted,
             "queued_prefill_blocks": self.queued_prefill.blended,
             "predicted_decode_blocks": self.decode.predicted,
@@ -77,10 +54,6 @@ class BlockCost:
             "load_blocks": self.load_blocks,
             "footprint_ratio": self.footprint_ratio,
             "footprint_cost": self.footprint_cost,
-            "cost": self.cost,
-            "in_flight": float(self.in_flight),
-            "busy": 1.0 if self.busy else 0.0,
-            **ttft_terms(self.ttft, self.params),
         }
         if self.queued_prefill.scraped is not None:
             terms["scraped_queued_prefill_blocks"] = self.queued_prefill.scraped

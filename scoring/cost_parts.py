@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from index.types import PrefixMatch
+from index.types import PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.calibration import TtftEstimate, TtftFeatures, TtftParams, attention_pairs
 from scoring.config import KvPolicyConfig
@@ -24,6 +24,45 @@ class BlendedLoad:
     predicted: float
     scraped: float | None
     blended: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostRecord:
+    """What every cost records of one worker, whichever cost it is: the match and what it
+    credits, the predicted TTFT there (shown with either cost), the cost and the guard."""
+
+    worker: WorkerId
+    match: PrefixMatch  # clipped to the request's blocks
+    request_blocks: int
+    overlap_tokens: int
+    uncached_tokens: int
+    credited: float  # matched blocks credited (tier weights, eviction risk)
+    cache_survival: float  # expected share of the match still cached when the request runs
+    prefill_blocks: float
+    params: TtftParams  # the worker's learned TTFT model
+    ttft: TtftEstimate  # its prediction for this request there
+    cost: float
+    in_flight: int
+    busy: str | None  # why the worker is busy, or None
+
+    def common_terms(self) -> dict[str, float]:
+        """The named terms every cost has (its own follow in its ``terms()``)."""
+        return {
+            "gpu_blocks": float(self.match.gpu),
+            "cpu_blocks": float(self.match.cpu),
+            "disk_blocks": float(self.match.disk),
+            "matched_blocks": float(self.match.blocks),
+            "overlap_tokens": float(self.overlap_tokens),
+            "uncached_tokens": float(self.uncached_tokens),
+            "request_blocks": float(self.request_blocks),
+            "credited": self.credited,
+            "cache_survival": self.cache_survival,
+            "prefill_blocks": self.prefill_blocks,
+            **ttft_terms(self.ttft, self.params),
+            "cost": self.cost,
+            "in_flight": float(self.in_flight),
+            "busy": 1.0 if self.busy else 0.0,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from index.types import PrefixMatch, WorkerId
+from index.types import PrefixMatch
 from scoring.api import Candidate, WorkerLoad
-from scoring.calibration import TtftEstimate, TtftFeatures, TtftParams, attention_pairs
+from scoring.calibration import TtftEstimate, TtftFeatures, attention_pairs
 from scoring.config import KvPolicyConfig
 from scoring.cost_parts import (
     BlendedLoad,
+    CostRecord,
     RequestSize,
     blend,
     blended,
@@ -33,26 +34,15 @@ from scoring.cost_parts import (
     queued_token_parts,
     tier_credit,
     ttft_features,
-    ttft_terms,
 )
 
 
 @dataclass(frozen=True, slots=True)
-class SecondsCost:
+class SecondsCost(CostRecord):
     """Every term behind one worker's cost in seconds (all visible through ``terms()``)."""
 
-    worker: WorkerId
-    match: PrefixMatch  # clipped to the request's blocks
-    request_blocks: int
-    overlap_tokens: int
-    uncached_tokens: int
-    credited: float  # matched blocks credited (tier weights, eviction risk)
-    cache_survival: float  # expected share of the match still cached when the request runs
-    prefill_blocks: float
     queued: BlendedLoad  # prefill tokens queued ahead
     context: BlendedLoad  # tokens held by running requests
-    params: TtftParams
-    ttft: TtftEstimate
     fleet_factor: float  # requests expected to wait behind this one's prefill
     fleet_s: float
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
@@ -61,28 +51,15 @@ class SecondsCost:
     reuse: float  # the fleet's recent cache reuse (cached / prompt tokens routed)
     cache_duplicate_s: float
     cache_s: float
-    cost: float
-    in_flight: int
-    busy: str | None  # why the worker is busy, or None
 
     def terms(self) -> dict[str, float]:
         """The named terms, for /debug/route and the decision log line."""
-        terms: dict[str, float] = {
-            "gpu_blocks": float(self.match.gpu),
-            "cpu_blocks": float(self.match.cpu),
-            "disk_blocks": float(self.match.disk),
-            "matched_blocks": float(self.match.blocks),
-            "overlap_tokens": float(self.overlap_tokens),
-            "uncached_tokens": float(self.uncached_tokens),
-            "request_blocks": float(self.request_blocks),
-            "credited": self.credited,
-            "cache_survival": self.cache_survival,
-            "prefill_blocks": self.prefill_blocks,
+        terms = self.common_terms()
+        terms |= {
             "predicted_queued_tokens": self.queued.predicted,
             "queued_tokens": self.queued.blended,
             "predicted_context_tokens": self.context.predicted,
             "context_tokens": self.context.blended,
-            **ttft_terms(self.ttft, self.params),
             "fleet_factor": self.fleet_factor,
             "fleet_s": self.fleet_s,
             "footprint_ratio": self.footprint_ratio,
@@ -91,9 +68,6 @@ class SecondsCost:
             "reuse": self.reuse,
             "cache_duplicate_s": self.cache_duplicate_s,
             "cache_s": self.cache_s,
-            "cost": self.cost,
-            "in_flight": float(self.in_flight),
-            "busy": 1.0 if self.busy else 0.0,
         }
         if self.queued.scraped is not None:
             terms["scraped_queued_tokens"] = self.queued.scraped
