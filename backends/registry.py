@@ -2,19 +2,23 @@
 
 Load is accounted per request with a ``LoadTicket``::
 
-    ticket = registry.begin(worker_id, prompt_tokens, blocks)
+    ticket = registry.begin(worker_id, uncached_tokens, blocks, block_size)
     try:
         ...                   # send, wait for the first token
-        ticket.first_token()  # the prompt's pending prefill is done
+        ticket.first_token()  # the prompt's pending prefill is done (its TTFT measured)
         ...                   # stream the rest
+        ticket.complete(prompt_tokens, cached_tokens)  # answered: the engine's usage
     finally:
-        ticket.finish()       # in-flight and decode blocks released (idempotent)
+        ticket.finish()       # in-flight and decode blocks released (idempotent); a
+                              # completed, measured request teaches the TTFT model
 
 These counters are kvgate's *predicted* load; the health checker adds what it scrapes from
-each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``. Whoever
-waits for a worker to free up (the router-side queue) registers with ``watch_load`` and is
-called when load is released (a first token, a request's end), a scrape lands or a worker
-becomes healthy.
+each engine's /metrics (``Worker.scraped``). Both feed ``scoring.api.WorkerLoad``. The
+registry also owns each worker's online TTFT model (``scoring.calibration``): what a ticket
+saw at dispatch and its measured time to first token are its observations. Whoever waits for
+a worker to free up (the router-side queue) registers with ``watch_load`` and is called when
+load is released (a first token, a request's end), a scrape lands or a worker becomes
+healthy.
 
 The registry is the one list of workers: whoever needs to follow it (the KV index) subscribes
 (``subscribe``) and is told of every worker added, removed or changing health.
@@ -26,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backends.config import HealthConfig, WorkerConfig, normalise_url
@@ -35,6 +39,20 @@ from backends.errors import WorkerExists, WorkerNotFound
 from index.api import Endpoints, EngineWorker, WorkerListener
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from scoring.api import Candidate, WorkerLoad
+from scoring.calibration import (
+    MAX_TOKENS,
+    BusyShare,
+    LearningConfig,
+    TtftCalibrator,
+    TtftFeatures,
+    TtftParams,
+    attention_pairs,
+)
+from scoring.config import KvPolicyConfig
+from scoring.cost_parts import ttft_features
+
+REUSE_REQUESTS = 32.0
+"""Requests a worker's reuse (its recent cache hit share) averages over."""
 
 log = logging.getLogger("kvgate.registry")
 _FOOTPRINT_REBASE_EXPONENT = 256.0
@@ -52,8 +70,12 @@ class Worker:
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # /v1/models entries
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    pending_prefill_pairs: float = 0.0  # attention pairs of that pending prefill
+    pending_requests: int = 0  # sent and not started (no first token yet)
     active_decode_blocks: int = 0
     footprint: float = 0.0  # see WorkerRegistry.record_footprint
+    reuse: float = 0.0  # see WorkerRegistry.record_reuse
+    prefill_busy: BusyShare | None = None  # share of time with a pending request
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     facts: EngineFacts = field(default_factory=EngineFacts)  # as the engine declares them
     events_block_size: int | None = None  # the block size its KV events carry, when seen
@@ -90,16 +112,22 @@ class Worker:
         parent = self.model_cards.get(model, {}).get("parent")
         return parent if isinstance(parent, str) and parent else None
 
-    def load(self) -> WorkerLoad:
-        """The worker's load now (an immutable snapshot)."""
+    def load(self, now: float | None = None) -> WorkerLoad:
+        """The worker's load (an immutable snapshot); its busy share at ``now`` (to the
+        hundredth, so that snapshots are reused while nothing else changes)."""
+        busy = self.prefill_busy
+        share = 0.0 if busy is None or now is None else round(busy.at(now), 2)
         last = self._load
         if (
             last is not None
             and self._load_scraped is self.scraped
             and last.in_flight == self.in_flight
             and last.pending_prefill_tokens == self.pending_prefill_tokens
+            and last.pending_prefill_pairs == self.pending_prefill_pairs
             and last.active_decode_blocks == self.active_decode_blocks
             and last.footprint == self.footprint
+            and last.reuse == self.reuse
+            and last.prefill_busy_share == share
         ):
             return last
         scraped = self.scraped
@@ -107,22 +135,40 @@ class Worker:
         self._load = WorkerLoad(
             in_flight=self.in_flight,
             pending_prefill_tokens=self.pending_prefill_tokens,
+            pending_prefill_pairs=self.pending_prefill_pairs,
             active_decode_blocks=self.active_decode_blocks,
             scraped_running=scraped.running,
             scraped_waiting=scraped.waiting,
             scraped_kv_usage=scraped.kv_usage,
             kv_capacity_blocks=scraped.kv_capacity_blocks,
             footprint=self.footprint,
+            prefill_busy_share=share,
+            reuse=self.reuse,
         )
         return self._load
 
-    def candidate(self, match: PrefixMatch = NO_MATCH) -> Candidate:
-        """The worker as a routing candidate with its current load and ``match``."""
-        load = self.load()
+    def candidate(
+        self,
+        match: PrefixMatch = NO_MATCH,
+        ttft: TtftParams | None = None,
+        now: float | None = None,
+    ) -> Candidate:
+        """The worker as a routing candidate with its current load, ``match`` and TTFT model
+        (none given: the default prior)."""
+        load = self.load(now)
         last = self._candidate
-        if last is not None and last.load is load and last.match is match and last.url is self.url:
+        if (
+            last is not None
+            and last.load is load
+            and last.match is match
+            and last.url is self.url
+            and (ttft is None or last.ttft is ttft)
+        ):
             return last
-        self._candidate = Candidate(worker=self.id, url=self.url, load=load, match=match)
+        if ttft is None:
+            self._candidate = Candidate(worker=self.id, url=self.url, load=load, match=match)
+        else:
+            self._candidate = Candidate(self.id, self.url, load, match, ttft)
         return self._candidate
 
     def engine_view(self) -> EngineWorker:
@@ -160,6 +206,7 @@ class Worker:
             "problems": dict(self.problems),
             "in_flight": self.in_flight,
             "pending_prefill_tokens": self.pending_prefill_tokens,
+            "pending_requests": self.pending_requests,
             "active_decode_blocks": self.active_decode_blocks,
             "scraped": {
                 "running": self.scraped.running,
@@ -172,52 +219,119 @@ class Worker:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class TtftObservation:
+    """One finished request's predicted and measured time to first token (seconds)."""
+
+    worker: Worker
+    predicted_s: float
+    measured_s: float
+    learned: bool  # False when the calibrator refused it (implausible, or no room)
+
+
 class LoadTicket:
     """One request's share of a worker's predicted load; every release is idempotent."""
 
-    __slots__ = ("_blocks", "_finished", "_on_release", "_prefill_done", "_prompt_tokens", "worker")
+    __slots__ = (
+        "_blocks",
+        "_completed",
+        "_features",
+        "_finished",
+        "_pairs",
+        "_predicted_s",
+        "_prefill_done",
+        "_prompt_tokens",
+        "_registry",
+        "_sent_at",
+        "_ttft_s",
+        "worker",
+    )
 
     def __init__(
         self,
+        registry: WorkerRegistry,
         worker: Worker,
+        *,
         prompt_tokens: int,
         blocks: int,
-        on_release: Callable[[], None] | None = None,
+        features: TtftFeatures,
+        predicted_s: float,
     ) -> None:
         self.worker = worker
-        self._on_release = on_release
+        self._registry = registry
         self._prompt_tokens = prompt_tokens
         self._blocks = blocks
+        self._features = features
+        self._pairs = features.own_pairs
+        self._predicted_s = predicted_s
+        self._sent_at = registry.now()
+        self._ttft_s: float | None = None
+        self._completed = False
         self._prefill_done = False
         self._finished = False
         worker.in_flight += 1
         worker.pending_prefill_tokens += prompt_tokens
+        worker.pending_prefill_pairs += features.own_pairs
         worker.active_decode_blocks += blocks
+        worker.pending_requests += 1
+        if worker.pending_requests == 1 and worker.prefill_busy is not None:
+            worker.prefill_busy.set(self._sent_at, busy=True)
 
     @property
     def finished(self) -> bool:
         return self._finished
 
-    def first_token(self) -> None:
-        """The first token came back: the prompt is no longer pending prefill."""
-        if not self._prefill_done:
-            self._prefill_done = True
-            self.worker.pending_prefill_tokens -= self._prompt_tokens
-            if self._on_release is not None and not self._finished:
-                self._on_release()
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self._predicted_s
 
-    def finish(self) -> None:
-        """The request is over (done, failed or cancelled): release everything."""
-        if self._finished:
+    def first_token(self, *, measured: bool = True) -> None:
+        """The first token came back: the prompt is no longer pending prefill.
+
+        ``measured``: this is the moment the first token arrived (a stream's first chunk),
+        so the time since dispatch is the request's TTFT; not for a whole body read at once.
+        """
+        if self._prefill_done:
             return
-        self._finished = True  # before first_token: one release call, below
-        if not self._prefill_done:
-            self._prefill_done = True
-            self.worker.pending_prefill_tokens -= self._prompt_tokens
+        self._prefill_done = True
+        worker = self.worker
+        worker.pending_prefill_tokens -= self._prompt_tokens
+        worker.pending_requests -= 1
+        worker.pending_prefill_pairs = (
+            max(worker.pending_prefill_pairs - self._pairs, 0.0) if worker.pending_requests else 0.0
+        )
+        now = self._registry.now()
+        if measured:
+            self._ttft_s = now - self._sent_at
+        if worker.pending_requests == 0 and worker.prefill_busy is not None:
+            worker.prefill_busy.set(now, busy=False)
+        if not self._finished:  # (finish tells the watchers once, itself)
+            self._registry.load_changed()
+
+    def complete(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """The request was answered in full; the engine's usage, when it reported it, says
+        what was really prefilled (the TTFT model learns from that, not the prediction)."""
+        self._completed = True
+        if prompt_tokens is not None and cached_tokens is not None:
+            uncached = float(max(min(prompt_tokens - cached_tokens, MAX_TOKENS), 0))
+            pairs = attention_pairs(uncached, float(min(max(prompt_tokens, 0), MAX_TOKENS)))
+            self._features = replace(self._features, uncached_tokens=uncached, own_pairs=pairs)
+
+    def finish(self) -> TtftObservation | None:
+        """The request is over (done, failed or cancelled): release everything. Returns the
+        TTFT observation when the request was answered and its first token timed."""
+        if self._finished:
+            return None
+        self._finished = True
+        self.first_token(measured=False)
         self.worker.in_flight -= 1
         self.worker.active_decode_blocks -= self._blocks
-        if self._on_release is not None:
-            self._on_release()
+        self._registry.load_changed()
+        if not self._completed or self._ttft_s is None or self.worker.removed:
+            return None
+        return self._registry.observe_ttft(
+            self.worker, self._features, self._predicted_s, self._ttft_s
+        )
 
 
 class WorkerRegistry:
@@ -227,7 +341,8 @@ class WorkerRegistry:
         self,
         health: HealthConfig | None = None,
         *,
-        footprint_half_life_s: float = 60.0,
+        scoring: KvPolicyConfig | None = None,
+        footprint_half_life_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         explicit_block_size: Callable[[str], int | None] | None = None,
     ) -> None:
@@ -235,7 +350,8 @@ class WorkerRegistry:
         not set; the engines' own is adopted)."""
         self._health = health or HealthConfig()
         self._explicit_block_size = explicit_block_size or (lambda model: None)
-        self._footprint_half_life_s = footprint_half_life_s
+        self._scoring = scoring = scoring or KvPolicyConfig()
+        self._footprint_half_life_s = footprint_half_life_s or scoring.footprint_half_life_s
         self._clock = clock
         self._footprint_epoch = clock()
         self._workers: dict[WorkerId, Worker] = {}
@@ -243,12 +359,21 @@ class WorkerRegistry:
         self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
         self._adapter_bases: dict[str, str] = {}
         self._load_watchers: list[Callable[[], None]] = []
+        self.calibrator = TtftCalibrator(
+            TtftParams.prior(scoring.prior_prefill_tokens_per_s, scoring.prior_base_s),
+            prior_weight=scoring.calibration_prior_weight,
+            learning=LearningConfig(window=scoring.calibration_window),
+        )
+
+    def now(self) -> float:
+        return self._clock()
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
         if config.id in self._workers:
             raise WorkerExists(config.id)
         worker = Worker(config=config, adapter=adapter_for(config.engine))
+        worker.prefill_busy = BusyShare(self._scoring.utilisation_half_life_s, self._clock())
         if config.models is not None:
             worker.set_models(
                 {m: {"id": m, "object": "model", "owned_by": "kvgate"} for m in config.models}
@@ -262,6 +387,7 @@ class WorkerRegistry:
         worker = self.get(worker_id)
         del self._workers[worker.id]
         self._index_adapters()
+        self.calibrator.forget(worker.id)
         worker.removed = True
         worker.healthy = False
         for listener in list(self._listeners):
@@ -322,11 +448,12 @@ class WorkerRegistry:
         self, model: str, matches: Mapping[WorkerId, PrefixMatch] | None = None
     ) -> list[Candidate]:
         """Ready workers serving ``model``, each with its entry of ``matches`` (the index's
-        prefix matches; none given: ``NO_MATCH``)."""
-        if not matches:
-            return [w.candidate() for w in self._workers.values() if w.ready and model in w.models]
+        prefix matches; none given: ``NO_MATCH``) and its learned TTFT model."""
+        now = self._clock()
+        params = self.calibrator.params
+        matches = matches or {}
         return [
-            w.candidate(matches.get(w.id, NO_MATCH))
+            w.candidate(matches.get(w.id, NO_MATCH), params(w.id), now)
             for w in self._workers.values()
             if w.ready and model in w.models
         ]
@@ -421,12 +548,70 @@ class WorkerRegistry:
                     listener.worker_health_changed(view)
 
     # -- load -------------------------------------------------------------------------
-    def begin(self, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> LoadTicket:
-        """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens) are pending
-        prefill until its first token; ``blocks`` are active decode blocks until it ends."""
+    def begin(
+        self,
+        worker_id: WorkerId,
+        prefill_tokens: int,
+        blocks: int,
+        block_size: int = 16,
+        prompt_tokens: int | None = None,
+    ) -> LoadTicket:
+        """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens, of
+        ``prompt_tokens``) are pending prefill until its first token; ``blocks`` (of
+        ``block_size`` tokens) are active decode blocks until it ends. Its TTFT is predicted
+        from the load it finds."""
         worker = self.get(worker_id)
         self.record_footprint(worker, blocks)
-        return LoadTicket(worker, prefill_tokens, blocks, self.load_changed)
+        prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
+        self.record_reuse(worker, prefill_tokens, prompt)
+        return self._ticket(worker, prefill_tokens, blocks, block_size, prompt)
+
+    def reserve(
+        self,
+        worker_id: WorkerId,
+        prefill_tokens: int,
+        blocks: int,
+        block_size: int = 16,
+        prompt_tokens: int | None = None,
+    ) -> LoadTicket:
+        """Count the load of a request about to be sent (the router-side queue's hold on
+        the worker it dispatched to) as ``begin`` does, without its footprint and reuse:
+        ``begin`` records those when the request is sent. Never completed: it teaches
+        nothing."""
+        prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
+        return self._ticket(self.get(worker_id), prefill_tokens, blocks, block_size, prompt)
+
+    def _ticket(
+        self, worker: Worker, prefill_tokens: int, blocks: int, block_size: int, prompt: int
+    ) -> LoadTicket:
+        load = worker.load(self._clock())
+        features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
+        predicted = self.calibrator.params(worker.id).predict(features).total_s
+        return LoadTicket(
+            self,
+            worker,
+            prompt_tokens=prefill_tokens,
+            blocks=blocks,
+            features=features,
+            predicted_s=predicted,
+        )
+
+    def observe_ttft(
+        self, worker: Worker, features: TtftFeatures, predicted_s: float, measured_s: float
+    ) -> TtftObservation:
+        """A finished request's measured TTFT: the worker's model learns from it."""
+        learned = self.calibrator.observe(worker.id, features, measured_s)
+        self.calibrator.record_error(worker.id, predicted_s, measured_s)
+        return TtftObservation(worker, predicted_s, measured_s, learned)
+
+    @staticmethod
+    def record_reuse(worker: Worker, prefill_tokens: int, prompt_tokens: int) -> None:
+        """Fold one routed request's predicted hit (its cached share) into the worker's
+        reuse, an exponentially weighted mean over about ``REUSE_REQUESTS`` requests."""
+        if prompt_tokens <= 0:
+            return
+        hit = min(max(1.0 - prefill_tokens / prompt_tokens, 0.0), 1.0)
+        worker.reuse += (hit - worker.reuse) / REUSE_REQUESTS
 
     def record_footprint(self, worker: Worker, blocks: int) -> None:
         """Add a routed prompt's ``blocks`` to the worker's decayed footprint.

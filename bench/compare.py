@@ -53,8 +53,13 @@ ALL_ROUTERS = (
 )
 
 
+BASELINE_TREE = "kv_baseline"
+"""Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
+
+
 KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_noqueue": ("kv", ("--no-queue-enabled",)),  # kv without the router-side queue
+    "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 
@@ -62,6 +67,8 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 def router_label(name: str) -> str:
     if name in PEERS:
         return PEERS[name].label
+    if name == BASELINE_TREE:
+        return "kvgate kv (baseline tree)"
     if name in KVGATE_VARIANTS:
         return f"kvgate {name.replace('_', ' ')}"
     return f"kvgate {name}"
@@ -77,7 +84,7 @@ class RouterRun:
 
 
 def kv_knob_args(knobs: Sequence[tuple[str, str]]) -> tuple[str, ...]:
-    """kv policy knobs as ``kvgate serve`` flags (``--scoring-overlap-credit 2``)."""
+    """kv policy knobs as ``kvgate serve`` flags (``--scoring-footprint-weight 1``)."""
     out: list[str] = []
     for name, value in knobs:
         out += [f"--scoring-{name.replace('_', '-')}", value]
@@ -92,6 +99,7 @@ class CompareConfig:
     title: str
     trace_block_tokens: int = 512
     kvgate_extra_args: tuple[str, ...] = ()
+    baseline_tree: Path | None = None  # the checkout router "kv_baseline" runs from
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -124,15 +132,24 @@ def warm_up(url: str, model: str, requests: int, timeout_s: float = 30.0) -> int
     return ok
 
 
+def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
+    """How ``run`` (a kvgate router) is served: its policy, flags and checkout."""
+    if run.name == BASELINE_TREE:
+        if cfg.baseline_tree is None:
+            raise RuntimeError("router kv_baseline needs a baseline tree (--baseline-tree)")
+        extra = (*kv_knob_args(run.knobs), *cfg.kvgate_extra_args)
+        return KvgateSpec("kv", (), extra, cfg.baseline_tree)
+    policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
+    args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
+    return KvgateSpec(policy, (), args)
+
+
 def _start_router(
     run: RouterRun, fleet: SimFleet, cfg: CompareConfig, log_dir: Path
 ) -> tuple[ManagedProcess, str]:
     if run.name in PEERS:
         return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
-    policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
-    args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
-    spec = KvgateSpec(policy, (), args)
-    return start_kvgate(spec, fleet, log_dir)
+    return start_kvgate(kvgate_spec(run, cfg), fleet, log_dir)
 
 
 ROUTER_METRICS = ("kvgate_queue_entered_total", "kvgate_queue_rejected_total")

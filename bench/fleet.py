@@ -13,7 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http
+import httpx
+
+from backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http, wait_until
 from backends.sim import cli as sim_cli
 from backends.sim.config import SimConfig
 from backends.sim.tokenizer import tokenizer_dir
@@ -78,6 +80,70 @@ def system_cpu_times() -> tuple[float, float]:
     idle = values[3] + (values[4] if len(values) > 4 else 0)
     total = sum(values[:8])
     return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+# --- ports and readiness ------------------------------------------------------------------
+
+
+def bench_port_range(count: int, start: int, stride: int = 1) -> int:
+    """Free loopback ports for a benchmark (``backends.process.free_port_range``), the search
+    started at an offset of ``start`` that depends on this process's id, so that benchmarks
+    run side by side on one machine do not all race for the same first ports."""
+    offset = (os.getpid() % 64) * 16 * max(count * stride, 1)
+    if start + offset + count * stride < 60000:
+        start += offset
+    return free_port_range(count, start=start, stride=stride)
+
+
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) <= 9 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def owns_listener(pid: int, port: int) -> bool:
+    """Does ``pid`` (or one of its descendants) hold the socket listening on ``port``?"""
+    wanted = {f"socket:[{inode}]" for inode in listening_inodes(port)}
+    if not wanted:
+        return False
+    for each in (pid, *descendants(pid)):
+        try:
+            fds = list(Path(f"/proc/{each}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if str(fd.readlink()) in wanted:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def wait_own_http(url: str, timeout_s: float, proc: ChildProcess) -> None:
+    """``wait_http`` that counts the answer only once ``proc`` itself listens on the URL's
+    port: on a shared machine another process can take a port that looked free when it was
+    picked (the process under test then fails to bind while the other one answers)."""
+    wait_http(url, timeout_s, proc)
+    port = httpx.URL(url).port
+    if port is not None:
+        wait_until(
+            lambda: owns_listener(proc.pid, port),
+            timeout_s,
+            f"{proc.name} listening on port {port} (another process answers there)",
+            watch=(proc,),
+        )
 
 
 # --- managed processes --------------------------------------------------------------------
@@ -183,15 +249,15 @@ def sim_config(spec: FleetSpec) -> SimConfig:
 
 def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimFleet:
     """Start the simulated fleet on free loopback ports and wait until every replica is up."""
-    http_port = free_port_range(spec.replicas, start=21000)
-    events_port = free_port_range(2 * spec.replicas, start=25000)
+    http_port = bench_port_range(spec.replicas, start=21000)
+    events_port = bench_port_range(2 * spec.replicas, start=25000)
     proc = ManagedProcess(
         "sim", sim_argv(spec, http_port, events_port), log_dir / "sim.log"
     ).start()
     fleet = SimFleet(spec, http_port, events_port, proc)
     try:
         for url in fleet.urls:
-            wait_http(f"{url}/health", timeout_s, proc)
+            wait_own_http(f"{url}/health", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         fleet.stop()
         raise
@@ -204,8 +270,11 @@ def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimF
 @dataclass(frozen=True, slots=True)
 class KvgateSpec:
     policy: str
-    env: tuple[tuple[str, str], ...] = ()  # e.g. KVGATE_KV__OVERLAP_CREDIT
+    env: tuple[tuple[str, str], ...] = ()  # e.g. KVGATE_SCORING__FOOTPRINT_WEIGHT
     extra_args: tuple[str, ...] = ()
+    tree: Path | None = None
+    """Run kvgate from this checkout instead of this one (an older commit, side by side):
+    ``python -m router.cli`` started in it imports its packages first."""
 
 
 def kvgate_serve_argv(
@@ -226,16 +295,17 @@ def kvgate_serve_argv(
 def start_kvgate(
     spec: KvgateSpec, fleet: SimFleet, log_dir: Path, timeout_s: float = 60.0
 ) -> tuple[ManagedProcess, str]:
-    port = free_port_range(1, start=18000)
+    port = bench_port_range(1, start=18000)
     proc = ManagedProcess(
         f"kvgate-{spec.policy}",
         kvgate_serve_argv(spec, fleet, port),
         log_dir / f"kvgate-{spec.policy}.log",
         env=dict(spec.env),
+        cwd=spec.tree,
     ).start()
     url = f"http://{LOOPBACK}:{port}"
     try:
-        wait_http(f"{url}/ready", timeout_s, proc)
+        wait_own_http(f"{url}/ready", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         proc.stop()
         raise

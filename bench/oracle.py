@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backends.sim.config import SimConfig, TimingConfig
+from backends.sim.config import SimConfig, StartupFaults, TimingConfig
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
 from bench.traces import TRACE_BLOCK_TOKENS, TraceRequest
 
@@ -124,19 +124,26 @@ def _prefix_reuse(
 
 
 def idle_prefill_seconds(
-    prompt_tokens: int, cached_tokens: int, timing: TimingConfig, max_batched_tokens: int
+    prompt_tokens: int,
+    cached_tokens: int,
+    timing: TimingConfig,
+    max_batched_tokens: int,
+    faults: StartupFaults | None = None,
 ) -> float:
     """Time to first token of a request alone on an idle simulated replica.
 
     Its uncached tokens (at least one, as in vLLM) are prefilled in chunks of
-    ``max_batched_tokens``, each step timed by the simulator's own model; the first token
-    comes with the step that completes the prompt.
+    ``max_batched_tokens``, each step timed by the simulator's own model (with the fleet's
+    start-up ``slowdown`` and ``prefill_slowdown``); the first token comes with the step that
+    completes the prompt. Alone, a serial-prefill replica is a chunked one.
     """
+    faults = faults or StartupFaults()
     done = min(cached_tokens, max(0, prompt_tokens - 1))
     seconds = 0.0
     while done < prompt_tokens:
         n = min(max_batched_tokens, prompt_tokens - done)
-        seconds += step_seconds(StepWork(tokens=n, prefill_pairs=prefill_pairs(done, n)), timing)
+        work = StepWork(tokens=n, prefill_tokens=n, prefill_pairs=prefill_pairs(done, n))
+        seconds += step_seconds(work, timing, faults.slowdown, faults.prefill_slowdown)
         done += n
     return seconds
 
@@ -148,6 +155,6 @@ def ttft_floor(result: OracleResult, sim: SimConfig) -> list[float]:
     block = sim.engine.block_size
     batched = sim.engine.max_num_batched_tokens
     return [
-        idle_prefill_seconds(prompt, hit - hit % block, sim.timing, batched)
+        idle_prefill_seconds(prompt, hit - hit % block, sim.timing, batched, sim.faults)
         for prompt, hit in result.per_request
     ]

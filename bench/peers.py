@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.process import LOOPBACK, free_port_range, wait_http
-from bench.fleet import ManagedProcess, SimFleet
+from backends.process import LOOPBACK
+from bench.fleet import ManagedProcess, SimFleet, bench_port_range, wait_own_http
 
 ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
 
@@ -103,14 +103,14 @@ def start_peer(
 ) -> tuple[ManagedProcess, str]:
     """Install if needed, launch on loopback and wait until it routes."""
     bin_dir = ensure_installed(spec.package, log_dir)
-    port = free_port_range(2, start=19000)
+    port = bench_port_range(2, start=19000)
     argv = peer_argv(spec, bin_dir, fleet, port, port + 1, model)
     slug = spec.label.replace(" ", "-")
     proc = ManagedProcess(slug, argv, log_dir / f"{slug}.log").start()
     url = f"http://{LOOPBACK}:{port}"
     ready = "/readiness" if spec.package is SGLANG_ROUTER else "/health"
     try:
-        wait_http(f"{url}{ready}", timeout_s, proc)
+        wait_own_http(f"{url}{ready}", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         proc.stop()
         raise

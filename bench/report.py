@@ -215,6 +215,11 @@ def write_summary(path: Path, summary: RunSummary) -> None:
     path.write_text(json.dumps(asdict(summary), indent=2, default=str) + "\n")
 
 
+def read_summary(path: Path) -> RunSummary:
+    """A summary ``write_summary`` wrote (the matrix resumes from them)."""
+    return RunSummary(**json.loads(path.read_text()))
+
+
 def _fmt(x: float, digits: int = 3) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -377,8 +382,9 @@ def plot_sweep(
     path: Path,
     title: str,
     oracle_hit_rate: float | None = None,
+    knob: str = "footprint_weight",
 ) -> None:
-    """Sweep curves: (overlap_credit, temperature, hit_rate, ttft_p99) -> two panels."""
+    """Sweep curves: (knob value, temperature, hit_rate, ttft_p99) -> two panels."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.0, 3.4), dpi=90)
     temps = sorted({p[1] for p in points})
@@ -389,7 +395,7 @@ def plot_sweep(
         ax2.plot(xs, [p[3] for p in pts], marker="o", label=f"T={temp:g}")
     for ax in (ax1, ax2):
         ax.set_xscale("symlog", linthresh=0.1)
-        ax.set_xlabel("overlap_credit")
+        ax.set_xlabel(knob)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     if oracle_hit_rate is not None:

@@ -46,8 +46,16 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from backends.process import LOOPBACK, free_port_range, wait_http
-from bench.fleet import SIM_MODEL, FleetSpec, ManagedProcess, kvgate_argv, start_fleet
+from backends.process import LOOPBACK
+from bench.fleet import (
+    SIM_MODEL,
+    FleetSpec,
+    ManagedProcess,
+    bench_port_range,
+    kvgate_argv,
+    start_fleet,
+    wait_own_http,
+)
 from bench.hostile import BLOCK, Attacker, payload, stored
 from bench.traces import block_words
 
@@ -321,7 +329,7 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
     fleet = start_fleet(spec, log_dir)
     processes: list[ManagedProcess] = []
     try:
-        events_port = free_port_range(2, start=31000)
+        events_port = bench_port_range(2, start=31000)
         prompts = log_dir / "prompts.json"
         texts = [session_prompt(s, int(args.seconds)) for s in range(args.rate)]
         prompts.write_text(json.dumps(texts))
@@ -334,7 +342,7 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
             log_dir / f"storm-{mode}.log",
         ).start()  # fmt: skip
         processes.append(storm)
-        port = free_port_range(1, start=18500)
+        port = bench_port_range(1, start=18500)
         argv = kvgate_argv("serve", "--host", LOOPBACK, "--port", str(port), "--policy", "kv",
                            "--tokenizer", f"{SIM_MODEL}={tokenizer_path()}",
                            "--index-max-entries", str(args.max_entries),
@@ -351,7 +359,7 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
         kvgate = ManagedProcess(f"kvgate-{mode}", argv, log_dir / f"kvgate-{mode}.log").start()
         processes.append(kvgate)
         url = f"http://{LOOPBACK}:{port}"
-        wait_http(f"{url}/ready", 60.0, kvgate)
+        wait_own_http(f"{url}/ready", 60.0, kvgate)
         time.sleep(1.0)  # let the subscriptions settle (and the storm begin)
         rss_start = rss_mb(kvgate.pid)
         peak = [rss_start]

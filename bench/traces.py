@@ -175,6 +175,7 @@ class SyntheticAgentOptions:
 
     sessions: int = 16
     turns: int = 12
+    max_turns: int | None = None  # turns per session drawn from turns..max_turns (None: fixed)
     system_blocks: int = 2  # shared by every session
     tool_blocks: int = 6  # shared tool catalogue
     first_user_blocks: int = 2
@@ -199,14 +200,17 @@ def synthetic_agent_sessions(options: SyntheticAgentOptions) -> list[TraceReques
         next_id += own
         offset = 0.0
         turns: list[tuple[float, int, int, tuple[int, ...]]] = []
-        for _turn in range(options.turns):
+        count = options.turns
+        if options.max_turns is not None and options.max_turns > count:
+            count = rng.randint(count, options.max_turns)
+        for _turn in range(count):
             n_in = TRACE_BLOCK_TOKENS * (len(history) - 1) + rng.randint(1, TRACE_BLOCK_TOKENS)
             n_out = rng.randint(*options.output_tokens)
             turns.append((offset, n_in, n_out, tuple(history)))
             grow = rng.randint(*options.growth_blocks)
             history += range(next_id, next_id + grow)
             next_id += grow
-            offset += rng.expovariate(1.0 / options.mean_gap_s)
+            offset += rng.expovariate(1.0 / options.mean_gap_s) if options.mean_gap_s > 0 else 0
         sessions.append(turns)
     ids = [f"syn{i:04d}" for i in range(options.sessions)]
     layout = AgenticReplayOptions(options.session_rate, options.max_gap_s, None, options.seed)

@@ -78,6 +78,7 @@ class KvIndexService:
             http,
             lambda: list(self._workers.values()),
             block_size_for=self.block_size_for,
+            reach=self._reach,
         )
 
     # --------------------------------------------------------------- lifecycle
@@ -92,6 +93,7 @@ class KvIndexService:
 
     async def stop(self) -> None:
         try:
+            self._keyer.close()
             for worker in list(self._workers):
                 self.worker_removed(worker)
             await self._subscriptions.stop()
@@ -202,6 +204,10 @@ class KvIndexService:
                 if current is None or _better(found, current):
                     best[domain.worker] = found
         return best
+
+    def _reach(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys`` (a prefix) the worker with the longest match holds."""
+        return max((m.blocks for m in self.match(keys).values()), default=0)
 
     def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
         """A request was routed: remembered only for workers without KV events."""

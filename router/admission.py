@@ -361,7 +361,10 @@ class AdmissionQueue:
         if worker is None:
             return None
         uncached = routed.predicted_uncached_tokens(worker.id)
-        return LoadTicket(worker, uncached, routed.load_blocks, self._registry.load_changed)
+        request = routed.request
+        return self._registry.reserve(
+            worker.id, uncached, routed.load_blocks, request.block_size, request.prompt_tokens
+        )
 
     # -- the dispatch side ------------------------------------------------------------------
     def _wake(self) -> None:

@@ -69,7 +69,7 @@ def build_gateway(
     metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
     registry = WorkerRegistry(
         settings.health,
-        footprint_half_life_s=settings.scoring.footprint_half_life_s,
+        scoring=settings.scoring,
         explicit_block_size=settings.index.explicit_block_size,
     )
     for worker in settings.workers:

@@ -59,6 +59,12 @@ class _Flag:
     env: str
 
 
+_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"scoring.cost_model": ("--scoring-cost",)}
+)
+"""Short spellings of a flag, beside the one derived from its field's path."""
+
+
 def _is_model(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
@@ -120,7 +126,10 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_model: type[Bas
                 option, dest=flag.dest, metavar="JSON", type=_json_value, help=_help(flag)
             )
         else:
-            group.add_argument(option, dest=flag.dest, help=_help(flag), **_shape(flag.info))
+            aliases = _ALIASES.get(flag.dest, ())
+            group.add_argument(
+                option, *aliases, dest=flag.dest, help=_help(flag), **_shape(flag.info)
+            )
 
 
 def _shape(info: FieldInfo) -> dict[str, Any]:

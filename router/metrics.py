@@ -39,6 +39,9 @@ _TPOT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
     0.5, 0.75, 1.0, 2.5,
 )  # fmt: skip
+_ERROR_BUCKETS = (
+    -10.0, -3.0, -1.0, -0.3, -0.1, -0.03, -0.01, 0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0,
+)  # fmt: skip
 _OVERHEAD_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1,
 )  # fmt: skip
@@ -145,6 +148,15 @@ class GatewayMetrics:
         )
         self.build.info(build_labels(native_core=native_core))
 
+        self.ttft_error = Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Measured minus predicted time to first token (from dispatch) of answered streamed "
+            "requests, by worker: > 0 when the worker's learned model was optimistic",
+            ["worker"],
+            buckets=_ERROR_BUCKETS,
+            registry=registry,
+        )
+
         self._routes: BoundedMemo[tuple[str, str], RouteMetrics] = BoundedMemo(_MAX_CACHED_ROUTES)
 
     def declare_worker(self, worker: str, models: Iterable[str]) -> None:
@@ -157,6 +169,7 @@ class GatewayMetrics:
             self.retries.labels(worker, reason)
         for reason in STREAM_ERROR_REASONS:
             self.stream_errors.labels(worker, reason)
+        self.ttft_error.labels(worker)
 
     def limit_exceeded(self, limit: str) -> None:
         self._limits[limit].inc()
@@ -228,46 +241,26 @@ class WorkerStateCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gauges = {
-            "healthy": GaugeMetricFamily(
-                "kvgate_worker_healthy", "1 when the worker is healthy", labels=["worker"]
-            ),
-            "in_flight": GaugeMetricFamily(
-                "kvgate_worker_in_flight", "Requests in flight on the worker", labels=["worker"]
-            ),
-            "prefill": GaugeMetricFamily(
-                "kvgate_worker_pending_prefill_tokens",
-                "Predicted prompt tokens waiting for their first token",
-                labels=["worker"],
-            ),
-            "decode": GaugeMetricFamily(
-                "kvgate_worker_active_decode_blocks",
-                "Predicted KV blocks of requests in flight",
-                labels=["worker"],
-            ),
-            "waiting": GaugeMetricFamily(
-                "kvgate_worker_scraped_waiting",
-                "Waiting requests scraped from the engine's /metrics",
-                labels=["worker"],
-            ),
-            "kv_usage": GaugeMetricFamily(
-                "kvgate_worker_scraped_kv_usage",
-                "KV-cache usage (0..1) scraped from the engine's /metrics",
-                labels=["worker"],
-            ),
-            "mismatch": GaugeMetricFamily(
-                "kvgate_worker_config_mismatch",
-                "1 when an engine fact (block_size) contradicts kvgate's: the worker is not "
-                "ready (/ready says why)",
-                labels=["worker", "fact"],
-            ),
-            "models": GaugeMetricFamily(
-                "kvgate_worker_models",
-                "Models the worker serves (base models and adapters), from its /v1/models",
-                labels=["worker"],
-            ),
+            key: GaugeMetricFamily(name, text, labels=["worker"])
+            for key, name, text in (*_WORKER_GAUGES, *_MODEL_GAUGES)
         }
+        gauges["mismatch"] = GaugeMetricFamily(
+            "kvgate_worker_config_mismatch",
+            "1 when an engine fact (block_size) contradicts kvgate's: the worker is not ready "
+            "(/ready says why)",
+            labels=["worker", "fact"],
+        )
+        calibrator = self._workers.calibrator
         for w in self._workers:
             labels = [w.url]
+            params = calibrator.params(w.id)
+            gauges["rate"].add_metric(labels, params.prefill_tokens_per_s)
+            gauges["queued_weight"].add_metric(labels, params.queued_weight)
+            gauges["base"].add_metric(labels, params.base_s)
+            error = calibrator.error(w.id)
+            if error is not None:
+                gauges["abs_error"].add_metric(labels, error.mean_abs_s)
+                gauges["bias"].add_metric(labels, error.bias_s)
             gauges["healthy"].add_metric(labels, 1.0 if w.healthy else 0.0)
             gauges["in_flight"].add_metric(labels, w.in_flight)
             gauges["prefill"].add_metric(labels, w.pending_prefill_tokens)
@@ -282,6 +275,63 @@ class WorkerStateCollector(Collector):
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
+
+
+_WORKER_GAUGES = (
+    ("healthy", "kvgate_worker_healthy", "1 when the worker is healthy"),
+    ("in_flight", "kvgate_worker_in_flight", "Requests in flight on the worker"),
+    (
+        "prefill",
+        "kvgate_worker_pending_prefill_tokens",
+        "Predicted prompt tokens waiting for their first token",
+    ),
+    ("decode", "kvgate_worker_active_decode_blocks", "Predicted KV blocks of requests in flight"),
+    (
+        "waiting",
+        "kvgate_worker_scraped_waiting",
+        "Waiting requests scraped from the engine's /metrics",
+    ),
+    (
+        "kv_usage",
+        "kvgate_worker_scraped_kv_usage",
+        "KV-cache usage (0..1) scraped from the engine's /metrics",
+    ),
+    (
+        "models",
+        "kvgate_worker_models",
+        "Models the worker serves (base models and adapters), from its /v1/models",
+    ),
+)
+"""Per-worker gauges of the registry's state: (key, metric name, help)."""
+
+_MODEL_GAUGES = (
+    (
+        "rate",
+        "kvgate_ttft_model_prefill_tokens_per_second",
+        "Learned prefill rate of the worker (its own uncached tokens)",
+    ),
+    (
+        "queued_weight",
+        "kvgate_ttft_model_queued_weight",
+        "Learned delay of a queued prefill token relative to one of the request's own",
+    ),
+    (
+        "base",
+        "kvgate_ttft_model_base_seconds",
+        "Learned TTFT of an empty prompt on the idle worker",
+    ),
+    (
+        "abs_error",
+        "kvgate_ttft_prediction_mean_abs_error_seconds",
+        "Running mean |measured - predicted| TTFT of the worker's requests",
+    ),
+    (
+        "bias",
+        "kvgate_ttft_prediction_bias_seconds",
+        "Running mean measured - predicted TTFT of the worker's requests",
+    ),
+)
+"""The learned TTFT model of each worker and its running calibration error."""
 
 
 def forget_series(metrics: Iterable[object], worker: str) -> None:

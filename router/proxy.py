@@ -320,7 +320,11 @@ class ProxyResponse(Response):
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
         ticket = proxy.registry.begin(
-            worker.id, routed.predicted_uncached_tokens(worker.id), routed.load_blocks
+            worker.id,
+            routed.predicted_uncached_tokens(worker.id),
+            routed.load_blocks,
+            routed.request.block_size,
+            routed.request.prompt_tokens,
         )
         if x.admission is not None:
             x.admission.started()  # the queue's reservation of a worker, now counted here
@@ -347,7 +351,10 @@ class ProxyResponse(Response):
             finally:
                 await response.aclose()  # never waits: closes at once when not complete
         finally:
-            ticket.finish()
+            observed = ticket.finish()
+            if observed is not None:
+                miss = observed.measured_s - observed.predicted_s
+                proxy.metrics.ttft_error.labels(worker.url).observe(miss)
 
     def _transport_failed(self, worker: Worker, exc: httpx.HTTPError) -> AttemptFailed:
         error = from_httpx(exc, worker=worker.url)
@@ -407,7 +414,7 @@ class ProxyResponse(Response):
         outcome: _Outcome,
     ) -> None:
         body = await self._read(worker, response)
-        ticket.first_token()
+        ticket.first_token(measured=False)  # the whole body: no first-token time
         self._proxy.registry.record_ok_response(worker)
         if self._x.usage_mode is UsageMode.BODY:
             outcome.usage = usage_from_body(body)
@@ -433,7 +440,7 @@ class ProxyResponse(Response):
         self._x.observation.first_byte(elapsed)
         headers = self._client_headers(worker, outcome.routed, response)
         await self._commit(send, response.status_code, headers, outcome)
-        await self._relay_rest(worker, response, held, send, outcome)
+        await self._relay_rest(worker, response, held, send, outcome, ticket=ticket)
 
     async def _hold(self, worker: Worker, response: UpstreamResponse) -> _Held:
         """Read a stream up to its first content (any byte when it is not SSE).
@@ -469,6 +476,8 @@ class ProxyResponse(Response):
         held: _Held,
         send: Send,
         outcome: _Outcome,
+        *,
+        ticket: LoadTicket,
     ) -> None:
         """After the commit: the held chunks, then the rest as it comes (errors go inside)."""
         self._sse = self._watch_errors = held.sse
@@ -492,6 +501,8 @@ class ProxyResponse(Response):
         tail = tap.flush() if tap is not None else b""
         if tap is not None:
             outcome.usage = tap.usage
+        usage = outcome.usage
+        ticket.complete(*((usage.prompt_tokens, usage.cached_tokens) if usage else (None, None)))
         await self._end(send, tail)
 
     async def _relay_chunk(

@@ -18,7 +18,7 @@ from index.api import BlockIndex, PromptInput, PromptKeys
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
-from scoring.cost import RequestSize, overlap_tokens, request_size
+from scoring.cost_parts import RequestSize, overlap_tokens, request_size
 
 if TYPE_CHECKING:
     from router.tracing import RequestSpans
@@ -52,7 +52,7 @@ class Routed:
 
     @property
     def size(self) -> RequestSize:
-        """``scoring.cost.request_size(self.request)``, computed once."""
+        """``scoring.cost_parts.request_size(self.request)``, computed once."""
         size = self._size
         if size is None:
             size = request_size(self.request)
@@ -248,6 +248,7 @@ def _scored_entry(
             "decode_blocks", load.active_decode_blocks if load is not None else 0
         ),
         "in_flight": load.in_flight if load is not None else 0,
+        "predicted_ttft_s": terms.get("ttft_s"),
         "cost": score.cost,
         "terms": terms,
         "reason": score.reason,

@@ -13,20 +13,25 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
+from scoring.calibration import TtftParams
+
+DEFAULT_TTFT = TtftParams.prior(prefill_tokens_per_s=20_000.0, base_s=0.02)
+"""The TTFT model of a worker nothing was learned about yet (KvPolicyConfig's defaults)."""
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """Live load of one worker as kvgate sees it.
 
-    ``in_flight``, ``pending_prefill_tokens`` and ``active_decode_blocks`` are predicted by
-    kvgate from its own routing decisions; the ``scraped_*`` fields come from the engine's
-    /metrics (``None`` until the first successful scrape) and include traffic kvgate did
-    not route.
+    ``in_flight``, ``pending_prefill_tokens`` (and their attention pairs) and
+    ``active_decode_blocks`` are predicted by kvgate from its own routing decisions; the
+    ``scraped_*`` fields come from the engine's /metrics (``None`` until the first successful
+    scrape) and include traffic kvgate did not route.
     """
 
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    pending_prefill_pairs: float = 0.0  # attention pairs of that pending prefill
     active_decode_blocks: int = 0
     scraped_running: int | None = None
     scraped_waiting: int | None = None
@@ -35,6 +40,12 @@ class WorkerLoad:
     # prompt blocks routed here recently, exponentially decayed, on a scale shared by every
     # worker of the registry (only ratios between workers mean anything)
     footprint: float = 0.0
+    # share of recent time with at least one request sent here and not yet started (its
+    # first token not back): the worker's prefill utilisation, exponentially weighted
+    prefill_busy_share: float = 0.0
+    # share of the prompt tokens of recent requests sent here that were cached there
+    # (kvgate's prediction; exponentially weighted over about 32 requests)
+    reuse: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +56,7 @@ class Candidate:
     url: str
     load: WorkerLoad = WorkerLoad()
     match: PrefixMatch = NO_MATCH  # best over the worker's data-parallel ranks
+    ttft: TtftParams = DEFAULT_TTFT  # the worker's learned TTFT model
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,31 +2,84 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KvPolicyConfig(BaseModel):
-    """Every knob of the ``kv`` policy. Costs are measured in KV blocks of the request's block size.
+    """Every knob of the ``kv`` policy (docs/scoring.md). Two decision costs, by ``cost_model``:
 
-    ``cost = overlap_credit * prefill_blocks + load_blocks`` where
-    ``prefill_blocks = request_blocks - credited`` and
-    ``load_blocks = queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks``.
+    ``blocks`` (the default), in KV blocks of the request's block size::
+
+        cost = overlap_credit * prefill_blocks * (1 + footprint term)
+             + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
+
+    ``seconds``::
+
+        cost = predicted TTFT + (fleet_factor + cache_factor) * own prefill seconds
+
+    Whichever decides, each worker's TTFT model is learned online (``scoring.calibration``)
+    and every candidate's predicted TTFT is shown; its priors and window are knobs here.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    cost_model: Literal["blocks", "seconds"] = Field(
+        default="blocks",
+        description=(
+            "The decision cost. blocks: the uncached blocks this request must prefill against "
+            "the worker's weighted load, in KV blocks (measured best on the project's matrix). "
+            "seconds: the worker's predicted TTFT plus what the choice costs the requests "
+            "behind it and the fleet's caches, from the online-calibrated TTFT model. The "
+            "predicted TTFT is learned and shown in /debug/route with either."
+        ),
+    )
     overlap_credit: float = Field(
         default=1.0,
         ge=0.0,
         le=1e6,
         description=(
-            "Stickiness: weight of the blocks this request would have to prefill on a worker "
-            "(its uncached part) against the worker's load. 0 ignores the cache entirely "
-            "(pure load balance); large values follow the cache whatever the load."
+            "blocks cost. Stickiness: weight of the blocks this request would have to prefill "
+            "on a worker (its uncached part) against the worker's load. 0 ignores the cache "
+            "entirely (pure load balance); large values follow the cache whatever the load."
         ),
     )
+    queued_prefill_weight: float = Field(
+        default=0.33,
+        ge=0.0,
+        description=(
+            "blocks cost. Weight of the prefill work already queued on a worker (blocks of "
+            "prompt not yet prefilled), against overlap_credit for this request's own blocks. "
+            "A new request waits for all of it before its first token; but leaving the cache "
+            "recomputes the prefix, which is paid again by every request that queues behind it "
+            "and by the session's later turns, so a queued block counts about a third of an "
+            "own block."
+        ),
+    )
+    decode_weight: float = Field(
+        default=0.02,
+        ge=0.0,
+        description=(
+            "blocks cost. Weight of the KV blocks held by a worker's running requests. Decode "
+            "load slows a new request's first token far less than queued prefill does, and one "
+            "long running context can hold as many blocks as a whole session prefix, so it "
+            "weighs little; it still spreads new sessions and relieves KV memory pressure."
+        ),
+    )
+    seconds_overlap_credit: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "seconds cost. How much a worker's cached prefix discounts its predicted prefill: "
+            "the credited blocks (after the tier weights) are scaled by it. 1: the calibrated "
+            "model as is (a cached token costs nothing to prefill); lower values give cache "
+            "hits less weight against load; 0: every worker is predicted to prefill the whole "
+            "prompt (load only). The TTFT model still learns from what was really prefilled."
+        ),
+    )
+
     gpu_weight: float = Field(
         default=1.0,
         ge=0.0,
@@ -48,27 +101,6 @@ class KvPolicyConfig(BaseModel):
         le=1.0,
         description="Credit for each matched block on disk only, past the GPU and CPU runs.",
     )
-    queued_prefill_weight: float = Field(
-        default=0.33,
-        ge=0.0,
-        description=(
-            "Weight of the prefill work already queued on a worker (blocks of prompt not yet "
-            "prefilled), against overlap_credit for this request's own blocks. A new request "
-            "waits for all of it before its first token; but leaving the cache recomputes the "
-            "prefix, which is paid again by every request that queues behind it and by the "
-            "session's later turns, so a queued block counts about a third of an own block."
-        ),
-    )
-    decode_weight: float = Field(
-        default=0.02,
-        ge=0.0,
-        description=(
-            "Weight of the KV blocks held by a worker's running requests. Decode load slows a "
-            "new request's first token far less than queued prefill does, and one long running "
-            "context can hold as many blocks as a whole session prefix, so it weighs little; it "
-            "still spreads new sessions and relieves KV memory pressure."
-        ),
-    )
     footprint_weight: float = Field(
         default=0.5,
         ge=0.0,
@@ -76,16 +108,80 @@ class KvPolicyConfig(BaseModel):
         description=(
             "Cache-footprint balance (0: off). A worker's footprint is the prompt blocks "
             "routed to it recently (decayed with footprint_half_life_s) over the candidates' "
-            "mean; each block a request must prefill there is priced overlap_credit * "
-            "(1 + footprint_weight * (ratio - 1)). New sessions then go where fewer recent "
-            "prompts share the cache, before eviction shows; cached blocks are not priced, so "
-            "sessions keep their home."
+            "mean (ratio). blocks cost: each block a request must prefill there is priced "
+            "overlap_credit * (1 + footprint_weight * clip(ratio - 1, -0.5, 1)). seconds cost: "
+            "its prefill seconds are counted again, times footprint_weight * clip(ratio - "
+            "lowest ratio, 0, 1). New blocks written into a cache in more demand than the "
+            "fleet's evict other sessions' histories; cached blocks write nothing, so sessions "
+            "keep their home."
+        ),
+    )
+    duplicate_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "seconds cost. Cache spend of a second copy (0: off). Of the tokens a worker "
+            "would prefill, "
+            "those another candidate holds cached are written twice in the fleet: the new "
+            "copy evicts cached blocks that are reused about as often as the fleet's recent "
+            "requests reused theirs (reuse). Their prefill seconds are counted again, times "
+            "duplicate_weight * reuse. 1: the displaced blocks are worth what the fleet's "
+            "caches are measured to be worth."
         ),
     )
     footprint_half_life_s: float = Field(
         default=60.0,
         gt=0.0,
         description="Half-life of the routed prompt blocks counted in a worker's footprint.",
+    )
+    prior_prefill_tokens_per_s: float = Field(
+        default=20_000.0,
+        gt=0.0,
+        description=(
+            "Prefill rate assumed for a fleet nothing was learned about yet (a worker joining "
+            "a fleet starts from the fleet's learned model instead). Only the first few "
+            "requests use it: the rate is learned from every streamed request's TTFT."
+        ),
+    )
+    prior_base_s: float = Field(
+        default=0.02,
+        ge=0.0,
+        description="TTFT of an empty prompt on an idle worker, before anything is learned.",
+    )
+    calibration_window: float = Field(
+        default=200.0,
+        ge=10.0,
+        le=100_000.0,
+        description=(
+            "Observations the online TTFT model remembers (forgetting factor 1 - 1/window): "
+            "long enough to average out one request's noise, short enough to follow a "
+            "replica that slows down or a workload that changes within minutes."
+        ),
+    )
+    calibration_prior_weight: float = Field(
+        default=10.0,
+        ge=0.0,
+        description=(
+            "Pseudo-observations of the fleet's pooled model in each worker's prediction: a "
+            "worker with n observations is predicted with n / (n + weight) of its own model."
+        ),
+    )
+    max_utilisation: float = Field(
+        default=0.8,
+        ge=0.0,
+        le=0.95,
+        description=(
+            "seconds cost. Cap on the fleet's prefill utilisation rho in the fleet factor "
+            "rho / (1 - rho) "
+            "(0.8: at most 4 requests are expected to wait behind a new one's prefill). "
+            "0 turns the fleet term off: each request then minimises its own TTFT."
+        ),
+    )
+    utilisation_half_life_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="Half-life of each worker's prefill-busy share (its utilisation).",
     )
     predicted_load_weight: float = Field(
         default=1.0,
@@ -125,16 +221,18 @@ class KvPolicyConfig(BaseModel):
         ge=0,
         description=(
             "Prefill tokens assumed for each request the engine reports waiting, to turn the "
-            "scraped waiting count into queued prefill blocks."
+            "scraped waiting count into queued prefill tokens (only traffic kvgate did not "
+            "route makes the scrape exceed kvgate's own prediction)."
         ),
     )
     kv_capacity_blocks: int | None = Field(
         default=None,
         gt=0,
         description=(
-            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks'), to turn "
-            "the scraped KV usage into decode blocks. None: scraped KV usage only feeds the "
-            "busy guard."
+            "KV cache capacity of one worker in blocks (vLLM logs it as '# GPU blocks'), to "
+            "turn the scraped KV usage into decode blocks (blocks cost) or context tokens "
+            "(seconds cost and the TTFT model, where vLLM's published cache_config_info "
+            "wins). None: scraped KV usage only feeds the busy guard and the eviction risk."
         ),
     )
     max_waiting_requests: int | None = Field(
@@ -160,15 +258,17 @@ class KvPolicyConfig(BaseModel):
         le=100.0,
         description=(
             "0 picks the lowest cost. Above 0, a worker is sampled with probability "
-            "proportional to exp(-(cost - lowest) / (temperature * request_blocks))."
+            "proportional to exp(-(cost - lowest) / (temperature * scale)), the scale being "
+            "the request's blocks (blocks cost) or the whole prompt's predicted prefill "
+            "seconds (seconds cost)."
         ),
     )
     tie_tolerance: float = Field(
         default=1e-6,
         ge=0.0,
         description=(
-            "Costs within this many blocks of the lowest count as tied (then lower in-flight "
-            "wins, then the rendezvous hash of the session key)."
+            "Costs within this much of the lowest (blocks or seconds, by cost_model) count as "
+            "tied (then lower in-flight wins, then the rendezvous hash of the session key)."
         ),
     )
     seed: int | None = Field(

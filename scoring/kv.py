@@ -1,4 +1,5 @@
-"""The ``kv`` policy: cache overlap versus load, lowest cost wins (docs/scoring.md)."""
+"""The ``kv`` policy: cache overlap versus load, costed in blocks (default) or in seconds of
+predicted TTFT (``cost_model``); lowest cost wins (docs/scoring.md)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
 from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
 from scoring.config import KvPolicyConfig
-from scoring.cost import CostQuote, footprint_ratios, request_size
+from scoring.cost import Quote, quote_workers
+from scoring.cost_parts import request_size
 from scoring.tiebreak import session_hash_key
 
 
 class CostTerms(Mapping[str, float]):
-    """A worker's named cost terms (``WorkerCost.terms()``, plus ``probability`` when
+    """A worker's named cost terms (``Quote.full().terms()``, plus ``probability`` when
     sampled), built on first access: routing itself never reads them, only ``/debug/route``
     and the decision log line do."""
 
     __slots__ = ("_probability", "_quote", "_terms")
 
-    def __init__(self, quote: CostQuote, probability: float | None) -> None:
+    def __init__(self, quote: Quote, probability: float | None) -> None:
         self._quote = quote
         self._probability = probability
         self._terms: dict[str, float] | None = None
@@ -46,12 +48,12 @@ class CostTerms(Mapping[str, float]):
         return repr(self._built())
 
 
-def _score(quote: CostQuote, reason: str, probability: float | None = None) -> WorkerScore:
+def _score(quote: Quote, reason: str, probability: float | None = None) -> WorkerScore:
     return WorkerScore(quote.worker, quote.cost, CostTerms(quote, probability), reason)
 
 
 class KvPolicy:
-    """Cost every candidate on what it must prefill versus how loaded it is; rank them all.
+    """Cost every candidate (``scoring.cost``: blocks or seconds); rank them all.
 
     ``rng`` is used only when ``config.temperature > 0``.
     """
@@ -70,16 +72,10 @@ class KvPolicy:
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
         size = request_size(request)
-        if config.footprint_weight > 0.0:
-            ratios = footprint_ratios(candidates)
-            quotes = [
-                CostQuote(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)
-            ]
-        else:
-            quotes = [CostQuote(size, candidate, config) for candidate in candidates]
+        quotes = quote_workers(size, candidates, config)
         session = session_hash_key(request)
         if config.temperature > 0:
-            scale = float(max(size.blocks, 1))
+            scale = max(sum(q.scale for q in quotes) / len(quotes), 1e-6)
             by_cost = rank_lowest_cost(quotes, session, config.tie_tolerance)
             ranked = rank_sampled(by_cost, config.temperature, scale, self._rng)
             return Decision(

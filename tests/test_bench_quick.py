@@ -70,3 +70,25 @@ def test_quick_compare_produces_complete_sane_output(tmp_path: Path) -> None:
             assert 0 <= rec.cached_tokens <= rec.prompt_tokens == rec.expected_prompt_tokens
             assert rec.ttft_s is not None and rec.e2e_s is not None
             assert 0 < rec.ttft_s <= rec.e2e_s
+
+
+@pytest.mark.slow
+def test_quick_matrix_cell_runs_end_to_end(tmp_path: Path) -> None:
+    """One matrix cell, kvgate policies only (no peer install): every run, the resume, the
+    table, the JSON and the plot."""
+    if not SHARED_TRACE.is_file():
+        pytest.skip("../shared/traces is not beside the repo")
+    argv = ["matrix", "--cells", "serial", "--duration", "6", "--repeats", "2",
+            "--routers", "kv,least_loaded", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_main(argv) == 0
+    data = json.loads((tmp_path / "matrix.json").read_text())
+    (cell,) = data
+    assert cell["cell"] == "serial" and cell["requests"] > 0
+    for runs in cell["routers"].values():
+        assert len(runs) == 2
+        assert all(r["ok"] == r["requests"] == cell["requests"] for r in runs)
+    assert (tmp_path / "matrix.png").stat().st_size > 0
+    assert "serial FCFS prefill" in (tmp_path / "matrix.md").read_text()
+    stamp = (tmp_path / "serial" / "r0" / "kvgate_kv" / "summary.json").stat().st_mtime_ns
+    assert bench_main(argv) == 0  # everything on disk: nothing runs again
+    assert (tmp_path / "serial" / "r0" / "kvgate_kv" / "summary.json").stat().st_mtime_ns == stamp

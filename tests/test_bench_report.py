@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,3 +102,48 @@ def test_cpu_accounting_of_a_child_process(tmp_path: Path) -> None:
     assert not proc.alive()
     busy, total = system_cpu_times()
     assert 0 < busy <= total
+
+
+def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
+    """A port another process holds (picked as free, taken before the benchmark's process
+    bound it) must not pass for the process under test being ready."""
+    import socket  # noqa: PLC0415
+
+    from bench.fleet import owns_listener, wait_own_http  # noqa: PLC0415
+
+    serve = (
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    owner = ManagedProcess("owner", [sys.executable, "-c", serve, str(port)], tmp_path / "o.log")
+    other = ManagedProcess("other", [sys.executable, "-c", serve, str(port)], tmp_path / "x.log")
+    owner.start()
+    try:
+        wait_own_http(f"http://127.0.0.1:{port}/", 30, owner)
+        assert owns_listener(owner.pid, port)
+        other.start()  # cannot bind: the port is the owner's
+        with pytest.raises((RuntimeError, TimeoutError)):
+            wait_own_http(f"http://127.0.0.1:{port}/", 5, other)
+        assert not owns_listener(other.pid, port)
+    finally:
+        owner.stop()
+        other.stop()
+
+
+def test_bench_ports_are_free_and_offset_per_process() -> None:
+    """Benchmarks side by side start their port search at different places (by pid)."""
+    from backends.process import port_free  # noqa: PLC0415
+    from bench.fleet import bench_port_range  # noqa: PLC0415
+
+    first = bench_port_range(4, start=21000)
+    assert 21000 <= first < 60000
+    assert all(port_free(first + i) for i in range(4))
+    offset = (os.getpid() % 64) * 16 * 4
+    assert first >= 21000 + offset  # the search began at this process's offset

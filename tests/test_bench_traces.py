@@ -98,6 +98,24 @@ def test_synthetic_sessions_share_prefix_and_grow() -> None:
     assert 0.5 < o.token_hit_rate < 1.0
 
 
+def test_synthetic_statistics_are_parameters() -> None:
+    """Turn counts, prompt growth, shared prefix and think times follow the options."""
+    opts = SyntheticAgentOptions(
+        sessions=40, turns=2, max_turns=9, system_blocks=4, tool_blocks=0,
+        first_user_blocks=3, growth_blocks=(5, 5), mean_gap_s=0.0, max_gap_s=0.0, seed=3,
+    )  # fmt: skip
+    reqs = synthetic_agent_sessions(opts)
+    per_session: dict[str | None, list[TraceRequest]] = {}
+    for r in reqs:
+        per_session.setdefault(r.session_id, []).append(r)
+    counts = {len(turns) for turns in per_session.values()}
+    assert min(counts) >= 2 and max(counts) <= 9 and len(counts) > 3
+    for turns in per_session.values():
+        assert [len(t.hash_ids) for t in turns] == [7 + 5 * i for i in range(len(turns))]
+        assert len({t.arrival_s for t in turns}) == 1  # no think time, no gap
+        assert turns[0].hash_ids[:4] == (0, 1, 2, 3)
+
+
 def test_prompt_expansion_is_deterministic_real_words() -> None:
     words = prompt_words((3, 4), 700)
     assert len(words) == 700
@@ -171,6 +189,26 @@ def test_ttft_floor_uses_whole_cached_blocks_and_the_fleet_config() -> None:
     parsed = sim_config(FleetSpec(speedup=4.0, block_size=32, extra_args=("--token-us", "10")))
     assert (parsed.timing.speedup, parsed.engine.block_size) == (4.0, 32)
     assert parsed.timing.token_us == 10.0
+
+
+def test_ttft_floor_follows_the_engine_model() -> None:
+    """Prefill speed (``--prefill-slowdown``), the chunk budget and the prefill mode of the
+    fleet reach the floor as ``kvgate sim`` parses them; serial prefill alone is chunked."""
+    reqs = [TraceRequest(0, 0.0, 20_000, 1, tuple(range(40)))]
+    o = oracle(reqs)
+
+    def floor(*extra: str) -> float:
+        return ttft_floor(o, sim_config(FleetSpec(extra_args=extra)))[0]
+
+    base = floor()
+    slow, fast = floor("--prefill-slowdown", "2"), floor("--prefill-slowdown", "0.5")
+    # 20k tokens are compute and attention bound (far above the step floor): both scale
+    assert slow == pytest.approx(2 * base) and fast == pytest.approx(base / 2)
+    assert floor("--prefill-mode", "serial") == base
+    # 512-token chunks: 40 steps instead of 3, the same tokens and attention pairs; only
+    # the last 32-token chunk is raised to the step floor
+    assert base < floor("--max-num-batched-tokens", "512") < 1.01 * base
+    assert floor("--max-num-batched-tokens", "512", "--step-floor-ms", "20") > base
 
 
 def test_pooled_lru_keeps_what_fits_and_evicts_least_recent() -> None:

@@ -84,6 +84,24 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
     assert parse_worker_spec("http://h:1,models=x") == {"url": "http://h:1", "models": ["x"]}
 
 
+def test_scoring_knobs_are_serve_flags() -> None:
+    """The operator's cost, overlap credit and tier weights reach the kv policy's config."""
+    overrides = flags(
+        "--scoring-overlap-credit", "2", "--scoring-cpu-weight", "0.5",
+        "--scoring-disk-weight", "0.1",
+    )  # fmt: skip
+    scoring = load_settings(None, overrides).scoring
+    assert scoring.cost_model == "blocks"  # the default
+    assert (scoring.overlap_credit, scoring.cpu_weight, scoring.disk_weight) == (2, 0.5, 0.1)
+    for spelling in ("--scoring-cost", "--scoring-cost-model"):
+        chosen = load_settings(None, flags(spelling, "seconds")).scoring
+        assert chosen.cost_model == "seconds"
+    with pytest.raises(SystemExit):  # not one of the choices: argparse refuses it
+        flags("--scoring-cost", "tokens")
+    with pytest.raises(ConfigError, match=r"scoring\.seconds_overlap_credit"):
+        load_settings(None, flags("--scoring-seconds-overlap-credit", "2"))
+
+
 def test_worker_spec_with_event_endpoints() -> None:
     """The one worker-spec parser (index/ had a second one, used only by its tests)."""
     assert parse_worker_spec(

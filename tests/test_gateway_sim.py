@@ -66,6 +66,54 @@ async def test_sim_fleet_is_routed_cache_aware_and_stopped() -> None:
     assert not process.alive()  # the fleet stopped with the block
 
 
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+async def test_streamed_requests_calibrate_each_replicas_ttft_model(cost_model: str) -> None:
+    """Whichever cost decides (blocks by default), every answered streamed request through
+    kvgate to a simulated replica is one observation: /debug/route shows each replica's
+    predicted TTFT and its parts, /metrics the prediction error and the learned model per
+    replica."""
+    base = free_port_range(2, start=36500)
+    events = free_port_range(4, start=37500)
+    scoring = {} if cost_model == "blocks" else {"cost_model": cost_model}
+    with SimFleet(2, base_port=base, events_port=events) as fleet:
+        overrides = fleet.settings_overrides({})
+        async with kvgate(
+            overrides["workers"],
+            policy="kv",
+            tokenizers=overrides["tokenizers"],
+            scoring=scoring,
+        ) as gw:
+            served: dict[str, int] = {}
+            for i in range(12):
+                words = " ".join(f"w{i}x{j}" for j in range(50 * (i + 1)))
+                body = {"model": SIM_MODEL, "prompt": words, "max_tokens": 2, "stream": True}
+                async with gw.client.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    await r.aread()
+                    worker = r.headers["x-kvgate-worker"]
+                served[worker] = served.get(worker, 0) + 1
+            explained = (await gw.client.post("/debug/route", json=body)).json()
+            assert len(explained["workers"]) == 2
+            for entry in explained["workers"]:
+                terms = entry["terms"]
+                assert entry["predicted_ttft_s"] == terms["ttft_s"] > 0
+                parts = ("ttft_base_s", "ttft_queue_s", "ttft_prefill_s", "ttft_interference_s")
+                assert terms["ttft_s"] == pytest.approx(sum(terms[p] for p in parts))
+                assert terms["prefill_tokens_per_s"] > 0 and terms["model_observations"] >= 0
+                assert entry["cost"] == terms["cost"]
+                if cost_model == "blocks":  # blocks decide; the prediction is only shown
+                    assert "queued_prefill_blocks" in terms and "fleet_s" not in terms
+                else:
+                    assert entry["cost"] >= terms["ttft_s"]
+            learned = {e["worker"]: e["terms"]["model_observations"] for e in explained["workers"]}
+            for worker, count in served.items():
+                assert learned[worker] > 0  # the model learned from the requests it served
+                labels = {"worker": worker}
+                assert gw.metric("kvgate_ttft_prediction_error_seconds_count", labels) == count
+                assert gw.metric("kvgate_ttft_model_prefill_tokens_per_second", labels) > 0
+                assert gw.metric("kvgate_ttft_prediction_mean_abs_error_seconds", labels) >= 0
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

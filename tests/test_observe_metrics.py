@@ -34,6 +34,8 @@ FIRST_VALUE_ONLY = {
     "kvgate_tokenize_cache",  # per model: appears with the model's first prompt
     "kvgate_worker_scraped_waiting",  # unknown (not 0) until the engine's /metrics is read
     "kvgate_worker_scraped_kv_usage",  # likewise
+    "kvgate_ttft_prediction_bias_seconds",  # no prediction error before the first answer
+    "kvgate_ttft_prediction_mean_abs_error_seconds",  # likewise
 }
 
 

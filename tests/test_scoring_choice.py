@@ -181,20 +181,62 @@ def test_a_long_session_stays_home_despite_moderate_load() -> None:
     assert policy().rank(req(410), candidates).chosen == "home"
 
 
+def test_seconds_tie_tolerance_is_in_seconds() -> None:
+    # costs differ by one queued token: 50 microseconds at the prior's 20,000 tokens/s
+    candidates = [cand("a", pending_prefill_tokens=1, in_flight=0), cand("b", in_flight=1)]
+    assert policy(cost_model="seconds").rank(req(10), candidates).chosen == "b"
+    tolerant = policy(cost_model="seconds", tie_tolerance=1e-4)
+    assert tolerant.rank(req(10), candidates).chosen == "a"
+
+
+def test_seconds_cost_keeps_a_session_home_only_while_the_fleet_is_busy() -> None:
+    # 400 of 410 blocks cached at home, 400 blocks queued there; the fleet half busy (one
+    # request expected behind a new one): home waits 6,400 queued tokens and prefills 160,
+    # away prefills 6,528 and delays the next request as long again
+    busy = [
+        cand(
+            "home",
+            gpu=400,
+            pending_prefill_tokens=400 * BS,
+            active_decode_blocks=5000,
+            prefill_busy_share=0.5,
+        ),
+        cand("away", gpu=2, prefill_busy_share=0.5),
+    ]
+    seconds = policy(cost_model="seconds")
+    assert seconds.rank(req(410), busy).chosen == "home"
+    # an idle fleet: nobody waits behind the recomputation, and it is the shorter wait
+    idle = [cand("home", gpu=400, pending_prefill_tokens=400 * BS), cand("away", gpu=2)]
+    assert seconds.rank(req(410), idle).chosen == "away"
+    # the block-unit cost keeps it home either way: 10 + 0.33 * 400 + 0 = 142 < 408
+    assert policy().rank(req(410), idle).chosen == "home"
+
+
 # ---- temperature -------------------------------------------------------------------------
 
 
-def sampled_counts(temperature: float, seed: int, draws: int) -> Counter[str]:
-    p = policy(temperature=temperature, seed=seed, queued_prefill_weight=1.0)
-    # b: 10 queued blocks * 1.0 = a cost gap of 10 blocks
+# b's 10 queued blocks cost what the request's own 10 blocks do: in blocks at weight 1.0; in
+# seconds, as long to wait for as the request's own prefill (the temperature's unit in each)
+GAP_OF_ONE_REQUEST = {
+    "blocks": {"queued_prefill_weight": 1.0},
+    "seconds": {"cost_model": "seconds"},
+}
+
+
+def sampled_counts(
+    temperature: float, seed: int, draws: int, cost_model: str = "blocks"
+) -> Counter[str]:
+    p = policy(temperature=temperature, seed=seed, **GAP_OF_ONE_REQUEST[cost_model])
     candidates = [cand("a", gpu=10), cand("b", gpu=10, pending_prefill_tokens=10 * BS)]
     return Counter(p.rank(req(10), candidates).chosen for _ in range(draws))
 
 
-def test_temperature_distribution_matches_softmax() -> None:
-    # cost gap 10 blocks, request 10 blocks, T=1: p(b) = e^-1 / (1 + e^-1) ~= 0.269
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_temperature_distribution_matches_softmax(cost_model: str) -> None:
+    # cost gap one request's prefill, in the temperature's unit; T=1:
+    # p(b) = e^-1 / (1 + e^-1) ~= 0.269
     draws = 2000
-    counts = sampled_counts(1.0, seed=7, draws=draws)
+    counts = sampled_counts(1.0, seed=7, draws=draws, cost_model=cost_model)
     p_b = math.exp(-1) / (1 + math.exp(-1))
     sd = math.sqrt(draws * p_b * (1 - p_b))
     assert abs(counts["b"] - draws * p_b) < 6 * sd

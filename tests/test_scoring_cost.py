@@ -1,4 +1,5 @@
-"""Table-driven tests of the ``kv`` cost: tiers, load blend, credit extremes, explain terms."""
+"""Table-driven tests of the ``kv`` block-unit cost (the default): tiers, load blend, credit
+extremes, explain terms."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pydantic import ValidationError
 from index.types import BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.config import KvPolicyConfig
-from scoring.cost import (
+from scoring.cost_blocks import worker_cost
+from scoring.cost_parts import (
     busy_reason,
     clip_match,
     overlap_tokens,
     request_blocks,
     request_size,
-    worker_cost,
 )
 from scoring.kv import KvPolicy
 

@@ -10,8 +10,11 @@ from test_scoring_cost import cand, req
 from backends.config import WorkerConfig
 from backends.registry import WorkerRegistry
 from index.types import WorkerId
+from scoring.api import DEFAULT_TTFT
 from scoring.config import KvPolicyConfig
-from scoring.cost import footprint_ratios, request_size, worker_cost
+from scoring.cost_blocks import worker_cost
+from scoring.cost_parts import footprint_ratios, request_size
+from scoring.cost_seconds import worker_cost as seconds_cost
 from scoring.kv import KvPolicy
 
 ON = KvPolicyConfig(footprint_weight=0.5)
@@ -48,6 +51,22 @@ def test_off_at_weight_zero_and_visible_when_on() -> None:
     # every one of the 10 blocks to prefill is priced 1 + 0.5 * (2 - 1)
     assert cost.terms()["footprint_cost"] == pytest.approx(0.5 * 10 * (2.0 - 1.0))
     assert cost.cost == pytest.approx(10 * 1.5)
+
+
+def test_seconds_cost_counts_the_prefill_seconds_again_above_the_floor() -> None:
+    size = request_size(req(10))
+    heavy = cand("a", footprint=3.0)
+    on = KvPolicyConfig(cost_model="seconds", footprint_weight=0.5)
+    cost = seconds_cost(size, heavy, on, 2.0)
+    assert heavy.ttft == DEFAULT_TTFT
+    # the 160 tokens to prefill (8 ms at the prior's 20,000 tokens/s) count 0.5 x (2 - 1) more
+    assert cost.ttft.prefill_s == pytest.approx(0.008)
+    assert cost.terms()["cache_s"] == pytest.approx(0.5 * (2.0 - 1.0) * 0.008)
+    assert cost.cost == pytest.approx(0.02 + 0.008 * 1.5)
+    # a session keeps its home with the seconds cost too: cached blocks write nothing
+    alone = [cand("a", gpu=100, footprint=500.0)] + [cand(f"w{i}") for i in range(7)]
+    policy = KvPolicy(on, random.Random(0))
+    assert policy.rank(req(104), alone).ranked[0] == WorkerId("a")
 
 
 def test_a_new_session_goes_where_the_footprint_is_smallest() -> None:

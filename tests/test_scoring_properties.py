@@ -1,16 +1,22 @@
-"""Hypothesis properties of the ``kv`` cost and choice."""
+"""Hypothesis properties of the ``kv`` cost (blocks and seconds) and choice."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.types import BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.calibration import TtftParams
 from scoring.config import KvPolicyConfig
-from scoring.cost import request_size, worker_cost
+from scoring.cost_blocks import BlockCost
+from scoring.cost_blocks import worker_cost as blocks_cost
+from scoring.cost_parts import RequestSize, request_size
+from scoring.cost_seconds import FleetView, SecondsCost
+from scoring.cost_seconds import worker_cost as seconds_cost
 from scoring.kv import KvPolicy
 
 tier_weights = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=3, max_size=3).map(
@@ -24,6 +30,11 @@ configs = st.builds(
     overlap_credit=st.floats(min_value=0.0, max_value=100.0),
     queued_prefill_weight=st.floats(min_value=0.0, max_value=10.0),
     decode_weight=st.floats(min_value=0.0, max_value=10.0),
+    cost_model=st.sampled_from(["blocks", "seconds"]),
+    seconds_overlap_credit=st.floats(min_value=0.0, max_value=1.0),
+    footprint_weight=st.floats(min_value=0.0, max_value=1.0),
+    max_utilisation=st.floats(min_value=0.0, max_value=0.95),
+    eviction_risk_weight=st.floats(min_value=0.0, max_value=1.0),
     kv_capacity_blocks=st.none() | st.integers(min_value=1, max_value=100_000),
     temperature=st.sampled_from([0.0, 0.0, 0.1, 1.0, 5.0]),
     seed=st.integers(min_value=0, max_value=2**32),
@@ -36,6 +47,16 @@ loads = st.builds(
     scraped_running=st.none() | st.integers(0, 200),
     scraped_waiting=st.none() | st.integers(0, 100),
     scraped_kv_usage=st.none() | st.floats(min_value=0.0, max_value=1.0),
+    footprint=st.floats(min_value=0.0, max_value=1e6),
+    prefill_busy_share=st.floats(min_value=0.0, max_value=1.0),
+    reuse=st.floats(min_value=0.0, max_value=1.0),
+)
+ttft_models = st.builds(
+    TtftParams,
+    base_s=st.floats(min_value=0.0, max_value=5.0),
+    prefill_s=st.floats(min_value=1e-4, max_value=100.0),
+    queued_s=st.floats(min_value=0.0, max_value=100.0),
+    interference_s=st.floats(min_value=0.0, max_value=10.0),
 )
 matches = st.builds(
     PrefixMatch, gpu=st.integers(0, 80), cpu=st.integers(0, 80), disk=st.integers(0, 80)
@@ -60,14 +81,37 @@ def candidate_lists(draw: st.DrawFn) -> list[Candidate]:
     n = draw(st.integers(1, 8))
     return [
         Candidate(
-            worker=WorkerId(f"w{i}"), url=f"http://w{i}", load=draw(loads), match=draw(matches)
+            worker=WorkerId(f"w{i}"),
+            url=f"http://w{i}",
+            load=draw(loads),
+            match=draw(matches),
+            ttft=draw(ttft_models),
         )
         for i in range(n)
     ]
 
 
+def worker_cost(
+    size: RequestSize,
+    candidate: Candidate,
+    config: KvPolicyConfig,
+    ratio: float = 1.0,
+    fleet_factor: float = 0.0,
+) -> BlockCost | SecondsCost:
+    """The cost ``config.cost_model`` decides on, with every term."""
+    if config.cost_model == "seconds":
+        return seconds_cost(size, candidate, config, ratio, FleetView(fleet_factor))
+    return blocks_cost(size, candidate, config, ratio)
+
+
 @given(
-    configs, requests, loads, matches, st.sampled_from(["gpu", "cpu", "disk"]), st.integers(1, 9)
+    configs,
+    requests,
+    loads,
+    matches,
+    st.sampled_from(["gpu", "cpu", "disk"]),
+    st.integers(1, 9),
+    ttft_models,
 )
 def test_more_overlap_never_raises_cost(
     config: KvPolicyConfig,
@@ -76,10 +120,11 @@ def test_more_overlap_never_raises_cost(
     match: PrefixMatch,
     tier: str,
     extra: int,
+    model: TtftParams,
 ) -> None:
-    before = Candidate(WorkerId("w"), "http://w", load, match)
+    before = Candidate(WorkerId("w"), "http://w", load, match, model)
     grown = PrefixMatch(**{**_tiers(match), tier: getattr(match, tier) + extra})
-    after = Candidate(WorkerId("w"), "http://w", load, grown)
+    after = Candidate(WorkerId("w"), "http://w", load, grown, model)
     assert (
         worker_cost(request_size(request), after, config).cost
         <= worker_cost(request_size(request), before, config).cost + 1e-9
@@ -90,9 +135,14 @@ def _tiers(match: PrefixMatch) -> dict[str, int]:
     return {"gpu": match.gpu, "cpu": match.cpu, "disk": match.disk}
 
 
-@given(configs, requests, matches, loads, loads)
+@given(configs, requests, matches, loads, loads, ttft_models)
 def test_more_load_never_lowers_cost(
-    config: KvPolicyConfig, request: RouteRequest, match: PrefixMatch, a: WorkerLoad, b: WorkerLoad
+    config: KvPolicyConfig,
+    request: RouteRequest,
+    match: PrefixMatch,
+    a: WorkerLoad,
+    b: WorkerLoad,
+    model: TtftParams,
 ) -> None:
     more = WorkerLoad(
         in_flight=a.in_flight,
@@ -101,23 +151,37 @@ def test_more_load_never_lowers_cost(
         scraped_waiting=a.scraped_waiting,
         scraped_kv_usage=a.scraped_kv_usage,
     )
-    base = worker_cost(request_size(request), Candidate(WorkerId("w"), "u", a, match), config).cost
-    loaded = worker_cost(
-        request_size(request), Candidate(WorkerId("w"), "u", more, match), config
-    ).cost
+    size = request_size(request)
+    base = worker_cost(size, Candidate(WorkerId("w"), "u", a, match, model), config).cost
+    loaded = worker_cost(size, Candidate(WorkerId("w"), "u", more, match, model), config).cost
     assert loaded >= base - 1e-9
 
 
-@given(configs, requests, matches, loads)
+@given(configs, requests, matches, loads, ttft_models, st.floats(0.0, 1e3), st.floats(0.0, 20.0))
 def test_cost_terms_are_sane(
-    config: KvPolicyConfig, request: RouteRequest, match: PrefixMatch, load: WorkerLoad
+    config: KvPolicyConfig,
+    request: RouteRequest,
+    match: PrefixMatch,
+    load: WorkerLoad,
+    model: TtftParams,
+    ratio: float,
+    fleet: float,
 ) -> None:
-    cost = worker_cost(request_size(request), Candidate(WorkerId("w"), "u", load, match), config)
+    candidate = Candidate(WorkerId("w"), "u", load, match, model)
+    cost = worker_cost(request_size(request), candidate, config, ratio, fleet)
     assert 0 <= cost.credited <= cost.request_blocks + 1e-9
     assert 0 <= cost.prefill_blocks <= cost.request_blocks + 1e-9
     assert cost.match.blocks <= cost.request_blocks
     assert 0 <= cost.overlap_tokens <= max(request.prompt_tokens, 0)
     assert cost.cost >= 0
+    # whichever cost decides, the predicted TTFT and its parts are among the terms
+    terms = cost.terms()
+    parts = ("ttft_base_s", "ttft_queue_s", "ttft_prefill_s", "ttft_interference_s")
+    assert terms["ttft_s"] == pytest.approx(sum(terms[p] for p in parts))
+    assert terms["ttft_s"] >= 0
+    if isinstance(cost, SecondsCost):
+        assert cost.cost >= cost.ttft.total_s  # the fleet and cache terms only add
+        assert cost.cost == pytest.approx(cost.ttft.total_s + cost.fleet_s + cost.cache_s)
 
 
 @settings(max_examples=200)

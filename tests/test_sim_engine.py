@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends.sim.config import EngineConfig, TimingConfig
+from backends.sim.config import ConfigError, EngineConfig, TimingConfig
 from backends.sim.engine import Engine, SimRequest
 from backends.sim.faults import FaultState
 from backends.sim.timing import StepWork, prefill_pairs, step_seconds
@@ -25,12 +25,17 @@ class Recorder:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)
     preempted: int = 0
     batches: list[list[KvEvent]] = field(default_factory=list)
+    engine: Engine | None = None
+    first_token_steps: list[int] = field(default_factory=list)
+    """``engine.steps`` when each first token came (the engine counts the step first)."""
 
     def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
         self.admitted.append((prompt_tokens, gpu_hit_tokens, cpu_hit_tokens))
 
     def on_first_token(self, ttft_s: float) -> None:
         assert ttft_s >= 0
+        if self.engine is not None:
+            self.first_token_steps.append(self.engine.steps)
 
     def on_finished(self, req: SimRequest, reason: str, e2e_s: float) -> None:
         assert reason == "length"
@@ -56,6 +61,7 @@ async def _engine(config: EngineConfig, recorder: Recorder) -> AsyncIterator[Eng
         on_batch=recorder.batches.append,
         observer=recorder,
     )
+    recorder.engine = engine
     task = asyncio.create_task(engine.run())
     try:
         yield engine
@@ -79,6 +85,45 @@ async def test_long_prompts_are_prefilled_in_chunks(recorder: Recorder) -> None:
         assert len(first) == 1
         assert engine.steps == 4  # 30 prompt tokens, 8 per step
         assert len(await _finish(req)) == 3
+
+
+@pytest.mark.parametrize(
+    ("mode", "steps"),
+    [
+        ("chunked", [2, 2]),  # step 2: the last 4 tokens of A and all of B share the budget
+        ("serial", [2, 3]),  # step 2 is A's alone: B waits for every prefill ahead of it
+    ],
+)
+async def test_prefill_mode_decides_who_shares_the_budget(
+    recorder: Recorder, mode: str, steps: list[int]
+) -> None:
+    config = EngineConfig(
+        block_size=4, capacity_blocks=64, max_num_batched_tokens=16, prefill_mode=mode
+    )
+    async with _engine(config, recorder) as engine:
+        a = engine.submit(list(range(10, 30)), 1, None, time.monotonic())  # 20 tokens
+        b = engine.submit(list(range(50, 54)), 1, None, time.monotonic())  # 4 tokens
+        await asyncio.gather(_finish(a), _finish(b))
+    assert recorder.first_token_steps == steps
+
+
+async def test_serial_prefill_still_batches_decodes(recorder: Recorder) -> None:
+    config = EngineConfig(
+        block_size=4, capacity_blocks=64, max_num_batched_tokens=8, prefill_mode="serial"
+    )
+    async with _engine(config, recorder) as engine:
+        a = engine.submit(list(range(10, 14)), 5, None, time.monotonic())  # 4-token prompt
+        b = engine.submit(list(range(50, 70)), 1, None, time.monotonic())  # 20 tokens
+        c = engine.submit(list(range(80, 84)), 1, None, time.monotonic())  # 4 tokens
+        await asyncio.gather(_finish(a), _finish(b), _finish(c))
+        # A alone in step 1; B's chunks (8, 8, 4) in steps 2-4 beside A's decodes; C after B
+        assert recorder.first_token_steps == [1, 4, 5]
+        assert engine.steps == 5  # A's 4 decode tokens ran in steps 2-5, with the prefills
+
+
+def test_serial_mode_is_a_validated_engine_setting() -> None:
+    with pytest.raises(ConfigError, match="prefill_mode"):
+        EngineConfig(prefill_mode="eager").validate()  # type: ignore[arg-type]
 
 
 async def test_prefix_hits_stop_before_the_last_token(recorder: Recorder) -> None:

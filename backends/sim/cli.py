@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="max batch")
     eng.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                      help="token budget per step (chunked prefill)")  # fmt: skip
+    eng.add_argument(
+        "--prefill-mode", choices=("chunked", "serial"), default=e.prefill_mode,
+        help="chunked: each step fills its budget with chunks of every queued prefill that "
+        "fits; serial: one prefill at a time, first come first served (decodes still batch)",
+    )  # fmt: skip
     eng.add_argument("--max-model-len", type=int, default=e.max_model_len,
                      help="max prompt + output tokens (capped by the cache size)")  # fmt: skip
     eng.add_argument("--default-max-tokens", type=int, default=e.default_max_tokens,
@@ -140,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             cpu_offload_blocks=args.cpu_offload_blocks,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_mode=args.prefill_mode,
             max_model_len=args.max_model_len,
             default_max_tokens=args.default_max_tokens,
             lora_modules=tuple(LoraModule.parse(spec) for spec in args.lora),
@@ -182,7 +188,8 @@ def describe(fleet: SimFleet) -> str:
     loras = ", ".join(m.name for m in e.lora_modules) or "none"
     lines = [
         f"kvgate sim: {cfg.replicas} replica(s) of model {e.model!r}: block size {e.block_size}, "
-        f"{e.capacity_blocks} GPU blocks, {cpu}, speed-up x{cfg.timing.speedup:g}, "
+        f"{e.capacity_blocks} GPU blocks, {cpu}, {e.prefill_mode} prefill "
+        f"(budget {e.max_num_batched_tokens}), speed-up x{cfg.timing.speedup:g}, "
         f"events {cfg.events.encoding}-encoded on topic {cfg.events.topic!r}",
         f"LoRA adapters: {loras}; streams open {cfg.api.stream_open}",
         "port scheme: HTTP port+i, KV events PUB events-port+2i, replay ROUTER events-port+2i+1",

@@ -13,6 +13,7 @@ EventEncoding = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
 SourcesFormat = Literal["object", "list"]
 StreamOpen = Literal["at_accept", "at_first_token"]
+PrefillMode = Literal["chunked", "serial"]
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,11 @@ class EngineConfig:
     cpu_offload_blocks: int = 0
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
+    prefill_mode: PrefillMode = "chunked"
+    """``chunked``: every step fills its token budget with prefill chunks of as many
+    requests as fit (vLLM v1 with chunked prefill); ``serial``: at most one request prefills
+    per step, first come first served, so a newcomer waits for every prefill queued ahead
+    (vLLM when one long prefill holds the token budget). Decodes batch alongside in both."""
     max_model_len: int = 131_072
     default_max_tokens: int = 64
     """Output length when a chat request gives no ``max_tokens`` (completions default: 16)."""
@@ -91,6 +97,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.cpu_offload_blocks < 0:
             raise ConfigError("cpu_offload_blocks must be >= 0")
+        if self.prefill_mode not in ("chunked", "serial"):
+            raise ConfigError("prefill_mode must be 'chunked' or 'serial'")
         names = [m.name for m in self.lora_modules]
         if any(not n for n in names) or any(not m.path for m in self.lora_modules):
             raise ConfigError("every LoRA adapter needs a name and a path")

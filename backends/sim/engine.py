@@ -9,7 +9,9 @@ Each step (one ``asyncio`` sleep of the modelled step time):
 2. then, if nothing was preempted, waiting requests in arrival order while the budget, the
    ``max_num_seqs`` limit and the free blocks allow: the longest cached prefix (GPU, then
    CPU tier) is reused, at most ``(len - 1) // block_size`` blocks (the last token is always
-   computed), and the rest is prefilled in chunks;
+   computed), and the rest is prefilled in chunks. With ``prefill_mode`` ``serial`` at most
+   one request prefills per step (the oldest running one, else the head of the queue);
+   decodes still join every step;
 3. blocks that become full are cached (``BlockStored``) when scheduled, as vLLM does;
 4. after the step, every request whose prompt is fully computed gets one token; a request
    with ``max_tokens`` tokens finishes and frees its blocks tail first.
@@ -327,12 +329,19 @@ class Engine:
 
     def _schedule(self, work: StepWork) -> list[tuple[SimRequest, int]]:
         budget = self.config.max_num_batched_tokens
+        serial = self.config.prefill_mode == "serial"
+        prefilling = False  # serial mode: one request prefills per step
         scheduled: list[tuple[SimRequest, int]] = []
         running = self.running
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if serial and not _decoding(req):
+                if prefilling:
+                    i += 1
+                    continue
+                prefilling = True
             n = min(len(req.token_ids) - req.num_computed, budget)
             if self._grow(req, req.num_computed + n):
                 self._account(work, req, n)
@@ -342,7 +351,7 @@ class Engine:
                 continue
             self._preempt(running.pop())
             preempted = True
-        while not preempted and self.waiting and budget > 0:
+        while not preempted and not prefilling and self.waiting and budget > 0:
             if len(running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
@@ -355,12 +364,13 @@ class Engine:
             self._account(work, req, n)
             scheduled.append((req, n))
             budget -= n
+            prefilling = serial
         return scheduled
 
     @staticmethod
     def _account(work: StepWork, req: SimRequest, n: int) -> None:
         work.tokens += n
-        if n == 1 and req.num_output > 0 and req.num_computed == len(req.token_ids) - 1:
+        if _decoding(req):
             work.decode_context += req.num_computed
         else:
             work.prefill_tokens += n
@@ -490,6 +500,12 @@ class Engine:
             parent = digest(parent.to_bytes(8, "little") + data[k : k + step], seed=seed)
             hashes.append(parent)
         return hashes
+
+
+def _decoding(req: SimRequest) -> bool:
+    """Is the request's next step a decode (one token after its last output), not prefill
+    (its prompt, or a preempted request's prompt and outputs, being computed)?"""
+    return req.num_output > 0 and req.num_computed == len(req.token_ids) - 1
 
 
 def _root(req: SimRequest) -> bytes:

@@ -12,7 +12,10 @@ from index.keys._chat_template import ChatTemplate, load_template_source
 from index.keys._prefix_cache import PrefixTokenCache
 from index.keys._prompt import PromptKeyer
 from index.keys._tokenize import (
+    PARTIAL_CHARS,
+    WINDOW_CHARS,
     ModelTokenizer,
+    Reach,
     TokenizedPrompt,
     plain_render,
     prompt_seed,
@@ -20,10 +23,13 @@ from index.keys._tokenize import (
 )
 
 __all__ = [
+    "PARTIAL_CHARS",
+    "WINDOW_CHARS",
     "ChatTemplate",
     "ModelTokenizer",
     "PrefixTokenCache",
     "PromptKeyer",
+    "Reach",
     "TokenizedPrompt",
     "block_keys",
     "cache_seed",

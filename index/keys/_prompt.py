@@ -24,7 +24,7 @@ from index.config import IndexConfig
 from index.errors import TokenizeError
 from index.keys._blocks import block_keys, text_block_keys
 from index.keys._engine import engine_tokens
-from index.keys._tokenize import ModelTokenizer, plain_render, prompt_seed
+from index.keys._tokenize import ModelTokenizer, Reach, plain_render, prompt_seed
 from index.memo import BoundedMemo
 from index.metrics import IndexMetrics
 from index.types import BlockKey
@@ -47,11 +47,15 @@ class PromptKeyer:
         workers: Callable[[], Iterable[EngineWorker]],
         *,
         block_size_for: Callable[[str], int] | None = None,
+        reach: Reach | None = None,
     ) -> None:
         """``workers``: the fleet now, asked for the engine ``/tokenize`` fallback;
-        ``block_size_for``: a model's block size (default: the configured one)."""
+        ``block_size_for``: a model's block size (default: the configured one); ``reach``:
+        how far some worker's cache holds a prefix of keys (a long new prompt is tokenized
+        only that far, ``ModelTokenizer.tokenize``)."""
         self._config = config
         self._block_size_for = block_size_for or config.block_size_for
+        self._reach = reach
         self._metrics = metrics
         self._http = http
         self._workers = workers
@@ -95,7 +99,11 @@ class PromptKeyer:
                     completion if prompt.add_special_tokens is None else prompt.add_special_tokens
                 )
                 result = await tokenizer.tokenize(
-                    str(text), add_special_tokens=special, block_size=block_size, seed=seed
+                    str(text),
+                    add_special_tokens=special,
+                    block_size=block_size,
+                    seed=seed,
+                    reach=self._reach,
                 )
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)
@@ -139,6 +147,12 @@ class PromptKeyer:
                     loaded = None
                 self.tokenizers[model] = loaded
         return self.tokenizers[model]
+
+    def close(self) -> None:
+        """Cancel the tokenizers' background work."""
+        for tokenizer in self.tokenizers.values():
+            if tokenizer is not None:
+                tokenizer.close()
 
     def _seed(self, prompt: PromptInput) -> int:
         """``prompt_seed(prompt)``, remembered per (LoRA name, cache salt)."""

@@ -22,7 +22,7 @@ import itertools
 import json
 import logging
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,18 @@ log = logging.getLogger(__name__)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _TAIL_MEMO_CHARS = 256  # tails this short are remembered (tokens and cut points)
 _TAIL_MEMO_ENTRIES = 1024
+PARTIAL_CHARS = 64 * 1024
+"""A text longer than this with nothing in the prefix cache is tokenized only as far as a
+worker's cached match reaches (about 10k tokens of English; below it the whole text costs a
+few ms)."""
+WINDOW_CHARS = 16 * 1024
+"""Size of the windows such a text is tokenized in: each costs a thread hop and an index
+lookup (tens of µs), and is the most tokenized past the held prefix."""
+MAX_BACKGROUND = 2
+"""Background full tokenizations per tokenizer at once (more are skipped, not queued)."""
+
+Reach = Callable[[Sequence[BlockKey]], int]
+"""How many of these block keys (a prefix) some worker holds."""
 
 # Space cuts (see ``space_cuts_provable``).
 _CHAR_LOCAL_NORMALIZERS = frozenset({"NFD", "NFKD", "NFC", "NFKC", "Lowercase", "StripAccents"})
@@ -284,6 +296,7 @@ class ModelTokenizer:
         self._affix = self._special_affix()
         self._tails: BoundedMemo[tuple[str, tuple[Mark, ...]], tuple[array[int], list[Cut]]]
         self._tails = BoundedMemo(_TAIL_MEMO_ENTRIES)
+        self._background: set[asyncio.Task[TokenizedPrompt]] = set()
 
     @staticmethod
     def _read_config(directory: Path) -> dict[str, Any]:
@@ -342,6 +355,10 @@ class ModelTokenizer:
             edges = [0, *bounds, len(text)]
             pieces = [text[a:b] for a, b in itertools.pairwise(edges)]
             encodings = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+        elif len(text) > self._inline_chars:  # one long piece (in a thread): encode_batch
+            # releases the GIL while it works, encode holds it (the event loop would stall)
+            edges = [0, len(text)]
+            encodings = self.tokenizer.encode_batch([text], add_special_tokens=False)
         else:  # one piece: space cut indices from the offsets (batches cost more when short)
             edges = [0, len(text)]
             encodings = [self.tokenizer.encode(text, add_special_tokens=False)]
@@ -384,10 +401,37 @@ class ModelTokenizer:
         return index if encoding.token_to_chars(index) == (start, start + length) else None
 
     async def tokenize(
-        self, text: str, *, add_special_tokens: bool, block_size: int, seed: int
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        block_size: int,
+        seed: int,
+        reach: Reach | None = None,
     ) -> TokenizedPrompt:
-        """Tokens of ``text`` (reusing a cached prefix) and their block keys."""
+        """Tokens of ``text`` (reusing a cached prefix) and their block keys.
+
+        With ``reach`` (how many of some block keys, a prefix, a worker holds), a long text
+        with nothing in the prefix cache is tokenized only as far as a worker's cached match
+        can reach: window by window, until a window ends in a block nobody holds. Its keys
+        are those blocks' (exact: windows are cut at exact cut points), its token count an
+        estimate (the rest at the tokenized part's tokens per character). The whole text is
+        then tokenized in the background, so that the session's next turn finds it in the
+        prefix cache (see ``_reachable``).
+        """
         plan = self.cache.plan(text)
+        if reach is not None and plan.entry is None and len(text) > PARTIAL_CHARS:
+            partial = await self._reachable(
+                text,
+                plan,
+                add_special_tokens=add_special_tokens,
+                block_size=block_size,
+                seed=seed,
+                reach=reach,
+            )
+            if partial is not None:
+                self._complete_later(text, add_special_tokens, block_size, seed)
+                return partial
         tail = text[plan.start :]
         marks = plan.tail_marks()
         if len(tail) > self._inline_chars:
@@ -414,6 +458,87 @@ class ModelTokenizer:
         token_count = len(before) + len(entry.ids) + len(after)
         return TokenizedPrompt(token_count, keys, plan.entry is not None)
 
+    async def _reachable(
+        self,
+        text: str,
+        plan: Plan,
+        *,
+        add_special_tokens: bool,
+        block_size: int,
+        seed: int,
+        reach: Reach,
+    ) -> TokenizedPrompt | None:
+        """The text's keys as far as some worker holds them, or None to tokenize it all.
+
+        Windows of about ``WINDOW_CHARS`` are cut at the plan's space marks (exact cut
+        points), tokenized in a thread and keyed; after each, ``reach`` says whether some
+        worker holds every key so far. The first window whose keys reach past every worker's
+        match ends it. None when no exact cut exists, or when the held prefix runs past half
+        the text (a prompt cached somewhere but not in this prefix cache: tokenizing it all
+        is then cheaper than the windows).
+        """
+        if add_special_tokens and self._affix is None:
+            return None
+        before, after = self._affix if add_special_tokens and self._affix else ([], [])
+        edges = _window_edges([start for start, _, _ in plan.marks], len(text))
+        if len(edges) < 2:
+            return None
+        ids: array[int] = array("I", before)
+        keys: list[BlockKey] = []
+        done = 0
+        for edge in edges:
+            ids.extend(await asyncio.to_thread(self._encode_window, text[done:edge]))
+            done = edge
+            parent = keys[-1] if keys else None
+            keys += block_keys(ids[len(keys) * block_size :], block_size, seed, parent)
+            if reach(keys) < len(keys):
+                break
+            if done * 2 > len(text):
+                return None
+        if done >= len(text):
+            return None
+        tokens = len(ids) - len(before)
+        rest = round((len(text) - done) * tokens / done)
+        return TokenizedPrompt(len(ids) + rest + len(after), keys, False)
+
+    def _encode_window(self, piece: str) -> list[int]:
+        # encode_batch releases the GIL while it works (encode would stall the event loop)
+        (encoding,) = self.tokenizer.encode_batch([piece], add_special_tokens=False)
+        return list(encoding.ids)
+
+    def _complete_later(
+        self, text: str, add_special_tokens: bool, block_size: int, seed: int
+    ) -> None:
+        """Tokenize ``text`` in full in the background (into the prefix cache); skipped when
+        ``MAX_BACKGROUND`` such jobs already run (the next turn then tokenizes it itself)."""
+        if len(self._background) >= MAX_BACKGROUND:
+            return
+        job = self.tokenize(text, add_special_tokens=add_special_tokens, block_size=block_size,
+                            seed=seed)  # fmt: skip
+        task = asyncio.get_running_loop().create_task(job)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[TokenizedPrompt]) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, TokenizeError):
+            log.info("%s: background tokenization failed: %s", self.directory, error)
+        elif error is not None:
+            log.error("%s: background tokenization crashed", self.directory, exc_info=error)
+
+    async def drain(self) -> None:
+        """Wait for the background tokenizations (tests, benchmarks)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def close(self) -> None:
+        """Cancel the background tokenizations."""
+        for task in list(self._background):
+            task.cancel()
+
     @staticmethod
     def _reusable_keys(
         entry: Entry,
@@ -438,6 +563,20 @@ class ModelTokenizer:
             return reused, entry.ids[start:], parent
         ids = array("I", before) + entry.ids + array("I", after)
         return reused, ids[start:], parent
+
+
+def _window_edges(marks: Sequence[int], length: int) -> list[int]:
+    """Window ends: the first mark at least ``WINDOW_CHARS`` after the previous end, ..., and
+    the text's end (marks are increasing char offsets of exact cut points)."""
+    edges: list[int] = []
+    last = 0
+    for mark in marks:
+        if mark - last >= WINDOW_CHARS:
+            edges.append(mark)
+            last = mark
+    if length > last:
+        edges.append(length)
+    return edges
 
 
 def prompt_seed(prompt: PromptInput) -> int:

@@ -1,0 +1,205 @@
+"""The block-unit cost of one worker for one request (``cost_model="blocks"``, the default):
+pure arithmetic, no choice. All quantities are in KV blocks of ``RouteRequest.block_size``
+unless named ``*_tokens``::
+
+    cost = overlap_credit * prefill_blocks * (1 + footprint_weight * clip(ratio - 1))
+         + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
+
+The worker's predicted TTFT (its learned model, ``scoring.calibration``) is computed for the
+terms only: shown in ``/debug/route``, it does not decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scoring.api import Candidate, WorkerLoad
+from scoring.config import KvPolicyConfig
+from scoring.cost_parts import (
+    BlendedLoad,
+    CostRecord,
+    RequestSize,
+    blend,
+    blended,
+    busy_reason,
+    cache_survival,
+    clip_match,
+    overlap_tokens,
+    prefill_tokens_after,
+    queued_token_parts,
+    tier_credit,
+    ttft_features,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCost(CostRecord):
+    """Every term behind one worker's block-unit cost (all visible through ``terms()``); its
+    predicted TTFT is shown, not deciding."""
+
+    queued_prefill: BlendedLoad
+    decode: BlendedLoad
+    load_blocks: float
+    footprint_ratio: float  # the worker's recent footprint / the candidates' mean
+    footprint_cost: float
+
+    def terms(self) -> dict[str, float]:
+        """The named terms, for /debug/route and the decision log line."""
+        terms = self.common_terms()
+        terms |= {
+            "predicted_queued_prefill_blocks": self.queued_prefill.predicted,
+            "queued_prefill_blocks": self.queued_prefill.blended,
+            "predicted_decode_blocks": self.decode.predicted,
+            "decode_blocks": self.decode.blended,
+            "load_blocks": self.load_blocks,
+            "footprint_ratio": self.footprint_ratio,
+            "footprint_cost": self.footprint_cost,
+        }
+        if self.queued_prefill.scraped is not None:
+            terms["scraped_queued_prefill_blocks"] = self.queued_prefill.scraped
+        if self.decode.scraped is not None:
+            terms["scraped_decode_blocks"] = self.decode.scraped
+        return terms
+
+
+def _queued_parts(
+    load: WorkerLoad, block_size: int, config: KvPolicyConfig
+) -> tuple[float, float | None]:
+    predicted, scraped = queued_token_parts(load, config)
+    return predicted / block_size, (scraped / block_size if scraped is not None else None)
+
+
+def _decode_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
+    scraped = None
+    if load.scraped_kv_usage is not None and config.kv_capacity_blocks is not None:
+        scraped = load.scraped_kv_usage * config.kv_capacity_blocks
+    return float(load.active_decode_blocks), scraped
+
+
+def queued_prefill_load(load: WorkerLoad, block_size: int, config: KvPolicyConfig) -> BlendedLoad:
+    """Prefill work queued ahead of a new request on this worker, in blocks (``block_size`` > 0)."""
+    return blend(*_queued_parts(load, block_size, config), config)
+
+
+def decode_load(load: WorkerLoad, config: KvPolicyConfig) -> BlendedLoad:
+    """KV blocks held by the worker's running requests."""
+    return blend(*_decode_parts(load, config), config)
+
+
+def _cost(prefill: float, load_blocks: float, config: KvPolicyConfig) -> float:
+    return config.overlap_credit * prefill + load_blocks
+
+
+def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
+    return config.queued_prefill_weight * queued + config.decode_weight * decode
+
+
+FOOTPRINT_EXCESS_MIN = -0.5
+FOOTPRINT_EXCESS_MAX = 1.0
+"""``ratio - 1`` is clipped to these bounds: with few requests routed (one session on an idle
+fleet) ratios swing between 0 and the worker count, and must not outweigh a session's cache."""
+
+
+def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> float:
+    """``overlap_credit * footprint_weight * prefill_blocks * clip(ratio - 1)``.
+
+    The blocks a request writes into a cache in more demand than the fleet's mean evict more
+    of other sessions' hot blocks (fewer below the mean): each prefill block is priced
+    ``overlap_credit * (1 + footprint_weight * clip(ratio - 1))``, between 0.5 and 2 times the
+    plain price. Cached blocks write nothing, so a session's home barely pays it.
+    """
+    excess = min(max(ratio - 1.0, FOOTPRINT_EXCESS_MIN), FOOTPRINT_EXCESS_MAX)
+    return config.overlap_credit * config.footprint_weight * prefill * excess
+
+
+def worker_cost(
+    size: RequestSize,
+    candidate: Candidate,
+    config: KvPolicyConfig,
+    footprint_ratio: float = 1.0,
+) -> BlockCost:
+    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
+    load = candidate.load
+    match = clip_match(candidate.match, size.full_blocks)
+    queued = queued_prefill_load(load, size.block_size, config)
+    survival = cache_survival(load, queued.blended, config)
+    credited = tier_credit(match, config) * survival
+    prefill = size.blocks - credited
+    overlap = overlap_tokens(match.blocks, size)
+    decode = decode_load(load, config)
+    load_blocks = _load_blocks(queued.blended, decode.blended, config)
+    features = ttft_features(
+        load,
+        prefill_tokens_after(size, credited),
+        size.prompt_tokens,
+        size.block_size,
+        config,
+    )
+    return BlockCost(
+        worker=candidate.worker,
+        match=match,
+        request_blocks=size.blocks,
+        overlap_tokens=overlap,
+        uncached_tokens=max(size.prompt_tokens - overlap, 0),
+        credited=credited,
+        cache_survival=survival,
+        prefill_blocks=prefill,
+        queued_prefill=queued,
+        decode=decode,
+        load_blocks=load_blocks,
+        footprint_ratio=footprint_ratio,
+        footprint_cost=(footprint := footprint_cost(prefill, footprint_ratio, config)),
+        cost=_cost(prefill, load_blocks, config) + footprint,
+        in_flight=load.in_flight,
+        busy=busy_reason(load, config),
+        params=candidate.ttft,
+        ttft=candidate.ttft.predict(features),
+    )
+
+
+class BlockQuote:
+    """One worker's block-unit cost and what ranking needs, without the terms: the routing
+    hot path. ``cost`` is computed by the same steps as ``worker_cost(...).cost`` (so it is
+    equal to the last bit); ``full()`` builds that ``BlockCost`` on demand (``/debug/route``,
+    logs). ``scale`` is the temperature's unit: the request's blocks.
+    """
+
+    __slots__ = (
+        "_config",
+        "_footprint_ratio",
+        "_size",
+        "busy",
+        "candidate",
+        "cost",
+        "in_flight",
+        "scale",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        size: RequestSize,
+        candidate: Candidate,
+        config: KvPolicyConfig,
+        footprint_ratio: float = 1.0,
+    ) -> None:
+        load = candidate.load
+        match = clip_match(candidate.match, size.full_blocks)
+        queued = blended(*_queued_parts(load, size.block_size, config), config)
+        survival = cache_survival(load, queued, config)
+        prefill = size.blocks - tier_credit(match, config) * survival
+        decode = blended(*_decode_parts(load, config), config)
+        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
+            prefill, footprint_ratio, config
+        )
+        self.scale = float(max(size.blocks, 1))
+        self.worker = candidate.worker
+        self.in_flight = load.in_flight
+        self.busy = busy_reason(load, config)
+        self.candidate = candidate
+        self._size = size
+        self._config = config
+        self._footprint_ratio = footprint_ratio
+
+    def full(self) -> BlockCost:
+        return worker_cost(self._size, self.candidate, self._config, self._footprint_ratio)

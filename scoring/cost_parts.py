@@ -1,0 +1,256 @@
+"""What both decision costs share: the request's size, a worker's clipped match, its load
+terms, the busy guard, the cache-survival discount, footprint ratios, and the inputs of the
+worker's TTFT model. Pure arithmetic, no choice.
+
+Block counts use ``RouteRequest.block_size``; token counts are named ``*_tokens``; times
+are seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from index.types import PrefixMatch, WorkerId
+from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.calibration import TtftEstimate, TtftFeatures, TtftParams, attention_pairs
+from scoring.config import KvPolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BlendedLoad:
+    """One load term: kvgate's prediction, the engine-scraped estimate, and their blend."""
+
+    predicted: float
+    scraped: float | None
+    blended: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostRecord:
+    """What every cost records of one worker, whichever cost it is: the match and what it
+    credits, the predicted TTFT there (shown with either cost), the cost and the guard."""
+
+    worker: WorkerId
+    match: PrefixMatch  # clipped to the request's blocks
+    request_blocks: int
+    overlap_tokens: int
+    uncached_tokens: int
+    credited: float  # matched blocks credited (tier weights, eviction risk)
+    cache_survival: float  # expected share of the match still cached when the request runs
+    prefill_blocks: float
+    params: TtftParams  # the worker's learned TTFT model
+    ttft: TtftEstimate  # its prediction for this request there
+    cost: float
+    in_flight: int
+    busy: str | None  # why the worker is busy, or None
+
+    def common_terms(self) -> dict[str, float]:
+        """The named terms every cost has (its own follow in its ``terms()``)."""
+        return {
+            "gpu_blocks": float(self.match.gpu),
+            "cpu_blocks": float(self.match.cpu),
+            "disk_blocks": float(self.match.disk),
+            "matched_blocks": float(self.match.blocks),
+            "overlap_tokens": float(self.overlap_tokens),
+            "uncached_tokens": float(self.uncached_tokens),
+            "request_blocks": float(self.request_blocks),
+            "credited": self.credited,
+            "cache_survival": self.cache_survival,
+            "prefill_blocks": self.prefill_blocks,
+            **ttft_terms(self.ttft, self.params),
+            "cost": self.cost,
+            "in_flight": float(self.in_flight),
+            "busy": 1.0 if self.busy else 0.0,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSize:
+    """The request's size, computed once and shared by every candidate's cost."""
+
+    block_size: int
+    prompt_tokens: int  # the token count, else the blocks' tokens
+    blocks: int  # blocks to prefill without any cache (a partial tail block counts)
+    full_blocks: int  # whole blocks: the only ones an engine can have cached
+    max_overlap_tokens: int  # cached tokens can never exceed this
+
+
+def request_size(request: RouteRequest) -> RequestSize:
+    """Blocks and token bounds of ``request``.
+
+    An engine always computes the prompt's last token, so at most the whole blocks before it
+    can be hits (vLLM's rule); without a token count, every whole block can be.
+    """
+    block_size = max(request.block_size, 1)
+    tokens = request.prompt_tokens
+    full = max(len(request.block_keys), tokens // block_size)
+    blocks = max(full, -(-tokens // block_size))
+    if tokens > 0:
+        max_overlap = min(full, (tokens - 1) // block_size) * block_size
+    else:
+        max_overlap = full * block_size
+    return RequestSize(
+        block_size=block_size,
+        prompt_tokens=tokens if tokens > 0 else blocks * block_size,
+        blocks=blocks,
+        full_blocks=full,
+        max_overlap_tokens=max_overlap,
+    )
+
+
+def request_blocks(request: RouteRequest) -> int:
+    """Blocks the prompt occupies: its full-block keys, or its token count rounded up."""
+    return request_size(request).blocks
+
+
+def clip_match(match: PrefixMatch, blocks: int) -> PrefixMatch:
+    """The match limited to ``blocks`` (GPU run first, then CPU, then disk)."""
+    if match.blocks <= blocks and min(match.gpu, match.cpu, match.disk) >= 0:
+        return match
+    gpu = min(max(match.gpu, 0), blocks)
+    cpu = min(max(match.cpu, 0), blocks - gpu)
+    disk = min(max(match.disk, 0), blocks - gpu - cpu)
+    return PrefixMatch(gpu=gpu, cpu=cpu, disk=disk)
+
+
+def tier_credit(match: PrefixMatch, config: KvPolicyConfig) -> float:
+    """``gpu_prefix + w_cpu * cpu_past_gpu + w_disk * disk_past_those`` (each tier weighted)."""
+    return (
+        config.gpu_weight * match.gpu
+        + config.cpu_weight * match.cpu
+        + config.disk_weight * match.disk
+    )
+
+
+def overlap_tokens(matched_blocks: int, size: RequestSize) -> int:
+    """Prompt tokens the engine should report cached if the match holds."""
+    return min(matched_blocks * size.block_size, size.max_overlap_tokens)
+
+
+def prefill_tokens_after(size: RequestSize, credited: float) -> float:
+    """Tokens left to prefill once ``credited`` blocks are reused: at least the last token
+    (an engine always computes it), at most the prompt."""
+    reused = min(credited * size.block_size, size.max_overlap_tokens)
+    return max(size.prompt_tokens - reused, 1.0)
+
+
+def blended(predicted: float, scraped: float | None, config: KvPolicyConfig) -> float:
+    """max of the weighted prediction and weighted scrape: never their sum (no double count)."""
+    weighted = config.predicted_load_weight * predicted
+    if scraped is not None:
+        weighted = max(weighted, config.scraped_load_weight * scraped)
+    return weighted
+
+
+def blend(predicted: float, scraped: float | None, config: KvPolicyConfig) -> BlendedLoad:
+    return BlendedLoad(predicted, scraped, blended(predicted, scraped, config))
+
+
+def queued_token_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
+    """Prefill tokens queued ahead of a new request: (kvgate's prediction, the scrape's)."""
+    scraped = None
+    if load.scraped_waiting is not None:
+        scraped = float(load.scraped_waiting * config.waiting_request_prefill_tokens)
+    return float(load.pending_prefill_tokens), scraped
+
+
+def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfig) -> float:
+    """The share of a cached match credited, for the risk of its eviction before use.
+
+    A request waits behind ``queued_blocks`` of new prefill allocations. While they fit in
+    the free pool (``capacity x (1 - KV usage)``: free and cached-but-unused blocks), the
+    engine evicts the least recently used of those first, and a match touched by its
+    session's last turn is rarely among them. A queue larger than the free pool must take
+    what running requests release as well: the excess, relative to the whole cache, is the
+    share of cached blocks expected to go (capped at 1). 1.0 when the engine does not report
+    its usage and capacity.
+    """
+    weight = config.eviction_risk_weight
+    usage = load.scraped_kv_usage
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if weight <= 0.0 or usage is None or capacity is None:
+        return 1.0
+    free = capacity * (1.0 - min(max(usage, 0.0), 1.0))
+    risk = min(1.0, max(0.0, queued_blocks - free) / capacity)
+    return 1.0 - weight * risk
+
+
+def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
+    """Why the busy guard skips this worker, or None when it is not busy."""
+    waiting, limit = load.scraped_waiting, config.max_waiting_requests
+    if waiting is not None and limit is not None and waiting > limit:
+        return f"busy: waiting {waiting} > {limit}"
+    usage, max_usage = load.scraped_kv_usage, config.max_kv_usage
+    if usage is not None and max_usage is not None and usage > max_usage:
+        return f"busy: kv usage {usage:.3g} > {max_usage:g}"
+    return None
+
+
+def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
+    """Each candidate's recent footprint over the candidates' mean (all 1.0 when none)."""
+    total = sum(c.load.footprint for c in candidates)
+    mean = total / len(candidates) if candidates else 0.0
+    if not mean > 0.0:  # nothing routed yet (or too little to divide by)
+        return [1.0] * len(candidates)
+    return [c.load.footprint / mean for c in candidates]
+
+
+# ---- the TTFT model's inputs: one definition for routing, /debug/route and calibration ----
+
+
+def context_token_parts(
+    load: WorkerLoad, block_size: int, config: KvPolicyConfig
+) -> tuple[float, float | None]:
+    """Tokens held by the worker's running requests: (kvgate's prediction, the scrape's)."""
+    scraped = None
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if load.scraped_kv_usage is not None and capacity is not None:
+        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity * block_size
+    return float(load.active_decode_blocks * block_size), scraped
+
+
+def ttft_features(
+    load: WorkerLoad,
+    uncached_tokens: float,
+    prompt_tokens: float,
+    block_size: int,
+    config: KvPolicyConfig,
+) -> TtftFeatures:
+    """The TTFT model's inputs for a request of ``prompt_tokens`` with ``uncached_tokens`` to
+    prefill on a worker with ``load``: the one definition shared by routing, ``/debug/route``
+    and the calibration at dispatch."""
+    predicted, scraped = queued_token_parts(load, config)
+    queued = blended(predicted, scraped, config)
+    context = blended(*context_token_parts(load, block_size, config), config)
+    uncached = max(uncached_tokens, 0.0)
+    return TtftFeatures(
+        uncached,
+        attention_pairs(uncached, max(prompt_tokens, uncached)),
+        queued,
+        _queued_pairs(load, queued, predicted),
+        context,
+    )
+
+
+def _queued_pairs(load: WorkerLoad, queued: float, predicted: float) -> float:
+    """Attention pairs of the queued prefill: kvgate's own, scaled up when the scrape sees
+    more queued tokens than kvgate sent (other traffic, assumed alike)."""
+    pairs = max(load.pending_prefill_pairs, 0.0)
+    if predicted > 0.0 and queued > predicted:
+        return pairs * queued / predicted
+    return pairs
+
+
+def ttft_terms(ttft: TtftEstimate, params: TtftParams) -> dict[str, float]:
+    """The predicted TTFT, its parts and the model behind it, as named terms."""
+    return {
+        "ttft_s": ttft.total_s,
+        "ttft_base_s": ttft.base_s,
+        "ttft_queue_s": ttft.queue_s,
+        "ttft_prefill_s": ttft.prefill_s,
+        "ttft_interference_s": ttft.interference_s,
+        "prefill_tokens_per_s": params.prefill_tokens_per_s,
+        "queued_weight": params.queued_weight,
+        "model_observations": params.observations,
+    }
