@@ -149,8 +149,8 @@ def test_blend_weights(pred_w: float, scr_w: float, queued: float) -> None:
     ("credit", "winner"),
     [
         (0.0, "idle"),  # the cache is worth nothing: pure balance
-        (1.0, "idle"),  # 0.33 * 40 queued blocks outweigh 10 cached blocks
-        (5.0, "cached"),  # 5 * 10 = 50 > 0.33 * 40: stick to the cache
+        (1.0, "idle"),  # 40 queued blocks outweigh 10 cached blocks
+        (5.0, "cached"),  # 5 * 10 = 50 > 40 queued: stick to the cache
         (1e6, "cached"),  # the cache wins whatever the load
     ],
 )
@@ -351,9 +351,11 @@ def test_a_session_leaves_a_home_whose_queue_would_evict_its_history() -> None:
                 pending_prefill_tokens=250 * BS)  # fmt: skip
     idle = cand("idle", scraped_kv_usage=0.3, kv_capacity_blocks=200)
     # 250 queued blocks, 20 free, a 200-block cache: the history is as good as gone (cost
-    # 110 + 0.33 * 250 at home against 110 idle); trusted, it would win (10 + 0.33 * 250)
-    risky = KvPolicy(KvPolicyConfig(eviction_risk_weight=1.0), rng=random.Random(0))
+    # 110 + 0.33 * 250 at home against 110 idle); trusted, it would win (10 + 0.33 * 250).
+    # A queued block at a third of an own block: a home that holds on to its sessions.
+    sticky = {"queued_prefill_weight": 0.33}
+    risky = KvPolicy(KvPolicyConfig(eviction_risk_weight=1.0, **sticky), rng=random.Random(0))
     chosen = risky.rank(req(110), [home, idle]).chosen
     assert chosen == WorkerId("idle")
-    off = KvPolicy(KvPolicyConfig(eviction_risk_weight=0.0), rng=random.Random(0))
+    off = KvPolicy(KvPolicyConfig(eviction_risk_weight=0.0, **sticky), rng=random.Random(0))
     assert off.rank(req(110), [home, idle]).chosen == WorkerId("home")
