@@ -210,8 +210,10 @@ def test_seconds_cost_keeps_a_session_home_only_while_the_fleet_is_busy() -> Non
     # an idle fleet: nobody waits behind the recomputation, and it is the shorter wait
     idle = [cand("home", gpu=400, pending_prefill_tokens=400 * BS), cand("away", gpu=2)]
     assert seconds.rank(req(410), idle).chosen == "away"
-    # the block-unit cost keeps it home either way: 10 + 0.33 * 400 + 0 = 142 < 408
-    assert policy().rank(req(410), idle).chosen == "home"
+    # the block-unit cost, a queued block as one of its own: 10 + 400 = 410 > 408 away;
+    # a queued block at a third of its own (the old default) kept it home: 142 < 408
+    assert policy().rank(req(410), idle).chosen == "away"
+    assert policy(queued_prefill_weight=0.33).rank(req(410), idle).chosen == "home"
 
 
 # ---- temperature -------------------------------------------------------------------------

@@ -208,9 +208,12 @@ class EventLog:
                 raise AssertionError(f"batches {missing[:5]}... never arrived")
             await asyncio.sleep(0.005)
 
-    def rebuild(self) -> Rebuilt:
-        """The cache as kvgate's decoder reads it: applies every batch in seq order."""
-        return rebuild([self.batches[s] for s in sorted(self.batches)])
+    def rebuild(self, upto: int | None = None) -> Rebuilt:
+        """The cache as kvgate's decoder reads it: applies every batch in seq order (only
+        seqs below ``upto`` when given: after a restart, a batch of the old generation can
+        still arrive late, under a seq the new one has not reached)."""
+        seqs = sorted(s for s in self.batches if upto is None or s < upto)
+        return rebuild([self.batches[s] for s in seqs])
 
 
 def rebuild(payloads: list[bytes]) -> Rebuilt:
