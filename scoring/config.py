@@ -46,15 +46,15 @@ class KvPolicyConfig(BaseModel):
         ),
     )
     queued_prefill_weight: float = Field(
-        default=0.33,
+        default=1.0,
         ge=0.0,
         description=(
-            "blocks cost. Weight of the prefill work already queued on a worker (blocks of "
-            "prompt not yet prefilled), against overlap_credit for this request's own blocks. "
-            "A new request waits for all of it before its first token; but leaving the cache "
-            "recomputes the prefix, which is paid again by every request that queues behind it "
-            "and by the session's later turns, so a queued block counts about a third of an "
-            "own block."
+            "Weight of the prefill work already queued on a worker (blocks of prompt not yet "
+            "prefilled), against overlap_credit for this request's own blocks. A new request "
+            "waits for all of it before its first token (first come, first served; chunked "
+            "prefill alike once its token budget is full), so a queued block delays it as much "
+            "as one of its own: 1. Lower values keep sessions on a busy home longer (0.33 was "
+            "the default until measured: docs/scoring.md, Queued prefill weight)."
         ),
     )
     decode_weight: float = Field(
