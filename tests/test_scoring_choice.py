@@ -172,13 +172,15 @@ def test_queued_prefill_steers_new_sessions_away_from_a_hot_worker() -> None:
     assert policy().rank(req(40), candidates).chosen == "cold"
 
 
-def test_a_long_session_stays_home_despite_moderate_load() -> None:
-    # 400 of 410 cached at home: 10 + 0.33 * 400 + 0.02 * 5000 = 242 < 408 away
-    candidates = [
-        cand("home", gpu=400, pending_prefill_tokens=400 * BS, active_decode_blocks=5000),
-        cand("away", gpu=2),
-    ]
+def test_a_long_session_stays_home_while_its_queue_is_shorter_than_a_recompute() -> None:
+    # 400 of 410 cached at home; away recomputes 408 blocks on an idle replica.
+    # 200 queued at home: 10 + 200 + 0.02 * 5000 = 310 < 408 away: home
+    home = {"gpu": 400, "active_decode_blocks": 5000}
+    candidates = [cand("home", pending_prefill_tokens=200 * BS, **home), cand("away", gpu=2)]
     assert policy().rank(req(410), candidates).chosen == "home"
+    # 400 queued: 10 + 400 + 100 = 510 > 408: its first token comes sooner away
+    candidates = [cand("home", pending_prefill_tokens=400 * BS, **home), cand("away", gpu=2)]
+    assert policy().rank(req(410), candidates).chosen == "away"
 
 
 def test_seconds_tie_tolerance_is_in_seconds() -> None:
@@ -208,8 +210,10 @@ def test_seconds_cost_keeps_a_session_home_only_while_the_fleet_is_busy() -> Non
     # an idle fleet: nobody waits behind the recomputation, and it is the shorter wait
     idle = [cand("home", gpu=400, pending_prefill_tokens=400 * BS), cand("away", gpu=2)]
     assert seconds.rank(req(410), idle).chosen == "away"
-    # the block-unit cost keeps it home either way: 10 + 0.33 * 400 + 0 = 142 < 408
-    assert policy().rank(req(410), idle).chosen == "home"
+    # the block-unit cost, a queued block as one of its own: 10 + 400 = 410 > 408 away;
+    # a queued block at a third of its own (the old default) kept it home: 142 < 408
+    assert policy().rank(req(410), idle).chosen == "away"
+    assert policy(queued_prefill_weight=0.33).rank(req(410), idle).chosen == "home"
 
 
 # ---- temperature -------------------------------------------------------------------------
