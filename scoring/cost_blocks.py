@@ -18,6 +18,7 @@ from scoring.config import KvPolicyConfig
 from scoring.cost_parts import (
     BlendedLoad,
     CostRecord,
+    QuoteBase,
     RequestSize,
     blend,
     blended,
@@ -157,24 +158,14 @@ def worker_cost(
     )
 
 
-class BlockQuote:
+class BlockQuote(QuoteBase):
     """One worker's block-unit cost and what ranking needs, without the terms: the routing
     hot path. ``cost`` is computed by the same steps as ``worker_cost(...).cost`` (so it is
     equal to the last bit); ``full()`` builds that ``BlockCost`` on demand (``/debug/route``,
     logs). ``scale`` is the temperature's unit: the request's blocks.
     """
 
-    __slots__ = (
-        "_config",
-        "_footprint_ratio",
-        "_size",
-        "busy",
-        "candidate",
-        "cost",
-        "in_flight",
-        "scale",
-        "worker",
-    )
+    __slots__ = ()
 
     def __init__(
         self,
@@ -189,17 +180,11 @@ class BlockQuote:
         survival = cache_survival(load, queued, config)
         prefill = size.blocks - tier_credit(match, config) * survival
         decode = blended(*_decode_parts(load, config), config)
-        self.cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
+        cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
             prefill, footprint_ratio, config
         )
-        self.scale = float(max(size.blocks, 1))
-        self.worker = candidate.worker
-        self.in_flight = load.in_flight
-        self.busy = busy_reason(load, config)
-        self.candidate = candidate
-        self._size = size
-        self._config = config
-        self._footprint_ratio = footprint_ratio
+        scale = float(max(size.blocks, 1))
+        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale)
 
     def full(self) -> BlockCost:
         return worker_cost(self._size, self.candidate, self._config, self._footprint_ratio)

@@ -187,6 +187,44 @@ def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     return None
 
 
+class QuoteBase:
+    """What every cost's quote (the routing hot path) holds beside its own arithmetic:
+    ``cost`` and ``scale`` (the temperature's unit), the worker as ranking reads it, and what
+    ``full()`` rebuilds the terms from."""
+
+    __slots__ = (
+        "_config",
+        "_footprint_ratio",
+        "_size",
+        "busy",
+        "candidate",
+        "cost",
+        "in_flight",
+        "scale",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        size: RequestSize,
+        candidate: Candidate,
+        config: KvPolicyConfig,
+        footprint_ratio: float,
+        *,
+        cost: float,
+        scale: float,
+    ) -> None:
+        self.cost = cost
+        self.scale = scale
+        self.worker = candidate.worker
+        self.in_flight = candidate.load.in_flight
+        self.busy = busy_reason(candidate.load, config)
+        self.candidate = candidate
+        self._size = size
+        self._config = config
+        self._footprint_ratio = footprint_ratio
+
+
 def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
     """Each candidate's recent footprint over the candidates' mean (all 1.0 when none)."""
     total = sum(c.load.footprint for c in candidates)

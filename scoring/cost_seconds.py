@@ -22,6 +22,7 @@ from scoring.config import KvPolicyConfig
 from scoring.cost_parts import (
     BlendedLoad,
     CostRecord,
+    QuoteBase,
     RequestSize,
     blend,
     blended,
@@ -239,7 +240,7 @@ def _total(ttft: TtftEstimate, fleet_factor: float, cache_factor: float) -> floa
     return ttft.total_s + (fleet_factor + cache_factor) * ttft.prefill_s
 
 
-class SecondsQuote:
+class SecondsQuote(QuoteBase):
     """One worker's cost in seconds and what ranking needs, without the terms: the routing hot path.
 
     ``cost`` is computed by the same steps as ``worker_cost(...).cost`` (so it is equal to
@@ -247,18 +248,7 @@ class SecondsQuote:
     ``scale`` is the temperature's unit: the whole prompt's predicted prefill seconds there.
     """
 
-    __slots__ = (
-        "_config",
-        "_fleet",
-        "_footprint_ratio",
-        "_size",
-        "busy",
-        "candidate",
-        "cost",
-        "in_flight",
-        "scale",
-        "worker",
-    )
+    __slots__ = ("_fleet",)
 
     def __init__(
         self,
@@ -275,16 +265,10 @@ class SecondsQuote:
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
         duplicated = duplicated_tokens(prefill, fleet)
         spend += duplicate_factor(prefill, duplicated, footprint_ratio, fleet, config)
-        self.cost = _total(ttft, fleet.fleet_factor, spend)
+        cost = _total(ttft, fleet.fleet_factor, spend)
         # the whole prompt's prefill there: the temperature's unit
-        self.scale = candidate.ttft.predict(_whole(size)).prefill_s
-        self.worker = candidate.worker
-        self.in_flight = load.in_flight
-        self.busy = busy_reason(load, config)
-        self.candidate = candidate
-        self._size = size
-        self._config = config
-        self._footprint_ratio = footprint_ratio
+        scale = candidate.ttft.predict(_whole(size)).prefill_s
+        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale)
         self._fleet = fleet
 
     def full(self) -> SecondsCost:
