@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 async def test_sim_fleet_is_routed_cache_aware_and_stopped() -> None:
     base = free_port_range(2, start=31500)
-    events = free_port_range(4, start=32500)
+    events = free_port_range(4, start=28500)
     fleet = SimFleet(2, base_port=base, events_port=events)
     with fleet:
         overrides = fleet.settings_overrides({})
@@ -72,8 +72,8 @@ async def test_streamed_requests_calibrate_each_replicas_ttft_model(cost_model: 
     kvgate to a simulated replica is one observation: /debug/route shows each replica's
     predicted TTFT and its parts, /metrics the prediction error and the learned model per
     replica."""
-    base = free_port_range(2, start=36500)
-    events = free_port_range(4, start=37500)
+    base = free_port_range(2, start=29500)
+    events = free_port_range(4, start=30500)
     scoring = {} if cost_model == "blocks" else {"cost_model": cost_model}
     with SimFleet(2, base_port=base, events_port=events) as fleet:
         overrides = fleet.settings_overrides({})
@@ -129,8 +129,8 @@ def _alive(pid: int) -> bool:
 @contextmanager
 def _serve_sim(log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``kvgate serve --sim 2`` on free ports, ready; yields it and its simulator's pid."""
-    port = free_port_range(1, start=33500)
-    base, events = free_port_range(2, start=34500), free_port_range(4, start=35500)
+    port = free_port_range(1, start=26500)
+    base, events = free_port_range(2, start=27000), free_port_range(4, start=27500)
     argv = [sys.executable, "-m", "router.cli", "serve", "--sim", "2", "--port", str(port),
             "--sim-port", str(base), "--sim-events-port", str(events)]  # fmt: skip
     serve = ChildProcess(argv, name="kvgate serve --sim", log_path=log, cwd=ROOT, own_group=False)

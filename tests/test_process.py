@@ -69,7 +69,7 @@ def test_port_allocator_skips_taken_and_ephemeral_ports() -> None:
 
 
 def test_free_port_range_skips_a_run_with_a_listener() -> None:
-    start = free_port_range(3, start=43100)
+    start = free_port_range(3, start=31500)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", start + 1))
         taken.listen()
@@ -148,7 +148,7 @@ def test_a_wait_past_its_deadline_names_what_it_waited_for() -> None:
 
 
 def test_wait_http_polls_a_real_server_until_it_answers(tmp_path: Path) -> None:
-    port = free_port_range(1, start=43300)
+    port = free_port_range(1, start=31700)
     url = f"http://127.0.0.1:{port}/"
     argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
     server = ChildProcess(argv, name="http.server", log_path=tmp_path / "http.log", cwd=tmp_path)

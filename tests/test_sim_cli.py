@@ -68,7 +68,7 @@ def test_invalid_settings_exit_2(argv: list[str], capsys: pytest.CaptureFixture[
 
 
 def test_kvgate_sim_serves_then_stops_on_sigterm(tmp_path: Path) -> None:
-    http = free_port_range(6, start=42000)
+    http = free_port_range(6, start=31000)
     events = http + 2
     log = tmp_path / "sim.log"
     argv = [sys.executable, "-m", "router.cli", "sim", "--replicas", "2", "--port", str(http),
