@@ -18,6 +18,8 @@ background chains), with the ``kv`` policy. Cases:
   40k-word text each time; the same 40k-word text each time; a 40k-word text growing by 500
   fresh words per request (each request's prompt extends the previous one; every pass starts
   again from the same 40k-word base, so prompts stay within 40k-45k words);
+* ``text20k_tool``: a 20k-word text growing by 10k fresh words per request (an agent turn
+  that adds a long tool output; every pass starts again from the 20k-word base);
 * ``short_rr``: the short chat with ``round_robin`` and no index (the proxy path's decide).
 
 Every request is different (no exact-text reuse), as in real traffic. Per case, two passes
@@ -131,13 +133,18 @@ def make_cases(rng: random.Random, scale: float) -> list[Case]:
         history.append({"role": "assistant", "content": words.text(600)})
     tools = _tools(words, 6)
     long_text = words.text(40_000)
-    growing = [long_text]
 
-    def grown(i: int) -> dict[str, Any]:
-        if i == 0:
-            growing[0] = long_text
-        growing[0] += " " + words.text(500)
-        return {"model": MODEL, "prompt": growing[0], "max_tokens": 16}
+    def growing(base: str, step_words: int) -> Callable[[int], dict[str, Any]]:
+        """Request i: ``base`` plus i + 1 steps of fresh words (from ``base`` again at i 0)."""
+        prompt = [base]
+
+        def grown(i: int) -> dict[str, Any]:
+            if i == 0:
+                prompt[0] = base
+            prompt[0] += " " + words.text(step_words)
+            return {"model": MODEL, "prompt": prompt[0], "max_tokens": 16}
+
+        return grown
 
     def n(calls: int) -> int:
         return max(5, round(calls * scale))
@@ -192,7 +199,9 @@ def make_cases(rng: random.Random, scale: float) -> list[Case]:
             lambda i: {"model": MODEL, "prompt": long_text, "max_tokens": 16},
             n(10),
         ),
-        Case("text40k_grow", "completion", grown, n(10)),
+        Case("text40k_grow", "completion", growing(long_text, 500), n(10)),
+        # a tool's long output per turn
+        Case("text20k_tool", "completion", growing(words.text(20_000), 10_000), n(10)),
         Case(
             "short_rr",
             "chat",
@@ -342,6 +351,7 @@ async def run_case(bench: Bench, case: Case, rounds: int) -> dict[str, Any]:
     for raw in bodies(5):
         prompt, _ = parse(raw)
         routed = await plain.decide(MODEL, prompt)
+        routed.finish_keys()  # what the proxy does when the answer begins
         if case.indexed and routed.keys is not None:
             bench.hold(routed.keys.block_keys)
 
@@ -359,9 +369,10 @@ async def run_case(bench: Bench, case: Case, rounds: int) -> dict[str, Any]:
         now, cpu_now = time.perf_counter_ns, time.process_time_ns
         for prompt, limit in prompts:
             started, cpu_started = now(), cpu_now()
-            await plain.decide(MODEL, prompt, max_tokens=limit)
+            routed = await plain.decide(MODEL, prompt, max_tokens=limit)
             wall.append(now() - started)
             cpu.append(cpu_now() - cpu_started)
+            routed.finish_keys()  # what the proxy does when the answer begins
             if drain is not None:  # off the request path: counted apart, not in the next call
                 cpu_started = cpu_now()
                 await drain()
@@ -382,7 +393,7 @@ async def run_case(bench: Bench, case: Case, rounds: int) -> dict[str, Any]:
     try:
         for raw in bodies(case.calls):
             prompt, limit = timed_parse(raw)
-            await timed.decide(MODEL, prompt, max_tokens=limit)
+            (await timed.decide(MODEL, prompt, max_tokens=limit)).finish_keys()
             if drain is not None:  # background work is not any stage's
                 await drain()
     finally:

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -138,12 +138,20 @@ class PromptInput:
 
 @dataclass(frozen=True, slots=True)
 class PromptKeys:
-    """A prompt's block keys (full blocks only) and how they were obtained."""
+    """A prompt's block keys (full blocks only) and how they were obtained.
+
+    ``finish``, when set, starts work the keying left for later (the whole text of a long
+    prompt keyed only as far as a worker holds it, tokenized in the background for the
+    session's next turn): call it once the request's first token is back (or it ended), so
+    that this work does not compete with the request's own way to the engine. Calling it
+    again does nothing; never calling it only leaves the next turn to tokenize more.
+    """
 
     block_keys: Sequence[BlockKey]
     block_size: int
     prompt_tokens: int
     mode: TokenizeMode
+    finish: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 class BlockIndex(Protocol):

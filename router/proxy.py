@@ -351,6 +351,7 @@ class ProxyResponse(Response):
             finally:
                 await response.aclose()  # never waits: closes at once when not complete
         finally:
+            routed.finish_keys()  # (if the first token did not already)
             observed = ticket.finish()
             if observed is not None:
                 miss = observed.measured_s - observed.predicted_s
@@ -435,6 +436,7 @@ class ProxyResponse(Response):
     ) -> None:
         held = await self._hold(worker, response)
         ticket.first_token()
+        outcome.routed.finish_keys()
         elapsed = time.perf_counter() - self._x.received_at
         self._proxy.route_metrics(worker, self._x.model).ttft.observe(elapsed)
         self._x.observation.first_byte(elapsed)

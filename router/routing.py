@@ -63,6 +63,13 @@ class Routed:
         candidate = self.candidates.get(worker)
         return candidate.match if candidate is not None else NO_MATCH
 
+    def finish_keys(self) -> None:
+        """Start the keying work left for after the request's first token
+        (``PromptKeys.finish``: the background tokenization of a long prompt keyed in part)."""
+        keys = self.keys
+        if keys is not None and keys.finish is not None:
+            keys.finish()
+
     def predicted_cached_tokens(self, worker: WorkerId) -> int:
         """Tokens the worker should report cached: its matched whole blocks, never the last
         prompt token (an engine always computes that one)."""

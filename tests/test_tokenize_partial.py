@@ -12,7 +12,8 @@ import pytest
 from test_sim_support import shared_tokenizer
 
 from backends.sim.vocab import generated_word
-from index.keys import PARTIAL_CHARS, WINDOW_CHARS, ModelTokenizer, block_keys
+from index.keys import PARTIAL_CHARS, WINDOW_CHARS, ModelTokenizer, TokenizedPrompt, block_keys
+from index.service import KvIndexService
 from index.types import BlockKey
 
 pytestmark = pytest.mark.anyio
@@ -155,9 +156,114 @@ async def test_the_index_service_keys_a_long_new_prompt_as_far_as_a_worker_holds
             assert keys.prompt_tokens == pytest.approx(len(full), rel=0.05)
             tokenizer = service._keyer.tokenizers["m"]
             assert tokenizer is not None
+            assert not tokenizer._background  # left for after the request's first token
+            assert keys.finish is not None
+            keys.finish()
+            keys.finish()  # once only
             jobs = set(tokenizer._background)
             assert len(jobs) == 1  # the whole text, for the next turn
         finally:
             await service.stop()
         await tokenizer.drain()  # cancelled by stop (or done just before): none left running
         assert all(job.done() for job in jobs) and not tokenizer._background
+
+
+async def _with_history(
+    sim_dir: Path, seed: int, new_words: int
+) -> tuple[ModelTokenizer, TokenizedPrompt, str, list[int], list[BlockKey]]:
+    """A tokenizer whose prefix cache holds a 6k-word history (seed ``seed``), that history's
+    result, the history plus ``new_words`` fresh words (seed + 1), and that text's reference
+    tokens and keys."""
+    history = words(6_000, seed=seed)
+    text = history + " " + words(new_words, seed=seed + 1)
+    full = ModelTokenizer(sim_dir, 1_000_000, 8_000).encode_full(text, False)
+    tokenizer = ModelTokenizer(sim_dir, 1_000_000, 8_000)
+    first = await tokenizer.tokenize(history, add_special_tokens=False, block_size=BS, seed=0)
+    return tokenizer, first, text, full, block_keys(full, BS, 0)
+
+
+async def test_a_long_new_tail_after_a_cached_prefix_is_not_tokenized_when_nobody_holds_it(
+    sim_dir: Path,
+) -> None:
+    """A turn that adds a long tool output to a conversation in the prefix cache: nobody holds
+    the whole cached prefix, so no window of the new part is tokenized before the decision;
+    the keys are the cached prefix's, the count an estimate, the turn completed later."""
+    tokenizer, first, text, full, all_keys = await _with_history(sim_dir, 10, 20_000)
+    held = len(first.keys) // 2  # the home worker evicted the history's second half
+    holder = Holder(all_keys, held)
+    grown = await tokenizer.tokenize(
+        text, add_special_tokens=False, block_size=BS, seed=0, reach=holder
+    )
+    assert holder.calls == 1
+    assert grown.cache_hit and grown.keys == all_keys[: len(grown.keys)]
+    # the prefix cache's part only (it reuses a text up to its last selected cut point)
+    assert held < len(grown.keys) <= len(first.keys)
+    assert grown.token_count == pytest.approx(len(full), rel=0.05)
+
+    await tokenizer.drain()
+    again = await tokenizer.tokenize(text, add_special_tokens=False, block_size=BS, seed=0)
+    assert again.keys == all_keys and again.token_count == len(full)
+
+
+async def test_a_long_new_tail_is_tokenized_as_far_as_a_worker_holds_it(sim_dir: Path) -> None:
+    """The same turn when a worker holds the history and part of the new text (another
+    router instance routed it): windows of the new part continue past the held blocks."""
+    tokenizer, first, text, full, all_keys = await _with_history(sim_dir, 12, 30_000)
+    held = len(first.keys) + 200
+    grown = await tokenizer.tokenize(
+        text, add_special_tokens=False, block_size=BS, seed=0, reach=Holder(all_keys, held)
+    )
+    assert held < len(grown.keys) < len(all_keys) // 2
+    assert grown.keys == all_keys[: len(grown.keys)]
+    assert grown.token_count == pytest.approx(len(full), rel=0.05)
+    await tokenizer.drain()
+
+
+async def test_a_long_tail_held_past_half_is_tokenized_whole(sim_dir: Path) -> None:
+    tokenizer, _, text, full, all_keys = await _with_history(sim_dir, 14, 20_000)
+    result = await tokenizer.tokenize(
+        text, add_special_tokens=False, block_size=BS, seed=0, reach=Holder(all_keys, 10**9)
+    )
+    assert result.keys == all_keys and result.token_count == len(full)
+    assert not tokenizer._background
+
+
+async def test_the_rest_of_a_deferred_prompt_starts_only_when_asked(sim_dir: Path) -> None:
+    text = words(20_000, seed=16)
+    tokenizer = ModelTokenizer(sim_dir, 1_000_000, 8_000)
+    partial = await tokenizer.tokenize(
+        text, add_special_tokens=False, block_size=BS, seed=0, reach=lambda keys: 0, defer=True
+    )
+    assert partial.complete is not None and not tokenizer._background
+    partial.complete()
+    assert len(tokenizer._background) == 1
+    await tokenizer.drain()
+    again = await tokenizer.tokenize(text, add_special_tokens=False, block_size=BS, seed=0)
+    assert again.cache_hit
+
+
+async def test_kvgate_finishes_a_long_new_prompt_after_its_first_token(sim_dir: Path) -> None:
+    """Through a real kvgate and a simulated replica: a long new prompt is keyed in part, and
+    the proxy starts the rest once the answer begins, so the next turn finds it all in the
+    prefix cache."""
+    from fakes.gateway import kvgate  # noqa: PLC0415
+    from test_sim_support import sim_config, sim_fleet  # noqa: PLC0415
+
+    model = "kvgate-sim"
+    text = words(8_000, seed=17)  # ~55k characters: keyed in part
+    async with sim_fleet(sim_config(replicas=1, speedup=1000.0)) as fleet:
+        worker = f"{fleet.replicas[0].url},models={model}"
+        async with kvgate(
+            [worker], policy="kv", tokenizers=[f"{model}={sim_dir}"], kv_index=True
+        ) as gw:
+            body = {"model": model, "prompt": text, "max_tokens": 2, "stream": True}
+            async with gw.client.stream("POST", "/v1/completions", json=body) as reply:
+                assert reply.status_code == 200
+                async for _ in reply.aiter_bytes():
+                    pass
+            index = gw.gateway.index
+            assert isinstance(index, KvIndexService)
+            tokenizer = index._keyer.tokenizers[model]
+            assert tokenizer is not None
+            await tokenizer.drain()
+            assert tokenizer.cache.plan(text).entry is not None  # the whole text, for next time

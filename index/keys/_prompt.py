@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 import httpx
 from prometheus_client import Counter, Histogram
@@ -104,12 +105,14 @@ class PromptKeyer:
                     block_size=block_size,
                     seed=seed,
                     reach=self._reach,
+                    defer=True,
                 )
             except TokenizeError as error:
                 log.info("%s: tokenizer failed (%s): approximate keys", model, error)
             else:
                 self._count_cache(model, result.cache_hit)
-                return _keys(result.keys, block_size, result.token_count, "tokenizer")
+                found = _keys(result.keys, block_size, result.token_count, "tokenizer")
+                return replace(found, finish=result.complete) if result.complete else found
         if self._config.engine_tokenize:
             engine_ids = await engine_tokens(
                 self._http,

@@ -18,6 +18,8 @@ also at spaces when the tokenizer's pipeline provably never merges across one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -42,13 +44,15 @@ log = logging.getLogger(__name__)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _TAIL_MEMO_CHARS = 256  # tails this short are remembered (tokens and cut points)
 _TAIL_MEMO_ENTRIES = 1024
-PARTIAL_CHARS = 64 * 1024
-"""A text longer than this with nothing in the prefix cache is tokenized only as far as a
-worker's cached match reaches (about 10k tokens of English; below it the whole text costs a
-few ms)."""
-WINDOW_CHARS = 16 * 1024
-"""Size of the windows such a text is tokenized in: each costs a thread hop and an index
-lookup (tens of µs), and is the most tokenized past the held prefix."""
+WINDOW_CHARS = 4 * 1024
+"""Size of the first window such a text is tokenized in; each next one is twice the one
+before. A window costs a thread hop and an index lookup (tens of µs); the last one is the
+most tokenized past the held prefix (at most the held part again, and often one small
+window: a new session's prompt that nobody holds)."""
+PARTIAL_CHARS = 32 * 1024
+"""A text whose part past the prefix cache (all of it, for a new text) is longer than this is
+tokenized only as far as a worker's cached match reaches (about 5-8k tokens of English;
+below it the whole part costs a few ms, and one window would save little)."""
 MAX_BACKGROUND = 2
 """Background full tokenizations per tokenizer at once (more are skipped, not queued)."""
 
@@ -95,6 +99,21 @@ class TokenizedPrompt:
     token_count: int
     keys: list[BlockKey]
     cache_hit: bool
+    complete: Callable[[], None] | None = None  # ``tokenize(defer=True)``: starts the rest
+
+
+class _Once:
+    """A call that runs at most once (``TokenizedPrompt.complete``)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+
+    def __call__(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call()
 
 
 def _token_text(value: Any) -> str | None:
@@ -408,19 +427,23 @@ class ModelTokenizer:
         block_size: int,
         seed: int,
         reach: Reach | None = None,
+        defer: bool = False,
     ) -> TokenizedPrompt:
         """Tokens of ``text`` (reusing a cached prefix) and their block keys.
 
-        With ``reach`` (how many of some block keys, a prefix, a worker holds), a long text
-        with nothing in the prefix cache is tokenized only as far as a worker's cached match
-        can reach: window by window, until a window ends in a block nobody holds. Its keys
-        are those blocks' (exact: windows are cut at exact cut points), its token count an
-        estimate (the rest at the tokenized part's tokens per character). The whole text is
-        then tokenized in the background, so that the session's next turn finds it in the
-        prefix cache (see ``_reachable``).
+        With ``reach`` (how many of some block keys, a prefix, a worker holds), a text whose
+        part past the prefix cache is long (a new text, or a turn that adds a long tool
+        output) is tokenized only as far as a worker's cached match can reach: window by
+        window, until a window ends in a block nobody holds (no window at all when nobody
+        holds the whole cached prefix). Its keys are those blocks' (exact: windows are cut at
+        exact cut points), its token count an estimate (the rest at the tokenized part's
+        tokens per character). The whole text is then tokenized in the background, so that
+        the session's next turn finds it in the prefix cache (see ``_reachable``): at once,
+        or with ``defer`` when the caller calls the result's ``complete`` (after the
+        request's first token: it would compete with the request for the CPU and the GIL).
         """
         plan = self.cache.plan(text)
-        if reach is not None and plan.entry is None and len(text) > PARTIAL_CHARS:
+        if reach is not None and len(text) - plan.start > PARTIAL_CHARS:
             partial = await self._reachable(
                 text,
                 plan,
@@ -430,8 +453,13 @@ class ModelTokenizer:
                 reach=reach,
             )
             if partial is not None:
-                self._complete_later(text, add_special_tokens, block_size, seed)
-                return partial
+                rest = functools.partial(
+                    self._complete_later, text, add_special_tokens, block_size, seed
+                )
+                if not defer:
+                    rest()
+                    return partial
+                return dataclasses.replace(partial, complete=_Once(rest))
         tail = text[plan.start :]
         marks = plan.tail_marks()
         if len(tail) > self._inline_chars:
@@ -470,36 +498,57 @@ class ModelTokenizer:
     ) -> TokenizedPrompt | None:
         """The text's keys as far as some worker holds them, or None to tokenize it all.
 
-        Windows of about ``WINDOW_CHARS`` are cut at the plan's space marks (exact cut
-        points), tokenized in a thread and keyed; after each, ``reach`` says whether some
-        worker holds every key so far. The first window whose keys reach past every worker's
-        match ends it. None when no exact cut exists, or when the held prefix runs past half
-        the text (a prompt cached somewhere but not in this prefix cache: tokenizing it all
-        is then cheaper than the windows).
+        The keys start with the prefix cache's part (``plan.prefix``). While some worker
+        holds every key so far, the rest is tokenized in windows growing from ``WINDOW_CHARS``
+        cut at the plan's space marks (exact cut points; the longer ones in a thread) and
+        keyed; the first window whose keys reach past every worker's match ends it. None
+        when no exact cut exists, or when the held part runs past half of the uncached rest
+        (cached somewhere but not in this prefix cache: tokenizing it all is then cheaper).
         """
         if add_special_tokens and self._affix is None:
             return None
         before, after = self._affix if add_special_tokens and self._affix else ([], [])
-        edges = _window_edges([start for start, _, _ in plan.marks], len(text))
-        if len(edges) < 2:
+        rest = len(text) - plan.start
+        tail_edges = _window_edges([start for start, _, _ in plan.tail_marks()], rest)
+        if len(tail_edges) < 2:
             return None
-        ids: array[int] = array("I", before)
-        keys: list[BlockKey] = []
-        done = 0
-        for edge in edges:
-            ids.extend(await asyncio.to_thread(self._encode_window, text[done:edge]))
-            done = edge
-            parent = keys[-1] if keys else None
-            keys += block_keys(ids[len(keys) * block_size :], block_size, seed, parent)
-            if reach(keys) < len(keys):
-                break
-            if done * 2 > len(text):
-                return None
-        if done >= len(text):
+        ids: array[int] = array("I", before) + plan.prefix
+        keys = self._prefix_keys(plan, (seed, block_size, tuple(before)), ids)
+        done = plan.start
+        if not keys or reach(keys) == len(keys):
+            for edge in tail_edges:
+                ids.extend(await self._encoded_window(text[done : plan.start + edge]))
+                done = plan.start + edge
+                parent = keys[-1] if keys else None
+                keys += block_keys(ids[len(keys) * block_size :], block_size, seed, parent)
+                if reach(keys) < len(keys):
+                    break
+                if edge * 2 > rest:
+                    return None
+        if done >= len(text) or done == 0:
             return None
         tokens = len(ids) - len(before)
-        rest = round((len(text) - done) * tokens / done)
-        return TokenizedPrompt(len(ids) + rest + len(after), keys, False)
+        estimate = round((len(text) - done) * tokens / done)
+        return TokenizedPrompt(len(ids) + estimate + len(after), keys, plan.entry is not None)
+
+    @staticmethod
+    def _prefix_keys(
+        plan: Plan, keys_for: tuple[int, int, tuple[int, ...]], ids: array[int]
+    ) -> list[BlockKey]:
+        """Keys of the whole blocks of ``ids`` (the affix before and the prefix cache's part),
+        taken from the prefix cache's entry when it was keyed alike."""
+        seed, block_size, _ = keys_for
+        entry = plan.entry
+        if entry is not None and entry.keys_for == keys_for:
+            return entry.keys[: len(ids) // block_size]
+        return block_keys(ids, block_size, seed)
+
+    async def _encoded_window(self, piece: str) -> list[int]:
+        """A window's tokens: on the event loop when short (a thread hop, and the wait for
+        the GIL on a busy loop, cost more than the window), else in a thread."""
+        if len(piece) <= self._inline_chars:
+            return self._encode_window(piece)
+        return await asyncio.to_thread(self._encode_window, piece)
 
     def _encode_window(self, piece: str) -> list[int]:
         # encode_batch releases the GIL while it works (encode would stall the event loop)
@@ -566,13 +615,16 @@ class ModelTokenizer:
 
 
 def _window_edges(marks: Sequence[int], length: int) -> list[int]:
-    """Window ends: the first mark at least ``WINDOW_CHARS`` after the previous end, ..., and
-    the text's end (marks are increasing char offsets of exact cut points)."""
+    """Window ends: the first mark at least ``WINDOW_CHARS`` from the start, then the first
+    at least twice as far as the previous window's size past it, ..., and the text's end
+    (marks are increasing char offsets of exact cut points)."""
     edges: list[int] = []
     last = 0
+    size = WINDOW_CHARS
     for mark in marks:
-        if mark - last >= WINDOW_CHARS:
+        if mark - last >= size:
             edges.append(mark)
+            size = 2 * (mark - last)
             last = mark
     if length > last:
         edges.append(length)
