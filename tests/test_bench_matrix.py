@@ -80,6 +80,16 @@ def test_aims_read_medians_against_the_best_peer_and_the_floor() -> None:
     assert "p99 1.33x best peer" in missed and "p99 2.00x floor" in missed
 
 
+def test_a_peer_aim_below_the_floor_is_called_unattainable() -> None:
+    """Every router's p99 is at least the floor's (each request's lowest possible TTFT): a
+    best peer within 1.25x of the floor leaves no room for 0.8x of it."""
+    met, missed = matrix._aims(_result([1.3], [1.2], 1.0))
+    assert "p99 1.08x best peer (0.8x unattainable: best peer 1.20x floor)" in missed
+    assert "p99 1.30x floor" in met
+    _, missed = matrix._aims(_result([2.0], [1.5], 1.0))
+    assert "p99 1.33x best peer" in missed  # 0.8 x 1.5 = 1.2 >= floor: attainable
+
+
 def test_table_plot_and_resume(tmp_path: Path) -> None:
     results = [_result([0.9, 1.0, 3.0], [1.5, 1.4, 2.0], 0.9)]
     cfg = matrix.MatrixConfig(out=tmp_path, cells=[results[0].cell])
