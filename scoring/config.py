@@ -116,6 +116,17 @@ class KvPolicyConfig(BaseModel):
             "keep their home."
         ),
     )
+    footprint_min_excess: float = Field(
+        default=-0.5,
+        ge=-1.0,
+        le=0.0,
+        description=(
+            "blocks cost: the lower clip of a footprint ratio's excess (ratio - 1): how much "
+            "cheaper a block is to prefill on a worker in less demand than the fleet's mean "
+            "(-0.5 with footprint_weight 0.5: at most 25% off; 0: no discount, only the "
+            "surcharge above the mean)."
+        ),
+    )
     duplicate_weight: float = Field(
         default=1.0,
         ge=0.0,

@@ -95,10 +95,10 @@ def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
     return config.queued_prefill_weight * queued + config.decode_weight * decode
 
 
-FOOTPRINT_EXCESS_MIN = -0.5
 FOOTPRINT_EXCESS_MAX = 1.0
-"""``ratio - 1`` is clipped to these bounds: with few requests routed (one session on an idle
-fleet) ratios swing between 0 and the worker count, and must not outweigh a session's cache."""
+"""``ratio - 1`` is clipped to at most this (and at least ``footprint_min_excess``): with few
+requests routed (one session on an idle fleet) ratios swing between 0 and the worker count,
+and must not outweigh a session's cache."""
 
 
 def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> float:
@@ -109,7 +109,7 @@ def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> floa
     ``overlap_credit * (1 + footprint_weight * clip(ratio - 1))``, between 0.5 and 2 times the
     plain price. Cached blocks write nothing, so a session's home barely pays it.
     """
-    excess = min(max(ratio - 1.0, FOOTPRINT_EXCESS_MIN), FOOTPRINT_EXCESS_MAX)
+    excess = min(max(ratio - 1.0, config.footprint_min_excess), FOOTPRINT_EXCESS_MAX)
     return config.overlap_credit * config.footprint_weight * prefill * excess
 
 
