@@ -60,6 +60,7 @@ BASELINE_TREE = "kv_baseline"
 KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_noqueue": ("kv", ("--no-queue-enabled",)),  # kv without the router-side queue
     "kv_norefund": ("kv", ("--scoring-footprint-min-excess", "0")),  # no footprint discount
+    "kv_nofit": ("kv", ("--scoring-kv-fit-weight", "0")),  # no KV fit term
     "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""

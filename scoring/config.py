@@ -227,6 +227,18 @@ class KvPolicyConfig(BaseModel):
             "fleets (docs/scoring.md, Eviction risk)."
         ),
     )
+    kv_fit_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of a worker's cached match withdrawn when the request does not fit in its "
+            "KV cache beside the running requests (held blocks + the request's new blocks > "
+            "capacity) while another candidate has room: the request would wait there for a "
+            "running request to end. Needs the capacity (vLLM's cache_config_info, or "
+            "kv_capacity_blocks); 0: off (docs/scoring.md, KV fit)."
+        ),
+    )
     waiting_request_prefill_tokens: int = Field(
         default=512,
         ge=0,

@@ -21,7 +21,13 @@ from scoring.api import Candidate
 from scoring.choice import Costed
 from scoring.config import KvPolicyConfig
 from scoring.cost_blocks import BlockQuote
-from scoring.cost_parts import RequestSize, footprint_ratios
+from scoring.cost_parts import (
+    RequestSize,
+    clip_match,
+    footprint_ratios,
+    kv_fit_shares,
+    kv_shortfall,
+)
 from scoring.cost_seconds import FleetView, SecondsQuote
 
 
@@ -45,13 +51,30 @@ def quote_workers(
     size: RequestSize, candidates: Sequence[Candidate], config: KvPolicyConfig
 ) -> list[Quote]:
     """Every candidate's cost for a request of ``size``, in candidate order."""
+    fits = kv_fits(size, candidates, config)
     if config.cost_model == "seconds":
         ratios = footprint_ratios(candidates)
-        fleet = FleetView.of(size, candidates, ratios, config)
+        fleet = FleetView.of(size, candidates, ratios, config, fits)
         return [
-            SecondsQuote(size, c, config, r, fleet) for c, r in zip(candidates, ratios, strict=True)
+            SecondsQuote(size, c, config, r, fleet, fit=f)
+            for c, r, f in zip(candidates, ratios, fits, strict=True)
         ]
     if config.footprint_weight > 0.0:
         ratios = footprint_ratios(candidates)
-        return [BlockQuote(size, c, config, r) for c, r in zip(candidates, ratios, strict=True)]
-    return [BlockQuote(size, c, config) for c in candidates]
+    else:
+        ratios = [1.0] * len(candidates)
+    return [
+        BlockQuote(size, c, config, r, fit=f)
+        for c, r, f in zip(candidates, ratios, fits, strict=True)
+    ]
+
+
+def kv_fits(
+    size: RequestSize, candidates: Sequence[Candidate], config: KvPolicyConfig
+) -> list[float]:
+    """Each candidate's share of its match credited for fitting (``kv_fit_shares``)."""
+    shortfalls = [
+        kv_shortfall(c.load, size, clip_match(c.match, size.full_blocks), config)
+        for c in candidates
+    ]
+    return kv_fit_shares(shortfalls, config)

@@ -25,6 +25,7 @@ from scoring.cost_parts import (
     busy_reason,
     cache_survival,
     clip_match,
+    kv_shortfall,
     overlap_tokens,
     prefill_tokens_after,
     queued_token_parts,
@@ -118,13 +119,16 @@ def worker_cost(
     candidate: Candidate,
     config: KvPolicyConfig,
     footprint_ratio: float = 1.0,
+    *,
+    fit: float = 1.0,
 ) -> BlockCost:
-    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
+    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better);
+    ``fit``: the share of its match credited for fitting (``kv_fit_shares``)."""
     load = candidate.load
     match = clip_match(candidate.match, size.full_blocks)
     queued = queued_prefill_load(load, size.block_size, config)
     survival = cache_survival(load, queued.blended, config)
-    credited = tier_credit(match, config) * survival
+    credited = tier_credit(match, config) * survival * fit
     prefill = size.blocks - credited
     overlap = overlap_tokens(match.blocks, size)
     decode = decode_load(load, config)
@@ -144,6 +148,8 @@ def worker_cost(
         uncached_tokens=max(size.prompt_tokens - overlap, 0),
         credited=credited,
         cache_survival=survival,
+        kv_shortfall=kv_shortfall(load, size, match, config),
+        kv_fit=fit,
         prefill_blocks=prefill,
         queued_prefill=queued,
         decode=decode,
@@ -173,18 +179,22 @@ class BlockQuote(QuoteBase):
         candidate: Candidate,
         config: KvPolicyConfig,
         footprint_ratio: float = 1.0,
+        *,
+        fit: float = 1.0,
     ) -> None:
         load = candidate.load
         match = clip_match(candidate.match, size.full_blocks)
         queued = blended(*_queued_parts(load, size.block_size, config), config)
         survival = cache_survival(load, queued, config)
-        prefill = size.blocks - tier_credit(match, config) * survival
+        prefill = size.blocks - tier_credit(match, config) * survival * fit
         decode = blended(*_decode_parts(load, config), config)
         cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
             prefill, footprint_ratio, config
         )
         scale = float(max(size.blocks, 1))
-        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale)
+        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale, fit=fit)
 
     def full(self) -> BlockCost:
-        return worker_cost(self._size, self.candidate, self._config, self._footprint_ratio)
+        return worker_cost(
+            self._size, self.candidate, self._config, self._footprint_ratio, fit=self._fit
+        )

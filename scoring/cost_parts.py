@@ -36,8 +36,10 @@ class CostRecord:
     request_blocks: int
     overlap_tokens: int
     uncached_tokens: int
-    credited: float  # matched blocks credited (tier weights, eviction risk)
+    credited: float  # matched blocks credited (tier weights, eviction risk, KV fit)
     cache_survival: float  # expected share of the match still cached when the request runs
+    kv_shortfall: float  # KV blocks it lacks there to start beside the running requests
+    kv_fit: float  # share of the match credited for fitting (1: fits, or nothing fits)
     prefill_blocks: float
     params: TtftParams  # the worker's learned TTFT model
     ttft: TtftEstimate  # its prediction for this request there
@@ -57,6 +59,8 @@ class CostRecord:
             "request_blocks": float(self.request_blocks),
             "credited": self.credited,
             "cache_survival": self.cache_survival,
+            "kv_shortfall_blocks": self.kv_shortfall,
+            "kv_fit": self.kv_fit,
             "prefill_blocks": self.prefill_blocks,
             **ttft_terms(self.ttft, self.params),
             "cost": self.cost,
@@ -176,6 +180,42 @@ def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfi
     return 1.0 - weight * risk
 
 
+def kv_shortfall(
+    load: WorkerLoad, size: RequestSize, match: PrefixMatch, config: KvPolicyConfig
+) -> float:
+    """KV blocks the request lacks on the worker to start beside its running requests.
+
+    An engine admits a request only when its new blocks fit in the free pool (free and
+    cached-but-unused blocks): the blocks held by running requests (kvgate's prediction, the
+    sum of their prompts' blocks, or the scraped KV usage x capacity, whichever is larger)
+    plus the request's blocks not in its GPU match, against the capacity (scraped, else
+    ``kv_capacity_blocks``). At most the request's new blocks; 0 when the capacity is unknown.
+    """
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if capacity is None or config.kv_fit_weight <= 0.0:
+        return 0.0
+    scraped = None
+    if load.scraped_kv_usage is not None:
+        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity
+    held = blended(float(max(load.active_decode_blocks, 0)), scraped, config)
+    need = float(max(size.blocks - match.gpu, 0))
+    return min(max(held + need - capacity, 0.0), need)
+
+
+def kv_fit_shares(shortfalls: Sequence[float], config: KvPolicyConfig) -> list[float]:
+    """Each candidate's share of its match credited for fitting: ``1 - kv_fit_weight`` where
+    the request lacks KV blocks while another candidate has room for it, else 1.
+
+    A request that does not fit waits in the engine until running requests end and release
+    their blocks: a decode of unknown length, often longer than recomputing the prompt
+    elsewhere, so its cached match there is not worth its prefill. When no candidate fits,
+    every one waits alike and the match keeps its full credit."""
+    weight = config.kv_fit_weight
+    if weight <= 0.0 or all(s > 0.0 for s in shortfalls):
+        return [1.0] * len(shortfalls)
+    return [1.0 - weight if s > 0.0 else 1.0 for s in shortfalls]
+
+
 def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     """Why the busy guard skips this worker, or None when it is not busy."""
     waiting, limit = load.scraped_waiting, config.max_waiting_requests
@@ -194,6 +234,7 @@ class QuoteBase:
 
     __slots__ = (
         "_config",
+        "_fit",
         "_footprint_ratio",
         "_size",
         "busy",
@@ -213,6 +254,7 @@ class QuoteBase:
         *,
         cost: float,
         scale: float,
+        fit: float = 1.0,
     ) -> None:
         self.cost = cost
         self.scale = scale
@@ -223,6 +265,7 @@ class QuoteBase:
         self._size = size
         self._config = config
         self._footprint_ratio = footprint_ratio
+        self._fit = fit
 
 
 def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:

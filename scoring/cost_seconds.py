@@ -30,6 +30,7 @@ from scoring.cost_parts import (
     cache_survival,
     clip_match,
     context_token_parts,
+    kv_shortfall,
     overlap_tokens,
     prefill_tokens_after,
     queued_token_parts,
@@ -136,19 +137,27 @@ class FleetView:
         candidates: Sequence[Candidate],
         ratios: Sequence[float],
         config: KvPolicyConfig,
+        fits: Sequence[float] | None = None,
     ) -> FleetView:
-        least = min((prefill_tokens(size, c, config) for c in candidates), default=None)
+        shares = fits if fits is not None else [1.0] * len(candidates)
+        least = min(
+            (prefill_tokens(size, c, config, f) for c, f in zip(candidates, shares, strict=True)),
+            default=None,
+        )
         reuse = sum(c.load.reuse for c in candidates) / len(candidates) if candidates else 0.0
         return cls(fleet_factor(candidates, config), min(ratios, default=1.0), least, reuse)
 
 
-def prefill_tokens(size: RequestSize, candidate: Candidate, config: KvPolicyConfig) -> float:
-    """Tokens ``candidate`` would prefill: the prompt less its credited match."""
+def prefill_tokens(
+    size: RequestSize, candidate: Candidate, config: KvPolicyConfig, fit: float = 1.0
+) -> float:
+    """Tokens ``candidate`` would prefill: the prompt less its credited match (``fit``: the
+    share credited for fitting, ``kv_fit_shares``)."""
     load = candidate.load
     match = clip_match(candidate.match, size.full_blocks)
     queued = blended(*queued_token_parts(load, config), config)
     survival = cache_survival(load, queued / size.block_size, config)
-    return prefill_tokens_after(size, credited_blocks(match, config) * survival)
+    return prefill_tokens_after(size, credited_blocks(match, config) * survival * fit)
 
 
 def duplicated_tokens(prefill: float, fleet: FleetView) -> float:
@@ -185,13 +194,16 @@ def worker_cost(
     config: KvPolicyConfig,
     footprint_ratio: float = 1.0,
     fleet: FleetView = FleetView(),
+    *,
+    fit: float = 1.0,
 ) -> SecondsCost:
-    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better)."""
+    """The full cost of sending a request of ``size`` to ``candidate`` (lower is better);
+    ``fit``: the share of its match credited for fitting (``kv_fit_shares``)."""
     load = candidate.load
     match = clip_match(candidate.match, size.full_blocks)
     queued = queued_load(load, config)
     survival = cache_survival(load, queued.blended / size.block_size, config)
-    credited = credited_blocks(match, config) * survival
+    credited = credited_blocks(match, config) * survival * fit
     prefill = prefill_tokens_after(size, credited)
     context = context_load(load, size.block_size, config)
     features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
@@ -209,6 +221,8 @@ def worker_cost(
         uncached_tokens=max(size.prompt_tokens - overlap, 0),
         credited=credited,
         cache_survival=survival,
+        kv_shortfall=kv_shortfall(load, size, match, config),
+        kv_fit=fit,
         prefill_blocks=size.blocks - credited,
         queued=queued,
         context=context,
@@ -257,9 +271,11 @@ class SecondsQuote(QuoteBase):
         config: KvPolicyConfig,
         footprint_ratio: float = 1.0,
         fleet: FleetView = FleetView(),
+        *,
+        fit: float = 1.0,
     ) -> None:
         load = candidate.load
-        prefill = prefill_tokens(size, candidate, config)
+        prefill = prefill_tokens(size, candidate, config, fit)
         features = ttft_features(load, prefill, size.prompt_tokens, size.block_size, config)
         ttft = candidate.ttft.predict(features)
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
@@ -268,10 +284,15 @@ class SecondsQuote(QuoteBase):
         cost = _total(ttft, fleet.fleet_factor, spend)
         # the whole prompt's prefill there: the temperature's unit
         scale = candidate.ttft.predict(_whole(size)).prefill_s
-        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale)
+        super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale, fit=fit)
         self._fleet = fleet
 
     def full(self) -> SecondsCost:
         return worker_cost(
-            self._size, self.candidate, self._config, self._footprint_ratio, self._fleet
+            self._size,
+            self.candidate,
+            self._config,
+            self._footprint_ratio,
+            self._fleet,
+            fit=self._fit,
         )

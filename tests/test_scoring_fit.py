@@ -1,0 +1,109 @@
+"""The KV fit term: a worker whose KV cache cannot hold the request beside its running
+requests loses its match's credit while another candidate has room (docs/scoring.md,
+*KV fit*), in both costs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from index.types import BlockKey, PrefixMatch, WorkerId
+from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.config import KvPolicyConfig
+from scoring.cost_parts import kv_fit_shares, kv_shortfall, request_size
+from scoring.kv import KvPolicy
+
+BS = 16
+
+
+def req(blocks: int) -> RouteRequest:
+    keys = [BlockKey(7000 + i) for i in range(blocks)]
+    return RouteRequest(model="m", block_keys=keys, block_size=BS, prompt_tokens=blocks * BS)
+
+
+def cand(name: str, gpu: int = 0, **load: Any) -> Candidate:
+    return Candidate(
+        worker=WorkerId(name),
+        url=f"http://{name}",
+        load=WorkerLoad(**load),
+        match=PrefixMatch(gpu=gpu),
+    )
+
+
+def shortfall(blocks: int, gpu: int, config: KvPolicyConfig | None = None, **load: Any) -> float:
+    size = request_size(req(blocks))
+    return kv_shortfall(WorkerLoad(**load), size, PrefixMatch(gpu=gpu), config or KvPolicyConfig())
+
+
+def test_no_shortfall_without_a_known_capacity() -> None:
+    assert shortfall(100, 0, active_decode_blocks=10**6) == 0.0
+    capped = KvPolicyConfig(kv_capacity_blocks=500)
+    assert shortfall(100, 0, capped, active_decode_blocks=450) == 50.0
+
+
+@pytest.mark.parametrize(
+    ("load", "expected"),
+    [
+        ({"active_decode_blocks": 0}, 0.0),
+        ({"active_decode_blocks": 900}, 0.0),  # 900 + 100 new = 1,000: fits exactly
+        ({"active_decode_blocks": 950}, 50.0),
+        ({"active_decode_blocks": 100, "scraped_kv_usage": 0.95}, 50.0),  # the larger one
+        ({"active_decode_blocks": 5_000}, 100.0),  # at most the request's new blocks
+    ],
+)
+def test_shortfall_is_held_plus_new_blocks_past_the_capacity(
+    load: dict[str, Any], expected: float
+) -> None:
+    # 300 blocks, 200 of them cached on the GPU: 100 new
+    assert shortfall(300, 200, kv_capacity_blocks=1_000, **load) == pytest.approx(expected)
+
+
+def test_fit_shares_withdraw_credit_only_while_another_candidate_fits() -> None:
+    config = KvPolicyConfig()
+    assert kv_fit_shares([0.0, 30.0, 0.0], config) == [1.0, 0.0, 1.0]
+    assert kv_fit_shares([10.0, 30.0], config) == [1.0, 1.0]  # nowhere fits: all wait alike
+    half = KvPolicyConfig(kv_fit_weight=0.5)
+    assert kv_fit_shares([0.0, 30.0], half) == [1.0, 0.5]
+    off = KvPolicyConfig(kv_fit_weight=0.0)
+    assert kv_fit_shares([0.0, 30.0], off) == [1.0, 1.0]
+
+
+def _fleet(home_held: int, other_held: int) -> list[Candidate]:
+    """A 1,440-block request; ``home`` holds 1,200 of them (the shared prefix of a sibling
+    running there), ``other`` nothing; 4,000-block caches."""
+    return [
+        cand("home", gpu=1_200, active_decode_blocks=home_held, kv_capacity_blocks=4_000),
+        cand("other", active_decode_blocks=other_held, kv_capacity_blocks=4_000),
+    ]
+
+
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_a_request_that_does_not_fit_at_home_goes_where_it_fits(cost_model: str) -> None:
+    policy = KvPolicy.from_config(KvPolicyConfig(cost_model=cost_model))  # type: ignore[arg-type]
+    roomy = policy.rank(req(1_440), _fleet(home_held=2_900, other_held=0))
+    assert roomy.chosen == "home"  # 2,900 + 240 new blocks fit in 4,000
+    full = policy.rank(req(1_440), _fleet(home_held=3_900, other_held=0))
+    home, other = sorted(full.scores, key=lambda s: s.worker != "home")
+    # priced as if it held nothing (the seconds cost's untrained prior then ties them)
+    assert home.cost >= other.cost
+    assert full.chosen == "other" or home.cost == other.cost
+    assert home.terms["kv_shortfall_blocks"] == pytest.approx(140.0)
+    assert home.terms["kv_fit"] == 0.0
+    assert home.terms["credited"] == 0.0
+
+
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_when_nothing_fits_the_match_keeps_its_credit(cost_model: str) -> None:
+    policy = KvPolicy.from_config(KvPolicyConfig(cost_model=cost_model))  # type: ignore[arg-type]
+    decision = policy.rank(req(1_440), _fleet(home_held=3_900, other_held=3_900))
+    assert decision.chosen == "home"
+    home = next(s for s in decision.scores if s.worker == "home")
+    assert home.terms["kv_fit"] == 1.0 and home.terms["kv_shortfall_blocks"] > 0
+
+
+def test_the_fit_term_off_keeps_the_home() -> None:
+    policy = KvPolicy.from_config(KvPolicyConfig(kv_fit_weight=0.0))
+    decision = policy.rank(req(1_440), _fleet(home_held=3_900, other_held=0))
+    assert decision.chosen == "home"
+    assert decision.scores[0].terms["kv_shortfall_blocks"] == 0.0  # not computed when off
