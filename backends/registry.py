@@ -27,9 +27,10 @@ The registry is the one list of workers: whoever needs to follow it (the KV inde
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +38,8 @@ from backends.config import HealthConfig, WorkerConfig, normalise_url
 from backends.engines import EngineAdapter, EngineFacts, ScrapedLoad, adapter_for
 from backends.errors import WorkerExists, WorkerNotFound
 from index.api import Endpoints, EngineWorker, WorkerListener
-from index.types import NO_MATCH, PrefixMatch, WorkerId
+from index.keys import shared_prefix_blocks
+from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, WorkerLoad
 from scoring.calibration import (
     MAX_TOKENS,
@@ -53,6 +55,9 @@ from scoring.cost_parts import ttft_features
 
 REUSE_REQUESTS = 32.0
 """Requests a worker's reuse (its recent cache hit share) averages over."""
+FLIGHTS_COMPARED = 32
+"""In-flight requests a new one is compared with for a shared prefix (the most recent): a
+bound on the work per request however many are in flight."""
 
 log = logging.getLogger("kvgate.registry")
 _FOOTPRINT_REBASE_EXPONENT = 256.0
@@ -72,7 +77,9 @@ class Worker:
     pending_prefill_tokens: int = 0
     pending_prefill_pairs: float = 0.0  # attention pairs of that pending prefill
     pending_requests: int = 0  # sent and not started (no first token yet)
-    active_decode_blocks: int = 0
+    active_decode_blocks: int = 0  # in-flight prompts' blocks, shared prefixes counted once
+    # block keys of the in-flight requests (for the prefixes they share), by ticket
+    flights: dict[LoadTicket, Sequence[BlockKey]] = field(default_factory=dict)
     footprint: float = 0.0  # see WorkerRegistry.record_footprint
     reuse: float = 0.0  # see WorkerRegistry.record_reuse
     prefill_busy: BusyShare | None = None  # share of time with a pending request
@@ -171,6 +178,15 @@ class Worker:
             self._candidate = Candidate(self.id, self.url, load, match, ttft)
         return self._candidate
 
+    def shared_blocks(self, keys: Sequence[BlockKey]) -> int:
+        """Leading blocks of ``keys`` that a request in flight here already holds (the most
+        shared with any of the last ``FLIGHTS_COMPARED`` sent): a running request's blocks
+        are referenced, not copied, by another that shares its prefix."""
+        if not keys or not self.flights:
+            return 0
+        recent = itertools.islice(reversed(self.flights.values()), FLIGHTS_COMPARED)
+        return max(shared_prefix_blocks(keys, other) for other in recent)
+
     def engine_view(self) -> EngineWorker:
         """What the KV index needs of this worker, as it is now."""
         config = self.config
@@ -256,11 +272,15 @@ class LoadTicket:
         blocks: int,
         features: TtftFeatures,
         predicted_s: float,
+        keys: Sequence[BlockKey] = (),
     ) -> None:
         self.worker = worker
         self._registry = registry
         self._prompt_tokens = prompt_tokens
-        self._blocks = blocks
+        # its own blocks: those past the prefix it shares with a request in flight there
+        self._blocks = max(blocks - worker.shared_blocks(keys), 0)
+        if keys:
+            worker.flights[self] = keys
         self._features = features
         self._pairs = features.own_pairs
         self._predicted_s = predicted_s
@@ -272,7 +292,7 @@ class LoadTicket:
         worker.in_flight += 1
         worker.pending_prefill_tokens += prompt_tokens
         worker.pending_prefill_pairs += features.own_pairs
-        worker.active_decode_blocks += blocks
+        worker.active_decode_blocks += self._blocks
         worker.pending_requests += 1
         if worker.pending_requests == 1 and worker.prefill_busy is not None:
             worker.prefill_busy.set(self._sent_at, busy=True)
@@ -326,6 +346,7 @@ class LoadTicket:
         self.first_token(measured=False)
         self.worker.in_flight -= 1
         self.worker.active_decode_blocks -= self._blocks
+        self.worker.flights.pop(self, None)
         self._registry.load_changed()
         if not self._completed or self._ttft_s is None or self.worker.removed:
             return None
@@ -555,16 +576,19 @@ class WorkerRegistry:
         blocks: int,
         block_size: int = 16,
         prompt_tokens: int | None = None,
+        *,
+        keys: Sequence[BlockKey] = (),
     ) -> LoadTicket:
         """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens, of
         ``prompt_tokens``) are pending prefill until its first token; ``blocks`` (of
-        ``block_size`` tokens) are active decode blocks until it ends. Its TTFT is predicted
+        ``block_size`` tokens) are active decode blocks until it ends, less the leading
+        ones its block ``keys`` share with a request in flight there. Its TTFT is predicted
         from the load it finds."""
         worker = self.get(worker_id)
         self.record_footprint(worker, blocks)
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
         self.record_reuse(worker, prefill_tokens, prompt)
-        return self._ticket(worker, prefill_tokens, blocks, block_size, prompt)
+        return self._ticket(worker, prefill_tokens, blocks, block_size, prompt, keys=keys)
 
     def reserve(
         self,
@@ -573,16 +597,26 @@ class WorkerRegistry:
         blocks: int,
         block_size: int = 16,
         prompt_tokens: int | None = None,
+        *,
+        keys: Sequence[BlockKey] = (),
     ) -> LoadTicket:
         """Count the load of a request about to be sent (the router-side queue's hold on
         the worker it dispatched to) as ``begin`` does, without its footprint and reuse:
         ``begin`` records those when the request is sent. Never completed: it teaches
         nothing."""
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
-        return self._ticket(self.get(worker_id), prefill_tokens, blocks, block_size, prompt)
+        worker = self.get(worker_id)
+        return self._ticket(worker, prefill_tokens, blocks, block_size, prompt, keys=keys)
 
     def _ticket(
-        self, worker: Worker, prefill_tokens: int, blocks: int, block_size: int, prompt: int
+        self,
+        worker: Worker,
+        prefill_tokens: int,
+        blocks: int,
+        block_size: int,
+        prompt: int,
+        *,
+        keys: Sequence[BlockKey],
     ) -> LoadTicket:
         load = worker.load(self._clock())
         features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
@@ -594,6 +628,7 @@ class WorkerRegistry:
             blocks=blocks,
             features=features,
             predicted_s=predicted,
+            keys=keys,
         )
 
     def observe_ttft(

@@ -363,7 +363,12 @@ class AdmissionQueue:
         uncached = routed.predicted_uncached_tokens(worker.id)
         request = routed.request
         return self._registry.reserve(
-            worker.id, uncached, routed.load_blocks, request.block_size, request.prompt_tokens
+            worker.id,
+            uncached,
+            routed.load_blocks,
+            request.block_size,
+            request.prompt_tokens,
+            keys=request.block_keys,
         )
 
     # -- the dispatch side ------------------------------------------------------------------

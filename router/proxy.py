@@ -319,15 +319,18 @@ class ProxyResponse(Response):
         proxy, x = self._proxy, self._x
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
+        if x.admission is not None:
+            # the queue's reservation of a worker, counted by the ticket below from now on
+            # (released first: the request's own reservation is no load ahead of it)
+            x.admission.started()
         ticket = proxy.registry.begin(
             worker.id,
             routed.predicted_uncached_tokens(worker.id),
             routed.load_blocks,
             routed.request.block_size,
             routed.request.prompt_tokens,
+            keys=routed.request.block_keys,
         )
-        if x.admission is not None:
-            x.admission.started()  # the queue's reservation of a worker, now counted here
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)

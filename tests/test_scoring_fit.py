@@ -1,6 +1,6 @@
 """The KV fit term: a worker whose KV cache cannot hold the request beside its running
 requests loses its match's credit while another candidate has room (docs/scoring.md,
-*KV fit*), in both costs."""
+*KV fit*), in both costs; and the held blocks it reads, with shared prefixes counted once."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 
+from backends.config import WorkerConfig
+from backends.registry import FLIGHTS_COMPARED, WorkerRegistry
+from index.keys import shared_prefix_blocks
 from index.types import BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.config import KvPolicyConfig
@@ -107,3 +110,64 @@ def test_the_fit_term_off_keeps_the_home() -> None:
     decision = policy.rank(req(1_440), _fleet(home_held=3_900, other_held=0))
     assert decision.chosen == "home"
     assert decision.scores[0].terms["kv_shortfall_blocks"] == 0.0  # not computed when off
+
+
+# ---- held blocks: in-flight requests that share a prefix hold it once ----
+
+
+def _keys(prefix: int, own: int, tag: int) -> list[BlockKey]:
+    """Chained-like keys: ``prefix`` blocks every caller shares, then ``own`` of its own."""
+    return [BlockKey(i) for i in range(prefix)] + [BlockKey(10**6 * tag + i) for i in range(own)]
+
+
+def test_shared_prefix_blocks_bisects_chained_keys() -> None:
+    a, b = _keys(1_200, 240, 1), _keys(1_200, 1_700, 2)
+    assert shared_prefix_blocks(a, b) == 1_200
+    assert shared_prefix_blocks(a, a) == len(a)
+    assert shared_prefix_blocks(a, a[:500]) == 500
+    assert shared_prefix_blocks(a, []) == 0
+    assert shared_prefix_blocks(_keys(0, 5, 1), _keys(0, 5, 2)) == 0
+
+
+def _registry() -> tuple[WorkerRegistry, WorkerId]:
+    reg = WorkerRegistry()
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    return reg, worker.id
+
+
+def test_siblings_in_flight_hold_their_shared_prefix_once() -> None:
+    reg, wid = _registry()
+    worker = reg.get(wid)
+    parent = reg.begin(wid, 2_900 * BS, 2_900, BS, keys=_keys(1_200, 1_700, 1))
+    child = reg.begin(wid, 240 * BS, 1_440, BS, keys=_keys(1_200, 240, 2))
+    assert worker.active_decode_blocks == 2_900 + 240
+    unrelated = reg.begin(wid, 100 * BS, 100, BS, keys=_keys(0, 100, 3))
+    assert worker.active_decode_blocks == 2_900 + 240 + 100
+    parent.finish()
+    child.finish()
+    unrelated.finish()
+    assert worker.active_decode_blocks == 0 and not worker.flights
+
+
+def test_a_request_without_keys_counts_all_its_blocks() -> None:
+    reg, wid = _registry()
+    worker = reg.get(wid)
+    first = reg.begin(wid, 0, 500, BS, keys=_keys(500, 0, 1))
+    second = reg.begin(wid, 0, 500, BS)  # keyed approximately or not at all: no sharing known
+    assert worker.active_decode_blocks == 1_000
+    first.finish()
+    second.finish()
+    assert worker.active_decode_blocks == 0
+
+
+def test_only_the_most_recent_flights_are_compared() -> None:
+    reg, wid = _registry()
+    worker = reg.get(wid)
+    shared = reg.begin(wid, 0, 300, BS, keys=_keys(300, 0, 1))
+    others = [reg.begin(wid, 0, 1, BS, keys=_keys(0, 1, 10 + i)) for i in range(FLIGHTS_COMPARED)]
+    late = reg.begin(wid, 0, 300, BS, keys=_keys(300, 0, 2))  # its sibling is too far back
+    assert worker.active_decode_blocks == 300 + FLIGHTS_COMPARED + 300
+    for ticket in [shared, *others, late]:
+        ticket.finish()
+    assert worker.active_decode_blocks == 0 and not worker.flights

@@ -7,7 +7,13 @@ and tokens become kvgate's chained block keys (``block_keys``, docs/block-keys.m
 approximate chunks) and counts it.
 """
 
-from index.keys._blocks import block_keys, cache_seed, pack_tokens, text_block_keys
+from index.keys._blocks import (
+    block_keys,
+    cache_seed,
+    pack_tokens,
+    shared_prefix_blocks,
+    text_block_keys,
+)
 from index.keys._chat_template import ChatTemplate, load_template_source
 from index.keys._prefix_cache import PrefixTokenCache
 from index.keys._prompt import PromptKeyer
@@ -37,6 +43,7 @@ __all__ = [
     "pack_tokens",
     "plain_render",
     "prompt_seed",
+    "shared_prefix_blocks",
     "space_cuts_provable",
     "text_block_keys",
 ]

@@ -63,6 +63,21 @@ def block_keys(
     return cast("list[BlockKey]", _native.chain_keys(data, block_size, prev))
 
 
+def shared_prefix_blocks(a: Sequence[BlockKey], b: Sequence[BlockKey]) -> int:
+    """How many leading blocks two prompts' chained keys share, in O(log n) comparisons.
+
+    A key covers its block and every block before it (the chain), so equal keys at one
+    position mean equal prefixes up to there: the shared length is found by bisection."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def text_block_keys(text: str, chunk_chars: int, seed: int) -> list[BlockKey]:
     """Approximate mode: chained keys over fixed character chunks of rendered text."""
     if chunk_chars <= 0:
