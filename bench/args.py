@@ -222,6 +222,7 @@ def compare_config(args: argparse.Namespace, block: int, out: Path, title: str) 
         title=title,
         trace_block_tokens=block,
         kvgate_extra_args=tuple(args.serve_arg),
+        baseline_tree=getattr(args, "baseline_tree", None),
     )
 
 

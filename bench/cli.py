@@ -34,6 +34,7 @@ from bench.args import (
 )
 from bench.compare import (
     ALL_ROUTERS,
+    BASELINE_TREE,
     KVGATE_POLICIES,
     KVGATE_VARIANTS,
     RouterRun,
@@ -113,7 +114,7 @@ def _parse_routers(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(ALL_ROUTERS)
-    known = set(KVGATE_POLICIES) | set(KVGATE_VARIANTS) | set(PEERS)
+    known = set(KVGATE_POLICIES) | set(KVGATE_VARIANTS) | set(PEERS) | {BASELINE_TREE}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown router(s) {unknown}; choose from {sorted(known)} or 'all'")
@@ -274,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
         "replicas, docs/benchmarks.md)",
     )
     p.add_argument("--points", default="0.5,1,1.5,2", help="load points, x saturation")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a kvgate checkout for router kv_baseline (kv from that tree, side by side)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every point")
     p.add_argument("--slo", type=float, default=5.0, help="goodput's TTFT objective, seconds")
     return parser

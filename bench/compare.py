@@ -61,6 +61,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_noqueue": ("kv", ("--no-queue-enabled",)),  # kv without the router-side queue
     "kv_norefund": ("kv", ("--scoring-footprint-min-excess", "0")),  # no footprint discount
     "kv_nofit": ("kv", ("--scoring-kv-fit-weight", "0")),  # no KV fit term
+    "kv_evictrisk": ("kv", ("--scoring-eviction-risk-weight", "1")),  # the eviction risk on
     "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
