@@ -194,10 +194,8 @@ def kv_shortfall(
     capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
     if capacity is None or config.kv_fit_weight <= 0.0:
         return 0.0
-    scraped = None
-    if load.scraped_kv_usage is not None:
-        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity
-    held = blended(float(max(load.active_decode_blocks, 0)), scraped, config)
+    predicted, scraped = held_block_parts(load, config)
+    held = blended(max(predicted, 0.0), scraped, config)
     need = float(max(size.blocks - match.gpu, 0))
     return min(max(held + need - capacity, 0.0), need)
 
@@ -280,15 +278,22 @@ def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
 # ---- the TTFT model's inputs: one definition for routing, /debug/route and calibration ----
 
 
+def held_block_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
+    """Blocks held by the worker's running requests: (kvgate's prediction, the scrape's: KV
+    usage x capacity, None without either)."""
+    scraped = None
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if load.scraped_kv_usage is not None and capacity is not None:
+        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity
+    return float(load.active_decode_blocks), scraped
+
+
 def context_token_parts(
     load: WorkerLoad, block_size: int, config: KvPolicyConfig
 ) -> tuple[float, float | None]:
     """Tokens held by the worker's running requests: (kvgate's prediction, the scrape's)."""
-    scraped = None
-    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
-    if load.scraped_kv_usage is not None and capacity is not None:
-        scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity * block_size
-    return float(load.active_decode_blocks * block_size), scraped
+    predicted, scraped = held_block_parts(load, config)
+    return predicted * block_size, (scraped * block_size if scraped is not None else None)
 
 
 def ttft_features(

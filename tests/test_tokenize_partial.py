@@ -88,8 +88,13 @@ async def test_whole_text_when_a_worker_holds_most_of_it(sim_dir: Path) -> None:
     half the text and it is tokenized whole (keys exact, count exact, no background job)."""
     text = words(40_000, seed=4)
     full = ModelTokenizer(sim_dir, 1_000_000, 8_000).encode_full(text, False)
+    await _assert_tokenized_whole(ModelTokenizer(sim_dir, 1_000_000, 8_000), text, full)
+
+
+async def _assert_tokenized_whole(tokenizer: ModelTokenizer, text: str, full: list[int]) -> None:
+    """A worker holds all of ``text`` (tokens ``full``): keys and count come out exact and
+    no background job is left."""
     all_keys = block_keys(full, BS, 0)
-    tokenizer = ModelTokenizer(sim_dir, 1_000_000, 8_000)
     result = await tokenizer.tokenize(
         text, add_special_tokens=False, block_size=BS, seed=0, reach=Holder(all_keys, 10**9)
     )
@@ -220,12 +225,8 @@ async def test_a_long_new_tail_is_tokenized_as_far_as_a_worker_holds_it(sim_dir:
 
 
 async def test_a_long_tail_held_past_half_is_tokenized_whole(sim_dir: Path) -> None:
-    tokenizer, _, text, full, all_keys = await _with_history(sim_dir, 14, 20_000)
-    result = await tokenizer.tokenize(
-        text, add_special_tokens=False, block_size=BS, seed=0, reach=Holder(all_keys, 10**9)
-    )
-    assert result.keys == all_keys and result.token_count == len(full)
-    assert not tokenizer._background
+    tokenizer, _, text, full, _ = await _with_history(sim_dir, 14, 20_000)
+    await _assert_tokenized_whole(tokenizer, text, full)
 
 
 async def test_the_rest_of_a_deferred_prompt_starts_only_when_asked(sim_dir: Path) -> None:
