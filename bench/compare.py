@@ -63,6 +63,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_nofit": ("kv", ("--scoring-kv-fit-weight", "0")),  # no KV fit term
     "kv_evictrisk": ("kv", ("--scoring-eviction-risk-weight", "1")),  # the eviction risk on
     "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
+    "kv_nofleet": ("kv", ("--scoring-fleet-prefill-weight", "0")),  # no fleet term
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -12,7 +12,7 @@ class KvPolicyConfig(BaseModel):
 
     ``blocks`` (the default), in KV blocks of the request's block size::
 
-        cost = overlap_credit * prefill_blocks * (1 + footprint term)
+        cost = overlap_credit * prefill_blocks * (1 + footprint term + fleet term)
              + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
 
     ``seconds``::
@@ -178,12 +178,24 @@ class KvPolicyConfig(BaseModel):
             "worker with n observations is predicted with n / (n + weight) of its own model."
         ),
     )
+    fleet_prefill_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=10.0,
+        description=(
+            "blocks cost. The wait a request's own prefill adds for the requests queued behind "
+            "it: its prefill blocks are counted 1 + fleet_prefill_weight * rho / (1 - rho) "
+            "times, rho the candidates' mean prefill-busy share capped at max_utilisation (the "
+            "M/M/1 mean queue, as the seconds cost's fleet factor). Makes recomputing a cached "
+            "history elsewhere dearer as the fleet fills. 0: off."
+        ),
+    )
     max_utilisation: float = Field(
         default=0.8,
         ge=0.0,
         le=0.95,
         description=(
-            "seconds cost. Cap on the fleet's prefill utilisation rho in the fleet factor "
+            "Cap on the fleet's prefill utilisation rho in the fleet factor "
             "rho / (1 - rho) "
             "(0.8: at most 4 requests are expected to wait behind a new one's prefill). "
             "0 turns the fleet term off: each request then minimises its own TTFT."

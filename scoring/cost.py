@@ -24,6 +24,7 @@ from scoring.cost_blocks import BlockQuote
 from scoring.cost_parts import (
     RequestSize,
     clip_match,
+    fleet_factor,
     footprint_ratios,
     kv_fit_shares,
     kv_shortfall,
@@ -63,8 +64,9 @@ def quote_workers(
         ratios = footprint_ratios(candidates)
     else:
         ratios = [1.0] * len(candidates)
+    spread = fleet_factor(candidates, config) if config.fleet_prefill_weight > 0.0 else 0.0
     return [
-        BlockQuote(size, c, config, r, fit=f)
+        BlockQuote(size, c, config, r, fit=f, fleet=spread)
         for c, r, f in zip(candidates, ratios, fits, strict=True)
     ]
 

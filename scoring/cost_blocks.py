@@ -2,7 +2,8 @@
 pure arithmetic, no choice. All quantities are in KV blocks of ``RouteRequest.block_size``
 unless named ``*_tokens``::
 
-    cost = overlap_credit * prefill_blocks * (1 + footprint_weight * clip(ratio - 1))
+    cost = overlap_credit * prefill_blocks * (1 + footprint_weight * clip(ratio - 1)
+                                              + fleet_prefill_weight * fleet_factor)
          + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
 
 The worker's predicted TTFT (its learned model, ``scoring.calibration``) is computed for the
@@ -44,6 +45,8 @@ class BlockCost(CostRecord):
     load_blocks: float
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
     footprint_cost: float
+    fleet_factor: float  # requests expected to wait behind this one's prefill
+    fleet_cost: float
 
     def terms(self) -> dict[str, float]:
         """The named terms, for /debug/route and the decision log line."""
@@ -56,6 +59,8 @@ class BlockCost(CostRecord):
             "load_blocks": self.load_blocks,
             "footprint_ratio": self.footprint_ratio,
             "footprint_cost": self.footprint_cost,
+            "fleet_factor": self.fleet_factor,
+            "fleet_cost": self.fleet_cost,
         }
         if self.queued_prefill.scraped is not None:
             terms["scraped_queued_prefill_blocks"] = self.queued_prefill.scraped
@@ -114,6 +119,12 @@ def footprint_cost(prefill: float, ratio: float, config: KvPolicyConfig) -> floa
     return config.overlap_credit * config.footprint_weight * prefill * excess
 
 
+def fleet_cost(prefill: float, fleet: float, config: KvPolicyConfig) -> float:
+    """``overlap_credit * fleet_prefill_weight * fleet * prefill_blocks``: the own prefill
+    counted again for the ``fleet`` requests (``fleet_factor``) expected to wait behind it."""
+    return config.overlap_credit * config.fleet_prefill_weight * fleet * prefill
+
+
 def worker_cost(
     size: RequestSize,
     candidate: Candidate,
@@ -121,9 +132,11 @@ def worker_cost(
     footprint_ratio: float = 1.0,
     *,
     fit: float = 1.0,
+    fleet: float = 0.0,
 ) -> BlockCost:
     """The full cost of sending a request of ``size`` to ``candidate`` (lower is better);
-    ``fit``: the share of its match credited for fitting (``kv_fit_shares``)."""
+    ``fit``: the share of its match credited for fitting (``kv_fit_shares``); ``fleet``:
+    the candidates' fleet factor (``fleet_factor``)."""
     load = candidate.load
     match = clip_match(candidate.match, size.full_blocks)
     queued = queued_prefill_load(load, size.block_size, config)
@@ -156,7 +169,9 @@ def worker_cost(
         load_blocks=load_blocks,
         footprint_ratio=footprint_ratio,
         footprint_cost=(footprint := footprint_cost(prefill, footprint_ratio, config)),
-        cost=_cost(prefill, load_blocks, config) + footprint,
+        fleet_factor=fleet,
+        fleet_cost=(spread := fleet_cost(prefill, fleet, config)),
+        cost=_cost(prefill, load_blocks, config) + footprint + spread,
         in_flight=load.in_flight,
         busy=busy_reason(load, config),
         params=candidate.ttft,
@@ -171,7 +186,7 @@ class BlockQuote(QuoteBase):
     logs). ``scale`` is the temperature's unit: the request's blocks.
     """
 
-    __slots__ = ()
+    __slots__ = ("_fleet",)
 
     def __init__(
         self,
@@ -181,6 +196,7 @@ class BlockQuote(QuoteBase):
         footprint_ratio: float = 1.0,
         *,
         fit: float = 1.0,
+        fleet: float = 0.0,
     ) -> None:
         load = candidate.load
         match = clip_match(candidate.match, size.full_blocks)
@@ -188,13 +204,21 @@ class BlockQuote(QuoteBase):
         survival = cache_survival(load, queued, config)
         prefill = size.blocks - tier_credit(match, config) * survival * fit
         decode = blended(*_decode_parts(load, config), config)
-        cost = _cost(prefill, _load_blocks(queued, decode, config), config) + footprint_cost(
-            prefill, footprint_ratio, config
+        cost = (
+            _cost(prefill, _load_blocks(queued, decode, config), config)
+            + footprint_cost(prefill, footprint_ratio, config)
+            + fleet_cost(prefill, fleet, config)
         )
         scale = float(max(size.blocks, 1))
         super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale, fit=fit)
+        self._fleet = fleet
 
     def full(self) -> BlockCost:
         return worker_cost(
-            self._size, self.candidate, self._config, self._footprint_ratio, fit=self._fit
+            self._size,
+            self.candidate,
+            self._config,
+            self._footprint_ratio,
+            fit=self._fit,
+            fleet=self._fleet,
         )

@@ -214,6 +214,18 @@ def kv_fit_shares(shortfalls: Sequence[float], config: KvPolicyConfig) -> list[f
     return [1.0 - weight if s > 0.0 else 1.0 for s in shortfalls]
 
 
+def fleet_factor(candidates: Sequence[Candidate], config: KvPolicyConfig) -> float:
+    """``rho / (1 - rho)``: how many requests are expected to wait behind a new one's
+    prefill, with ``rho`` the candidates' mean prefill-busy share (capped at
+    ``max_utilisation``). In an M/M/1 queue at utilisation rho, rho / (1 - rho) is the mean
+    number of requests in the system; each of them would wait the extra seconds too."""
+    if not candidates or config.max_utilisation <= 0.0:
+        return 0.0
+    rho = sum(min(max(c.load.prefill_busy_share, 0.0), 1.0) for c in candidates) / len(candidates)
+    rho = min(rho, config.max_utilisation)
+    return rho / (1.0 - rho)
+
+
 def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
     """Why the busy guard skips this worker, or None when it is not busy."""
     waiting, limit = load.scraped_waiting, config.max_waiting_requests

@@ -30,6 +30,7 @@ from scoring.cost_parts import (
     cache_survival,
     clip_match,
     context_token_parts,
+    fleet_factor,
     kv_shortfall,
     overlap_tokens,
     prefill_tokens_after,
@@ -106,18 +107,6 @@ def cache_factor(ratio: float, floor: float, config: KvPolicyConfig) -> float:
     elsewhere."""
     excess = min(max(ratio - floor, 0.0), FOOTPRINT_EXCESS_MAX)
     return config.footprint_weight * excess
-
-
-def fleet_factor(candidates: Sequence[Candidate], config: KvPolicyConfig) -> float:
-    """``rho / (1 - rho)``: how many requests are expected to wait behind a new one's
-    prefill, with ``rho`` the candidates' mean prefill-busy share (capped at
-    ``max_utilisation``). In an M/M/1 queue at utilisation rho, rho / (1 - rho) is the mean
-    number of requests in the system; each of them would wait the extra seconds too."""
-    if not candidates or config.max_utilisation <= 0.0:
-        return 0.0
-    rho = sum(min(max(c.load.prefill_busy_share, 0.0), 1.0) for c in candidates) / len(candidates)
-    rho = min(rho, config.max_utilisation)
-    return rho / (1.0 - rho)
 
 
 @dataclass(frozen=True, slots=True)

@@ -359,3 +359,56 @@ def test_a_session_leaves_a_home_whose_queue_would_evict_its_history() -> None:
     assert chosen == WorkerId("idle")
     off = KvPolicy(KvPolicyConfig(eviction_risk_weight=0.0, **sticky), rng=random.Random(0))
     assert off.rank(req(110), [home, idle]).chosen == WorkerId("home")
+
+
+# ---- the fleet term: own prefill counted again for the requests that will wait behind it ----
+
+
+def _busy_fleet(home_queued_blocks: int) -> list[Candidate]:
+    """A 100-block turn whose 80 first blocks are cached at ``home``; every worker prefill-busy
+    75% of the time (rho 0.75: the fleet factor 0.75 / 0.25 = 3)."""
+    return [
+        cand(
+            "home", gpu=80, pending_prefill_tokens=home_queued_blocks * BS, prefill_busy_share=0.75
+        ),
+        cand("other", prefill_busy_share=0.75),
+    ]
+
+
+def test_fleet_term_keeps_a_session_home_while_the_fleet_is_busy() -> None:
+    """Without it the turn leaves a home 100 queued blocks deep to recompute its 80 cached
+    blocks elsewhere (20 + 100 > 100); with it each recomputed block counts 1 + 3 times
+    (80 + 100 < 400), because the fleet's queues are where its recomputation would wait."""
+    fleet = _busy_fleet(home_queued_blocks=100)
+    off = KvPolicyConfig(fleet_prefill_weight=0.0)
+    assert KvPolicy.from_config(off).rank(req(100), fleet).chosen == WorkerId("other")
+    on = KvPolicyConfig(fleet_prefill_weight=1.0)
+    decision = KvPolicy.from_config(on).rank(req(100), fleet)
+    assert decision.chosen == WorkerId("home")
+    home, other = sorted(decision.scores, key=lambda s: s.worker != "home")
+    assert home.terms["fleet_factor"] == pytest.approx(3.0)
+    assert home.terms["fleet_cost"] == pytest.approx(3.0 * 20)
+    assert other.terms["fleet_cost"] == pytest.approx(3.0 * 100)
+    assert home.cost == pytest.approx(20 + 60 + 100)
+
+
+def test_fleet_term_is_capped_and_weighted() -> None:
+    fleet = [cand("a", prefill_busy_share=1.0), cand("b", prefill_busy_share=1.0)]
+    capped = KvPolicy.from_config(KvPolicyConfig(fleet_prefill_weight=1.0)).rank(req(10), fleet)
+    assert capped.scores[0].terms["fleet_factor"] == pytest.approx(4.0)  # rho capped at 0.8
+    assert capped.scores[0].terms["fleet_cost"] == pytest.approx(40.0)
+    half = KvPolicy.from_config(KvPolicyConfig(fleet_prefill_weight=0.5)).rank(req(10), fleet)
+    assert half.scores[0].terms["fleet_cost"] == pytest.approx(20.0)
+    plain = KvPolicy.from_config(KvPolicyConfig(fleet_prefill_weight=0.0)).rank(req(10), fleet)
+    assert plain.scores[0].terms["fleet_cost"] == 0.0
+    assert plain.scores[0].cost == pytest.approx(10.0)
+
+
+def test_fleet_term_leaves_a_turn_with_nothing_cached_to_the_load() -> None:
+    """Every candidate prefills the whole prompt: the term adds the same to each."""
+    fleet = [
+        cand("loaded", pending_prefill_tokens=50 * BS, prefill_busy_share=0.75),
+        cand("idle", prefill_busy_share=0.75),
+    ]
+    on = KvPolicyConfig(fleet_prefill_weight=1.0)
+    assert KvPolicy.from_config(on).rank(req(100), fleet).chosen == WorkerId("idle")
