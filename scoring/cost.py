@@ -64,9 +64,9 @@ def quote_workers(
         ratios = footprint_ratios(candidates)
     else:
         ratios = [1.0] * len(candidates)
-    spread = fleet_factor(candidates, config) if config.fleet_prefill_weight > 0.0 else 0.0
+    waiters = fleet_factor(candidates, config) if config.fleet_prefill_weight > 0.0 else 0.0
     return [
-        BlockQuote(size, c, config, r, fit=f, fleet=spread)
+        BlockQuote(size, c, config, r, fit=f, fleet=waiters)
         for c, r, f in zip(candidates, ratios, fits, strict=True)
     ]
 
