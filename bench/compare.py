@@ -64,6 +64,8 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_evictrisk": ("kv", ("--scoring-eviction-risk-weight", "1")),  # the eviction risk on
     "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
     "kv_nofleet": ("kv", ("--scoring-fleet-prefill-weight", "0")),  # no fleet term
+    "kv_nofitguard": ("kv", ("--no-scoring-kv-fit-guard",)),  # the KV fit guard off
+    "kv_kvheld": ("kv", ("--queue-busy-kv-held", "1")),  # busy: in-flight blocks fill the KV
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -80,14 +80,17 @@ def disconnect_of(receive: Receive) -> Callable[[], Awaitable[None]]:
     return disconnected
 
 
-def gauge_of(config: QueueConfig) -> ThresholdGauge:
-    """The default ``BusyGauge``: ``config``'s ``busy_*`` limits."""
+def gauge_of(config: QueueConfig, kv_capacity_blocks: int | None = None) -> ThresholdGauge:
+    """The default ``BusyGauge``: ``config``'s ``busy_*`` limits (``kv_capacity_blocks``:
+    the KV capacity of engines that publish none, ``scoring.kv_capacity_blocks``)."""
     return ThresholdGauge(
         BusyLimits(
             pending_prefill_tokens=config.busy_pending_prefill_tokens,
             in_flight=config.busy_in_flight,
             waiting_requests=config.busy_waiting_requests,
             kv_usage=config.busy_kv_usage,
+            kv_held=config.busy_kv_held,
+            kv_capacity_blocks=kv_capacity_blocks,
         )
     )
 

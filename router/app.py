@@ -21,7 +21,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.accesslog import AccessLog, client_key_id
-from router.admission import AdmissionQueue
+from router.admission import AdmissionQueue, gauge_of
 from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
@@ -119,6 +119,7 @@ def build_gateway(
             router,
             registry,
             QueueMetrics(metrics_registry),
+            gauge=gauge_of(settings.queue, settings.scoring.kv_capacity_blocks),
             keys=[client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"],
             retry_after_s=settings.retry_after_s,
         ),

@@ -166,6 +166,12 @@ class QueueConfig(BaseModel):
         le=1,
         description="a worker is busy when its engine reports this KV-cache usage (0..1)",
     )
+    busy_kv_held: float | None = Field(
+        default=None,
+        gt=0,
+        description="a worker is busy when its requests in flight (sent, unfinished: kvgate's "
+        "prediction, or the scraped usage if more) need this share of its KV capacity",
+    )
     aging_tokens_per_s: float = Field(
         default=4096.0,
         gt=0,

@@ -29,15 +29,30 @@ class BusyLimits:
     in_flight: int | None = None  # kvgate's prediction: requests sent and not finished
     waiting_requests: int | None = None  # scraped: the engine's waiting queue
     kv_usage: float | None = None  # scraped: KV-cache usage, 0..1
+    kv_held: float | None = None  # both: blocks its requests in flight need, x KV capacity
+    kv_capacity_blocks: int | None = None  # for kv_held where the engine publishes none
+
+
+def kv_held_share(load: WorkerLoad, capacity_blocks: int | None = None) -> float | None:
+    """The blocks a worker's requests in flight need, as a share of its KV capacity (the
+    engine's, else ``capacity_blocks``): the larger of kvgate's prediction (their prompt
+    blocks, shared prefixes once, queued in the engine or running: may pass 1) and the
+    scraped usage (the running ones); ``None`` while no capacity is known."""
+    capacity = load.kv_capacity_blocks or capacity_blocks
+    if not capacity:
+        return None
+    return max(load.active_decode_blocks / capacity, load.scraped_kv_usage or 0.0)
 
 
 def over_limits(load: WorkerLoad, limits: BusyLimits) -> str | None:
     """The first limit ``load`` is over, as a reason, or ``None``."""
+    held = None if limits.kv_held is None else kv_held_share(load, limits.kv_capacity_blocks)
     checks: tuple[tuple[str, float | None, float | None], ...] = (
         ("pending prefill tokens", load.pending_prefill_tokens, limits.pending_prefill_tokens),
         ("in flight", load.in_flight, limits.in_flight),
         ("waiting", load.scraped_waiting, limits.waiting_requests),
         ("kv usage", load.scraped_kv_usage, limits.kv_usage),
+        ("kv held", held, limits.kv_held),
     )
     for name, value, limit in checks:
         if value is not None and limit is not None and value >= limit and value > 0:

@@ -251,6 +251,14 @@ class KvPolicyConfig(BaseModel):
             "kv_capacity_blocks); 0: off (docs/scoring.md, KV fit)."
         ),
     )
+    kv_fit_guard: bool = Field(
+        default=True,
+        description=(
+            "Set aside (as the busy guard does) a worker where the request lacks KV room while "
+            "another candidate has room (where kv_fit_weight withdraws its match): it goes "
+            "there only as failover (docs/scoring.md, KV fit)."
+        ),
+    )
     waiting_request_prefill_tokens: int = Field(
         default=512,
         ge=0,

@@ -173,7 +173,7 @@ def worker_cost(
         fleet_cost=(spread := fleet_cost(prefill, fleet, config)),
         cost=_cost(prefill, load_blocks, config) + footprint + spread,
         in_flight=load.in_flight,
-        busy=busy_reason(load, config),
+        busy=busy_reason(load, config, fit),
         params=candidate.ttft,
         ttft=candidate.ttft.predict(features),
     )

@@ -226,8 +226,13 @@ def fleet_factor(candidates: Sequence[Candidate], config: KvPolicyConfig) -> flo
     return rho / (1.0 - rho)
 
 
-def busy_reason(load: WorkerLoad, config: KvPolicyConfig) -> str | None:
-    """Why the busy guard skips this worker, or None when it is not busy."""
+def busy_reason(load: WorkerLoad, config: KvPolicyConfig, fit: float = 1.0) -> str | None:
+    """Why the busy guard skips this worker, or None when it is not busy. ``fit``: the share
+    of its match credited for fitting (``kv_fit_shares``); below 1 (the request lacks KV
+    blocks there while another candidate has room) the worker is set aside when
+    ``kv_fit_guard`` is on."""
+    if fit < 1.0 and config.kv_fit_guard:
+        return "busy: lacks KV room (another worker has room)"
     waiting, limit = load.scraped_waiting, config.max_waiting_requests
     if waiting is not None and limit is not None and waiting > limit:
         return f"busy: waiting {waiting} > {limit}"
@@ -270,7 +275,7 @@ class QuoteBase:
         self.scale = scale
         self.worker = candidate.worker
         self.in_flight = candidate.load.in_flight
-        self.busy = busy_reason(candidate.load, config)
+        self.busy = busy_reason(candidate.load, config, fit)
         self.candidate = candidate
         self._size = size
         self._config = config

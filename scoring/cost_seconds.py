@@ -227,7 +227,7 @@ def worker_cost(
         cache_s=(footprint + duplicate) * ttft.prefill_s,
         cost=_total(ttft, k, footprint + duplicate),
         in_flight=load.in_flight,
-        busy=busy_reason(load, config),
+        busy=busy_reason(load, config, fit),
     )
 
 

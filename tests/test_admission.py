@@ -384,3 +384,47 @@ async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_
                 await fault(h, kind="clear")
                 assert (await turn).status_code == 200
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_a_worker_whose_requests_in_flight_fill_its_kv_cache_is_busy() -> None:
+    """``busy_kv_held``: with each replica's cache claimed by the request in flight there, the
+    next request waits in kvgate (not in an engine's queue) and goes to the replica whose
+    request ends first."""
+    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+    config = sim_config(replicas=2, speedup=1000.0, block_size=4, capacity_blocks=64)
+    async with sim_fleet(config) as fleet:
+        urls = [r.url for r in fleet.replicas]
+        workers = [f"{u},models={MODEL}" for u in urls]
+        queue = {"busy_kv_held": 0.5, "busy_pending_prefill_tokens": None}
+        async with kvgate(
+            workers,
+            queue=queue,
+            policy="kv",
+            tokenizers=tokenizers,
+            kv_index=True,
+            scoring={"kv_capacity_blocks": 64},  # the sims' capacity (no scrape here)
+        ) as gw:
+            async with (
+                httpx.AsyncClient(base_url=urls[0]) as a,
+                httpx.AsyncClient(base_url=urls[1]) as b,
+            ):
+                await fault(a, kind="pause")
+                await fault(b, kind="pause")
+                held = []
+                for n in (1, 2):  # 60 of the 64 blocks each
+                    words = " ".join([f"held number {n} waiting"] * 40)
+                    held.append(_send(gw, _body(words)))
+                    await _in_flight(gw, n)
+                assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+                queued = _send(gw, _body("a short request"))
+                await _queued(gw, 1)
+                explained = await gw.client.post("/debug/route", json=_body())
+                busy = explained.json()["admission"]["busy_workers"]
+                assert set(busy) == set(urls)
+                assert all(reason.startswith("kv held ") for reason in busy.values())
+                await fault(b, kind="clear")
+                reply = await queued
+                assert reply.status_code == 200
+                assert reply.headers["x-kvgate-worker"] == urls[1]
+                await fault(a, kind="clear")
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from index.types import WorkerId
 from scoring.api import Candidate, WorkerLoad
-from scoring.busy import BusyLimits, ThresholdGauge, over_limits
+from scoring.busy import BusyLimits, ThresholdGauge, kv_held_share, over_limits
 from scoring.dispatch_order import OrderConfig, dispatch_priority, next_to_dispatch
 
 
@@ -36,6 +36,23 @@ def test_busy_at_any_limit_and_never_on_a_limit_that_is_off() -> None:
     assert over_limits(busy, BusyLimits()) is None
     gauge = ThresholdGauge(limits)
     assert gauge.busy(Candidate(WorkerId("w"), "http://w", WorkerLoad(in_flight=5))) is not None
+
+
+def test_kv_held_is_the_larger_of_prediction_and_scrape_over_the_capacity() -> None:
+    """Requests queued in the engine count (the prediction may pass 1); no capacity, no
+    limit."""
+    limits = BusyLimits(kv_held=1.0)
+    queued = WorkerLoad(active_decode_blocks=1200, scraped_kv_usage=0.7, kv_capacity_blocks=1000)
+    assert kv_held_share(queued) == 1.2
+    assert over_limits(queued, limits) == "kv held 1.2 >= 1"
+    scraped = WorkerLoad(active_decode_blocks=100, scraped_kv_usage=1.0, kv_capacity_blocks=1000)
+    assert over_limits(scraped, limits) == "kv held 1 >= 1"
+    room = WorkerLoad(active_decode_blocks=999, scraped_kv_usage=0.5, kv_capacity_blocks=1000)
+    assert over_limits(room, limits) is None
+    unknown = WorkerLoad(active_decode_blocks=10**6, scraped_kv_usage=1.0)
+    assert kv_held_share(unknown) is None
+    assert over_limits(unknown, limits) is None
+    assert over_limits(queued, BusyLimits()) is None
 
 
 def test_cheapest_work_first_ties_by_arrival() -> None:

@@ -112,6 +112,41 @@ def test_the_fit_term_off_keeps_the_home() -> None:
     assert decision.scores[0].terms["kv_shortfall_blocks"] == 0.0  # not computed when off
 
 
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_the_fit_guard_sets_aside_a_worker_without_room_even_when_it_is_less_loaded(
+    cost_model: str,
+) -> None:
+    """Nothing cached anywhere: the fit term has no credit to withdraw, and the load terms
+    prefer the idle-looking worker whose requests in flight fill its cache; the guard sends
+    the request where it fits, the other worker kept as failover."""
+    config = KvPolicyConfig(cost_model=cost_model)  # type: ignore[arg-type]
+    fleet = [
+        cand("full", active_decode_blocks=3_900, kv_capacity_blocks=4_000),
+        cand(
+            "room",
+            active_decode_blocks=1_000,
+            pending_prefill_tokens=20_000,
+            in_flight=2,
+            kv_capacity_blocks=4_000,
+        ),
+    ]
+    off = KvPolicyConfig(cost_model=cost_model, kv_fit_guard=False)  # type: ignore[arg-type]
+    unguarded = KvPolicy.from_config(off)
+    assert unguarded.rank(req(500), fleet).chosen == "full"
+    decision = KvPolicy.from_config(config).rank(req(500), fleet)
+    assert decision.ranked == ["room", "full"]
+    full = decision.scores[1]
+    assert full.reason == "busy: lacks KV room (another worker has room)"
+    assert full.terms["busy"] == 1.0 and full.terms["kv_shortfall_blocks"] == 400.0
+    nowhere = [
+        cand("a", active_decode_blocks=3_900, kv_capacity_blocks=4_000),
+        cand("b", active_decode_blocks=3_950, kv_capacity_blocks=4_000),
+    ]
+    assert all(
+        s.terms["busy"] == 0.0 for s in KvPolicy.from_config(config).rank(req(500), nowhere).scores
+    )
+
+
 # ---- held blocks: in-flight requests that share a prefix hold it once ----
 
 
