@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scoring.api import Candidate, WorkerLoad
+from scoring.cost_parts import held_blocks_at
 
 
 class BusyGauge(Protocol):
@@ -41,7 +42,8 @@ def kv_held_share(load: WorkerLoad, capacity_blocks: int | None = None) -> float
     capacity = load.kv_capacity_blocks or capacity_blocks
     if not capacity:
         return None
-    return max(load.active_decode_blocks / capacity, load.scraped_kv_usage or 0.0)
+    predicted, scraped = held_blocks_at(load, capacity)
+    return max(predicted, scraped or 0.0) / capacity
 
 
 def over_limits(load: WorkerLoad, limits: BusyLimits) -> str | None:

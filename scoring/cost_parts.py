@@ -298,8 +298,13 @@ def footprint_ratios(candidates: Sequence[Candidate]) -> list[float]:
 def held_block_parts(load: WorkerLoad, config: KvPolicyConfig) -> tuple[float, float | None]:
     """Blocks held by the worker's running requests: (kvgate's prediction, the scrape's: KV
     usage x capacity, None without either)."""
+    return held_blocks_at(load, load.kv_capacity_blocks or config.kv_capacity_blocks)
+
+
+def held_blocks_at(load: WorkerLoad, capacity: int | None) -> tuple[float, float | None]:
+    """``held_block_parts`` against a given KV ``capacity`` (the scrape's part is None
+    without it or without a scraped usage)."""
     scraped = None
-    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
     if load.scraped_kv_usage is not None and capacity is not None:
         scraped = min(max(load.scraped_kv_usage, 0.0), 1.0) * capacity
     return float(load.active_decode_blocks), scraped

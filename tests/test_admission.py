@@ -284,21 +284,15 @@ async def test_dispatch_goes_to_the_worker_free_at_that_moment() -> None:
         urls = [r.url for r in fleet.replicas]
         workers = [f"{u},models={MODEL}" for u in urls]
         async with kvgate(workers, queue={"busy_in_flight": 1}, kv_index=False) as gw:
-            async with (
-                httpx.AsyncClient(base_url=urls[0]) as a,
-                httpx.AsyncClient(base_url=urls[1]) as b,
-            ):
-                await fault(a, kind="pause")
-                await fault(b, kind="pause")
-                held = [_send(gw, _body(f"held {i}")) for i in range(2)]
-                await _in_flight(gw, 2)
-                queued = _send(gw, _body("queued"))
-                await _queued(gw, 1)
-                await fault(b, kind="clear")
-                reply = await queued
+            async with _paused(urls[0]):
+                async with _paused(urls[1]):
+                    held = [_send(gw, _body(f"held {i}")) for i in range(2)]
+                    await _in_flight(gw, 2)
+                    queued = _send(gw, _body("queued"))
+                    await _queued(gw, 1)
+                reply = await queued  # the second replica runs again, the first is paused
                 assert reply.status_code == 200
                 assert reply.headers["x-kvgate-worker"] == urls[1]
-                await fault(a, kind="clear")
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
 
 
@@ -404,27 +398,21 @@ async def test_a_worker_whose_requests_in_flight_fill_its_kv_cache_is_busy() -> 
             kv_index=True,
             scoring={"kv_capacity_blocks": 64},  # the sims' capacity (no scrape here)
         ) as gw:
-            async with (
-                httpx.AsyncClient(base_url=urls[0]) as a,
-                httpx.AsyncClient(base_url=urls[1]) as b,
-            ):
-                await fault(a, kind="pause")
-                await fault(b, kind="pause")
-                held = []
-                for n in (1, 2):  # 60 of the 64 blocks each
-                    words = " ".join([f"held number {n} waiting"] * 40)
-                    held.append(_send(gw, _body(words)))
-                    await _in_flight(gw, n)
-                assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
-                queued = _send(gw, _body("a short request"))
-                await _queued(gw, 1)
-                explained = await gw.client.post("/debug/route", json=_body())
-                busy = explained.json()["admission"]["busy_workers"]
-                assert set(busy) == set(urls)
-                assert all(reason.startswith("kv held ") for reason in busy.values())
-                await fault(b, kind="clear")
-                reply = await queued
+            async with _paused(urls[0]):
+                async with _paused(urls[1]):
+                    held = []
+                    for n in (1, 2):  # 60 of the 64 blocks each
+                        words = " ".join([f"held number {n} waiting"] * 40)
+                        held.append(_send(gw, _body(words)))
+                        await _in_flight(gw, n)
+                    assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+                    queued = _send(gw, _body("a short request"))
+                    await _queued(gw, 1)
+                    explained = await gw.client.post("/debug/route", json=_body())
+                    busy = explained.json()["admission"]["busy_workers"]
+                    assert set(busy) == set(urls)
+                    assert all(reason.startswith("kv held ") for reason in busy.values())
+                reply = await queued  # the second replica runs again, the first is paused
                 assert reply.status_code == 200
                 assert reply.headers["x-kvgate-worker"] == urls[1]
-                await fault(a, kind="clear")
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
