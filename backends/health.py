@@ -234,11 +234,13 @@ class HealthChecker:
         path = worker.adapter.metrics_path
         if path is None:
             return
+        mark = worker.released_blocks  # requests that end from now on: not in this scrape
         try:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
             worker.scraped = worker.adapter.parse_load(response.text)
+            worker.scrape_mark = mark
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)

@@ -84,6 +84,10 @@ class Worker:
     reuse: float = 0.0  # see WorkerRegistry.record_reuse
     prefill_busy: BusyShare | None = None  # share of time with a pending request
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    # blocks of its requests kvgate saw end (a running count), and that count when the
+    # scrape in hand was sent: what ended since, the scrape still counts as held
+    released_blocks: int = 0
+    scrape_mark: int = 0
     facts: EngineFacts = field(default_factory=EngineFacts)  # as the engine declares them
     events_block_size: int | None = None  # the block size its KV events carry, when seen
     problems: dict[str, str] = field(default_factory=dict)  # engine fact -> why not ready
@@ -124,10 +128,12 @@ class Worker:
         hundredth, so that snapshots are reused while nothing else changes)."""
         busy = self.prefill_busy
         share = 0.0 if busy is None or now is None else round(busy.at(now), 2)
+        usage = self.kv_usage_now()
         last = self._load
         if (
             last is not None
             and self._load_scraped is self.scraped
+            and last.scraped_kv_usage == usage
             and last.in_flight == self.in_flight
             and last.pending_prefill_tokens == self.pending_prefill_tokens
             and last.pending_prefill_pairs == self.pending_prefill_pairs
@@ -146,13 +152,26 @@ class Worker:
             active_decode_blocks=self.active_decode_blocks,
             scraped_running=scraped.running,
             scraped_waiting=scraped.waiting,
-            scraped_kv_usage=scraped.kv_usage,
+            scraped_kv_usage=usage,
             kv_capacity_blocks=scraped.kv_capacity_blocks,
             footprint=self.footprint,
             prefill_busy_share=share,
             reuse=self.reuse,
         )
         return self._load
+
+    def kv_usage_now(self) -> float | None:
+        """The scraped KV usage less the blocks of kvgate's requests that ended here since
+        the scrape was sent (a scrape is up to ``metrics_interval_s`` old, and an agent's
+        next turn follows the end of its last one at once: the stale figure would show its
+        home full of the blocks that turn just released). The scrape as is without a
+        capacity to weigh the blocks against; never below 0."""
+        scraped = self.scraped
+        usage, capacity = scraped.kv_usage, scraped.kv_capacity_blocks
+        released = self.released_blocks - self.scrape_mark
+        if usage is None or not capacity or released <= 0:
+            return usage
+        return max(usage - released / capacity, 0.0)
 
     def candidate(
         self,
@@ -258,6 +277,7 @@ class LoadTicket:
         "_prefill_done",
         "_prompt_tokens",
         "_registry",
+        "_reserved",
         "_sent_at",
         "_ttft_s",
         "worker",
@@ -273,9 +293,11 @@ class LoadTicket:
         features: TtftFeatures,
         predicted_s: float,
         keys: Sequence[BlockKey] = (),
+        reserved: bool = False,
     ) -> None:
         self.worker = worker
         self._registry = registry
+        self._reserved = reserved  # a queue's hold, handed over: its end releases nothing
         self._prompt_tokens = prompt_tokens
         # its own blocks: those past the prefix it shares with a request in flight there
         self._blocks = max(blocks - worker.shared_blocks(keys), 0)
@@ -346,6 +368,8 @@ class LoadTicket:
         self.first_token(measured=False)
         self.worker.in_flight -= 1
         self.worker.active_decode_blocks -= self._blocks
+        if not self._reserved:
+            self.worker.released_blocks += self._blocks
         self.worker.flights.pop(self, None)
         self._registry.load_changed()
         if not self._completed or self._ttft_s is None or self.worker.removed:
@@ -606,7 +630,9 @@ class WorkerRegistry:
         nothing."""
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
         worker = self.get(worker_id)
-        return self._ticket(worker, prefill_tokens, blocks, block_size, prompt, keys=keys)
+        return self._ticket(
+            worker, prefill_tokens, blocks, block_size, prompt, keys=keys, reserved=True
+        )
 
     def _ticket(
         self,
@@ -617,6 +643,7 @@ class WorkerRegistry:
         prompt: int,
         *,
         keys: Sequence[BlockKey],
+        reserved: bool = False,
     ) -> LoadTicket:
         load = worker.load(self._clock())
         features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
@@ -629,6 +656,7 @@ class WorkerRegistry:
             features=features,
             predicted_s=predicted,
             keys=keys,
+            reserved=reserved,
         )
 
     def observe_ttft(

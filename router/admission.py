@@ -4,7 +4,8 @@
 when some worker it may go to is not busy (``scoring.busy.BusyGauge``), its API key and
 model are under their concurrency limits and nothing of its model is queued ahead of it.
 Otherwise it waits here, not in an engine's queue, bounded in number (429 ``QueueFull``)
-and in time (503 ``QueueTimeout``); dispatched, it goes to the best worker not busy then:
+and in time (503 ``QueueTimeout``); dispatched, it goes to the best worker not busy then
+(one the policy did not set aside; ``free_first``):
 
     routed ──admit──▶ free worker, limits ok, none queued ──▶ Grant (sent now)
                    └▶ queued entry ── a worker frees up (registry.watch_load) ──▶ dispatch pass:
@@ -37,7 +38,6 @@ from router.config import QueueConfig
 from router.errors import ClientClosed, InvalidRequest, KvgateError, QueueFull, QueueTimeout
 from router.queue_metrics import QueueMetrics
 from router.routing import Routed, Router
-from scoring.api import Decision
 from scoring.busy import BusyGauge, BusyLimits, ThresholdGauge
 from scoring.dispatch_order import OrderConfig, next_to_dispatch
 
@@ -169,26 +169,48 @@ class _Counts:
         self._move(self.flight_model, model, delta)
 
 
-def any_free(routed: Routed, gauge: BusyGauge) -> bool:
+def busy_for(routed: Routed, worker: WorkerId, gauge: BusyGauge, kv_room: bool) -> str | None:
+    """Why ``worker`` takes no more of ``routed``'s request now (``None``: it may): the
+    gauge's reason, or (``kv_room``: ``QueueConfig.busy_kv_room``) that the request's new
+    KV blocks do not fit there, as the policy found (``Decision.room``), unless nothing of
+    kvgate's is in flight there to make room (a prompt larger than the cache never waits)."""
+    candidate = routed.candidates[worker]
+    reason = gauge.busy(candidate)
+    if reason is None and kv_room and candidate.load.in_flight > 0:
+        room = routed.decision.room
+        if room is not None and worker not in room:
+            return "lacks KV room for this request"
+    return reason
+
+
+def any_free(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> bool:
     """Is some ranked worker not busy (the policy's first choice asked first)?"""
-    candidates = routed.candidates
-    return any(gauge.busy(candidates[w]) is None for w in routed.decision.ranked)
+    return any(busy_for(routed, w, gauge, kv_room) is None for w in routed.decision.ranked)
 
 
-def free_first(routed: Routed, gauge: BusyGauge) -> Routed | None:
-    """``routed`` with its non-busy workers ranked first (in the policy's order), or ``None``
-    when every ranked worker is busy."""
+def free_first(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> Routed | None:
+    """``routed`` with the workers it may go to now ranked first, in the policy's order, or
+    ``None`` when every ranked worker is busy.
+
+    A worker the policy set aside (``Decision.set_aside``: it lacks KV room where another has
+    room, say) does not jump ahead of the policy's choice for being free: when every free
+    worker is one it set aside, the policy's order stands, as at admission, and the request
+    waits behind the prefill that makes its choice busy rather than for a decode to end on a
+    worker without room."""
     ranked = routed.decision.ranked
-    candidates = routed.candidates
-    if gauge.busy(candidates[ranked[0]]) is None:
+    if busy_for(routed, ranked[0], gauge, kv_room) is None:
         return routed
-    free = [w for w in ranked if gauge.busy(candidates[w]) is None]
+    free = [w for w in ranked if busy_for(routed, w, gauge, kv_room) is None]
     if not free:
         return None
-    chosen = set(free)
-    order = free + [w for w in ranked if w not in chosen]
+    first = [w for w in free if w not in routed.decision.set_aside]
+    if not first:
+        return routed
+    chosen = set(first)
+    order = first + [w for w in ranked if w not in chosen]
     scores = {s.worker: s for s in routed.decision.scores}
-    decision = Decision(
+    decision = replace(
+        routed.decision,
         ranked=order,
         scores=[scores[w] for w in order if w in scores] if scores else (),
     )
@@ -258,7 +280,7 @@ class AdmissionQueue:
         the decision then). ``QueueFull``, ``QueueTimeout``, ``ClientClosed`` (the client
         went while queued: ``disconnected`` returned), or a routing error at dispatch."""
         model = routed.request.model
-        if self._may_pass(key, model) and any_free(routed, self.gauge):
+        if self._may_pass(key, model) and any_free(routed, self.gauge, self.config.busy_kv_room):
             # the policy's choice stands (busy or not): the queue acts only when all are busy
             return self._grant(routed, key, reservation=None, waited_s=None)
         self._check_room(key, model)
@@ -386,10 +408,12 @@ class AdmissionQueue:
         self._scheduled = False
         now = self._clock()
         free = self._free_workers()
+        kv_room = self.config.busy_kv_room
+        no_room: set[int] = set()  # entries that fit on no free worker (this pass)
 
         def work(entry: _Entry) -> int | None:
             """Its uncached tokens on the free worker holding most of its prompt."""
-            if not self._under_limits(entry.key, entry.model):
+            if entry.seq in no_room or not self._under_limits(entry.key, entry.model):
                 return None
             routed = entry.routed
             tokens = [routed.predicted_uncached_tokens(w) for w in routed.candidates if w in free]
@@ -405,7 +429,10 @@ class AdmissionQueue:
                 self._metrics.rejected(entry.key, "no_worker")
                 entry.future.set_exception(exc)
                 continue
-            chosen = free_first(routed, self.gauge)
+            chosen = free_first(routed, self.gauge, kv_room)
+            if chosen is None and kv_room and self._any_gauge_free(routed):
+                no_room.add(entry.seq)  # a smaller request may fit where this one does not
+                continue
             if chosen is None:  # the free workers it could use turned out busy
                 free.difference_update(routed.candidates)
                 free.difference_update(entry.routed.candidates)  # (its workers then: progress)
@@ -419,6 +446,9 @@ class AdmissionQueue:
             )
             entry.future.set_result(grant)
             free = self._free_workers()  # the chosen worker now carries it
+
+    def _any_gauge_free(self, routed: Routed) -> bool:
+        return any(self.gauge.busy(c) is None for c in routed.candidates.values())
 
     def _free_workers(self) -> set[WorkerId]:
         """Ready workers not busy now (any model)."""
@@ -451,10 +481,11 @@ class AdmissionQueue:
     def explain(self, routed: Routed, key: str) -> dict[str, Any]:
         """Would a request routed as ``routed`` for ``key`` queue now, and why."""
         model = routed.request.model
+        kv_room = self.config.busy_kv_room
         busy = {
             c.url: reason
             for c in routed.candidates.values()
-            if (reason := self.gauge.busy(c)) is not None
+            if (reason := busy_for(routed, c.worker, self.gauge, kv_room)) is not None
         }
         reason = None
         if not self.config.enabled:
@@ -463,7 +494,7 @@ class AdmissionQueue:
             reason = f"{self._counts.queued_model[model]} requests of this model are queued ahead"
         elif not self._under_limits(key, model):
             reason = f"key {key} or model {model} is at its concurrency limit"
-        elif not any_free(routed, self.gauge):
+        elif not any_free(routed, self.gauge, kv_room):
             reason = "every eligible worker is busy"
         return {
             "enabled": self.config.enabled,

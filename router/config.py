@@ -172,6 +172,12 @@ class QueueConfig(BaseModel):
         description="a worker is busy when its requests in flight (sent, unfinished: kvgate's "
         "prediction, or the scraped usage if more) need this share of its KV capacity",
     )
+    busy_kv_room: bool = Field(
+        default=False,
+        description="a worker is busy for a request whose new KV blocks do not fit there now "
+        "beside its requests in flight (the kv policy's KV fit): a request that fits nowhere "
+        "waits in kvgate for the first worker with room",
+    )
     aging_tokens_per_s: float = Field(
         default=4096.0,
         gt=0,

@@ -35,7 +35,9 @@ class WorkerLoad:
     active_decode_blocks: int = 0
     scraped_running: int | None = None
     scraped_waiting: int | None = None
-    scraped_kv_usage: float | None = None  # 0..1
+    # 0..1; less the blocks of kvgate's requests that ended there since the scrape was sent
+    # (the engine's capacity known: backends.registry.Worker.kv_usage_now)
+    scraped_kv_usage: float | None = None
     kv_capacity_blocks: int | None = None  # the engine's GPU KV blocks (scraped), if known
     # prompt blocks routed here recently, exponentially decayed, on a scale shared by every
     # worker of the registry (only ratios between workers mean anything)
@@ -87,6 +89,14 @@ class Decision:
 
     ranked: Sequence[WorkerId]
     scores: Sequence[WorkerScore] = ()
+    # workers the policy ranks after all the others as failover only (its busy guard: busy,
+    # or lacking KV room where another has room); empty when it sets none aside, or when
+    # every worker is busy and so none is
+    set_aside: frozenset[WorkerId] = frozenset()
+    # workers where the request's new KV blocks fit now beside their requests in flight (the
+    # kv policy's KV fit; every worker when no capacity is known); None: the policy does not
+    # say (the router-side queue's busy_kv_room reads it)
+    room: frozenset[WorkerId] | None = None
 
     @property
     def chosen(self) -> WorkerId:

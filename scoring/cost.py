@@ -49,10 +49,16 @@ class Quote(Costed, Protocol):
 
 
 def quote_workers(
-    size: RequestSize, candidates: Sequence[Candidate], config: KvPolicyConfig
+    size: RequestSize,
+    candidates: Sequence[Candidate],
+    config: KvPolicyConfig,
+    shortfalls: Sequence[float] | None = None,
 ) -> list[Quote]:
-    """Every candidate's cost for a request of ``size``, in candidate order."""
-    fits = kv_fits(size, candidates, config)
+    """Every candidate's cost for a request of ``size``, in candidate order (``shortfalls``:
+    ``kv_shortfalls`` of the same, when the caller has them)."""
+    if shortfalls is None:
+        shortfalls = kv_shortfalls(size, candidates, config)
+    fits = kv_fit_shares(shortfalls, config)
     if config.cost_model == "seconds":
         ratios = footprint_ratios(candidates)
         fleet = FleetView.of(size, candidates, ratios, config, fits)
@@ -71,12 +77,11 @@ def quote_workers(
     ]
 
 
-def kv_fits(
+def kv_shortfalls(
     size: RequestSize, candidates: Sequence[Candidate], config: KvPolicyConfig
 ) -> list[float]:
-    """Each candidate's share of its match credited for fitting (``kv_fit_shares``)."""
-    shortfalls = [
+    """The KV blocks the request lacks on each candidate (``kv_shortfall``; 0: it fits)."""
+    return [
         kv_shortfall(c.load, size, clip_match(c.match, size.full_blocks), config)
         for c in candidates
     ]
-    return kv_fit_shares(shortfalls, config)

@@ -7,9 +7,9 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 
 from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
-from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
+from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled, split_busy
 from scoring.config import KvPolicyConfig
-from scoring.cost import Quote, quote_workers
+from scoring.cost import Quote, kv_shortfalls, quote_workers
 from scoring.cost_parts import request_size
 from scoring.tiebreak import session_hash_key
 
@@ -72,8 +72,11 @@ class KvPolicy:
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
         size = request_size(request)
-        quotes = quote_workers(size, candidates, config)
+        shortfalls = kv_shortfalls(size, candidates, config)
+        quotes = quote_workers(size, candidates, config, shortfalls)
         session = session_hash_key(request)
+        set_aside = frozenset(quote.worker for quote in split_busy(quotes)[1])
+        room = frozenset(c.worker for c, s in zip(candidates, shortfalls, strict=True) if s <= 0)
         if config.temperature > 0:
             scale = max(sum(q.scale for q in quotes) / len(quotes), 1e-6)
             by_cost = rank_lowest_cost(quotes, session, config.tie_tolerance)
@@ -81,9 +84,13 @@ class KvPolicy:
             return Decision(
                 ranked=[r.cost.worker for r in ranked],
                 scores=[_score(r.cost, r.reason, r.probability) for r in ranked],
+                set_aside=set_aside,
+                room=room,
             )
         ordered = order_lowest_cost(quotes, session, config.tie_tolerance)
         return Decision(
             ranked=[quote.worker for quote, _ in ordered],
             scores=[_score(quote, reason) for quote, reason in ordered],
+            set_aside=set_aside,
+            room=room,
         )

@@ -72,6 +72,36 @@ async def _queued(gw: Kvgate, n: int) -> None:
     await wait_for(lambda: len(_queue(gw)) == n, what=f"{n} queued")
 
 
+@asynccontextmanager
+async def _small_caches(queue: dict[str, Any]) -> AsyncIterator[tuple[Kvgate, list[str]]]:
+    """Two simulated replicas of 64 KV blocks of 4 tokens behind kvgate (``kv`` policy, the
+    real tokenizer and index, ``queue`` settings), and the replica URLs."""
+    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+    config = sim_config(replicas=2, speedup=1000.0, block_size=4, capacity_blocks=64)
+    async with sim_fleet(config) as fleet:
+        urls = [r.url for r in fleet.replicas]
+        workers = [f"{u},models={MODEL}" for u in urls]
+        async with kvgate(
+            workers,
+            queue=queue,
+            policy="kv",
+            tokenizers=tokenizers,
+            kv_index=True,
+            scoring={"kv_capacity_blocks": 64},  # the sims' capacity (no scrape here)
+        ) as gw:
+            yield gw, urls
+
+
+async def _hold_each(gw: Kvgate, repeats: int) -> list[asyncio.Task[httpx.Response]]:
+    """One request in flight on each (paused) replica, of ``repeats`` x 6 prompt tokens."""
+    held = []
+    for n in (1, 2):
+        held.append(_send(gw, _body(" ".join([f"held number {n} waiting"] * repeats))))
+        await _in_flight(gw, n)
+    assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+    return held
+
+
 def _error(reply: httpx.Response) -> dict[str, Any]:
     body = reply.json()
     assert set(body) == {"error"}
@@ -384,35 +414,83 @@ async def test_a_worker_whose_requests_in_flight_fill_its_kv_cache_is_busy() -> 
     """``busy_kv_held``: with each replica's cache claimed by the request in flight there, the
     next request waits in kvgate (not in an engine's queue) and goes to the replica whose
     request ends first."""
-    tokenizers = [f"{MODEL}={tokenizer_dir()}"]
-    config = sim_config(replicas=2, speedup=1000.0, block_size=4, capacity_blocks=64)
-    async with sim_fleet(config) as fleet:
-        urls = [r.url for r in fleet.replicas]
-        workers = [f"{u},models={MODEL}" for u in urls]
-        queue = {"busy_kv_held": 0.5, "busy_pending_prefill_tokens": None}
-        async with kvgate(
-            workers,
-            queue=queue,
-            policy="kv",
-            tokenizers=tokenizers,
-            kv_index=True,
-            scoring={"kv_capacity_blocks": 64},  # the sims' capacity (no scrape here)
-        ) as gw:
-            async with _paused(urls[0]):
-                async with _paused(urls[1]):
-                    held = []
-                    for n in (1, 2):  # 60 of the 64 blocks each
-                        words = " ".join([f"held number {n} waiting"] * 40)
-                        held.append(_send(gw, _body(words)))
-                        await _in_flight(gw, n)
-                    assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
-                    queued = _send(gw, _body("a short request"))
-                    await _queued(gw, 1)
-                    explained = await gw.client.post("/debug/route", json=_body())
-                    busy = explained.json()["admission"]["busy_workers"]
-                    assert set(busy) == set(urls)
-                    assert all(reason.startswith("kv held ") for reason in busy.values())
-                reply = await queued  # the second replica runs again, the first is paused
-                assert reply.status_code == 200
-                assert reply.headers["x-kvgate-worker"] == urls[1]
-            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+    queue = {"busy_kv_held": 0.5, "busy_pending_prefill_tokens": None}
+    async with _small_caches(queue) as (gw, urls):
+        async with _paused(urls[0]):
+            async with _paused(urls[1]):
+                held = await _hold_each(gw, 40)  # 60 of the 64 blocks each
+                queued = _send(gw, _body("a short request"))
+                await _queued(gw, 1)
+                explained = await gw.client.post("/debug/route", json=_body())
+                busy = explained.json()["admission"]["busy_workers"]
+                assert set(busy) == set(urls)
+                assert all(reason.startswith("kv held ") for reason in busy.values())
+            reply = await queued  # the second replica runs again, the first is paused
+            assert reply.status_code == 200
+            assert reply.headers["x-kvgate-worker"] == urls[1]
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> None:
+    """A queued request is not sent to the worker that frees up when the policy set that
+    worker aside (the request lacks KV room there while the other has room): it goes as the
+    policy ranked it, to the worker with room, there to wait behind a prefill, not for a
+    decode to end."""
+    queue = {"busy_pending_prefill_tokens": 1}  # any prefill not done: busy
+    async with _small_caches(queue) as (gw, urls):
+        registry = gw.gateway.registry
+        clients = [httpx.AsyncClient(base_url=u) for u in urls]
+        try:
+            for client in clients:
+                await fault(client, kind="pause")
+            long = " ".join(["a long first prompt"] * 50)  # 50 of the 64 blocks
+            big = _send(gw, _body(long, max_tokens=8, stream=True))  # its first token seen
+            await _in_flight(gw, 1)
+            home = next(i for i, w in enumerate(registry) if w.in_flight == 1)
+            small = _send(gw, _body("a short one"))
+            await _in_flight(gw, 2)
+            assert [w.in_flight for w in registry] == [1, 1]
+            mid = _send(gw, _body(" ".join(["a request of some twenty blocks"] * 14)))  # 21
+            await _queued(gw, 1)
+            # the big request's replica runs again, slowly (0.3 s a step): its prefill
+            # ends, so it is free for the queue, but it holds its blocks while it decodes
+            await fault(clients[home], kind="slow", factor=5e4)
+            await fault(clients[home], kind="clear", fault="pause")
+            await _queued(gw, 0)
+            other = 1 - home
+            assert [w.in_flight for w in registry][other] == 2  # not where it lacks room
+            for client in clients:
+                await fault(client, kind="clear")
+            reply = await mid
+            assert reply.status_code == 200
+            assert reply.headers["x-kvgate-worker"] == urls[other]
+            assert [r.status_code for r in await asyncio.gather(big, small)] == [200, 200]
+        finally:
+            for client in clients:
+                await client.aclose()
+
+
+async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room() -> None:
+    """``busy_kv_room``: each replica's cache is claimed by its request in flight, so the
+    next request (which needs 21 of the 64 blocks) is queued though no other limit is
+    reached (a short one would fit: no worker is busy for it), and the queued request goes to
+    the replica whose request ends first."""
+    queue = {"busy_kv_room": True, "busy_pending_prefill_tokens": None}
+    async with _small_caches(queue) as (gw, urls):
+        async with _paused(urls[0]):
+            async with _paused(urls[1]):
+                held = await _hold_each(gw, 33)  # 50 of the 64 blocks each
+                words = " ".join(["a request of some twenty blocks"] * 14)
+                queued = _send(gw, _body(words))
+                await _queued(gw, 1)
+                explained = await gw.client.post("/debug/route", json=_body(words))
+                admission = explained.json()["admission"]
+                assert admission["busy_workers"] == dict.fromkeys(
+                    urls, "lacks KV room for this request"
+                )
+                short = await gw.client.post("/debug/route", json=_body("a short one"))
+                assert short.json()["admission"]["busy_workers"] == {}
+            reply = await queued  # the second replica runs again, the first is paused
+            assert reply.status_code == 200
+            assert reply.headers["x-kvgate-worker"] == urls[1]
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import ManagedProcess, process_cpu_seconds, system_cpu_times, tree_cpu_seconds
+from bench.overload import PointResult, ramp_table
 from bench.replay import MetricsSample, RequestRecord
 from bench.report import (
     CpuUse,
@@ -147,3 +148,35 @@ def test_bench_ports_are_free_and_offset_per_process() -> None:
     assert all(port_free(first + i) for i in range(4))
     offset = (os.getpid() % 64) * 16 * 4
     assert first >= 21000 + offset  # the search began at this process's offset
+
+
+def _point(repeat: int, ttfts: list[float]) -> PointResult:
+    return PointResult(
+        factor=1.5,
+        session_rate=0.2,
+        repeat=repeat,
+        router="r",
+        sent=len(ttfts),
+        ok=len(ttfts),
+        rejected_429=0,
+        rejected_503=0,
+        other_failed=0,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        goodput_rps=1.0,
+        hit_rate=0.5,
+        wall_s=60.0,
+        queued=0,
+        served_ttft_s=tuple(ttfts),
+    )
+
+
+def test_ramp_table_pools_the_repeats_served_requests() -> None:
+    """Per-run p99s are medianed; the pooled p99 and mean are over every served request of
+    every repeat (here one run's slow tail, diluted by the other's)."""
+    runs = [_point(1, [0.1] * 99 + [9.0]), _point(2, [0.2] * 100)]
+    row = ramp_table(runs, slo_s=5.0).splitlines()[2].split(" | ")
+    assert row[7].startswith(f"{(percentile([0.1] * 99 + [9.0], 99) + 0.2) / 2:.2f} (")
+    pooled = [0.1] * 99 + [9.0] + [0.2] * 100
+    assert row[8] == f"{percentile(pooled, 99):.2f}"
+    assert row[9] == f"{sum(pooled) / len(pooled):.3f}"

@@ -1,8 +1,20 @@
-"""What kvgate reads from an engine's /metrics page (the engine adapters' parse_load)."""
+"""What kvgate reads from an engine's /metrics page (the engine adapters' parse_load), and
+how it keeps the scraped KV usage current between scrapes."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+import pytest
+from fakes.gateway import kvgate
+from fakes.server import wait_for
+from test_sim_support import fault, sim_config, sim_fleet
+
 from backends.engines import SGLANG, VLLM
+from backends.sim.tokenizer import tokenizer_dir
+
+MODEL = "kvgate-sim"
 
 VLLM_PAGE = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
@@ -37,3 +49,36 @@ def test_sglang_has_no_capacity_metric() -> None:
     page = "sglang:num_running_reqs 2.0\nsglang:num_queue_reqs 1.0\nsglang:token_usage 0.5\n"
     load = SGLANG.parse_load(page)
     assert (load.running, load.waiting, load.kv_usage, load.kv_capacity_blocks) == (2, 1, 0.5, None)
+
+
+@pytest.mark.anyio
+async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() -> None:
+    """A scrape taken while a request held its blocks counts them until the next scrape;
+    kvgate takes off what the requests it saw end there held (an agent's next turn follows
+    at once, and its home must not look full of the blocks its last turn released)."""
+    config = sim_config(replicas=1, speedup=1000.0, block_size=4, capacity_blocks=64)
+    async with sim_fleet(config) as fleet:
+        url = fleet.replicas[0].url
+        tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+        async with (
+            kvgate([f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers) as gw,
+            httpx.AsyncClient(base_url=url) as sim,
+        ):
+            (worker,) = gw.gateway.registry
+            await fault(sim, kind="slow", factor=5e4)  # 0.3 s a step: the request stays
+            body = {"model": MODEL, "prompt": " ".join(["forty blocks"] * 80), "max_tokens": 4}
+            sent = asyncio.ensure_future(
+                gw.client.post("/v1/completions", json={**body, "stream": True})
+            )
+            await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+            await gw.gateway.health.scrape_all()  # the request decoding: its 41 blocks held
+            scraped = worker.scraped.kv_usage
+            assert scraped is not None and scraped >= 40 / 64
+            assert worker.load().scraped_kv_usage == scraped
+            await fault(sim, kind="clear")
+            assert (await sent).status_code == 200
+            assert worker.in_flight == 0
+            now = worker.load().scraped_kv_usage
+            assert now is not None and now == pytest.approx(max(scraped - 40 / 64, 0.0))
+            await gw.gateway.health.scrape_all()  # a new scrape: nothing ended since
+            assert worker.load().scraped_kv_usage == worker.scraped.kv_usage == 0.0

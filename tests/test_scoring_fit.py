@@ -133,8 +133,11 @@ def test_the_fit_guard_sets_aside_a_worker_without_room_even_when_it_is_less_loa
     off = KvPolicyConfig(cost_model=cost_model, kv_fit_guard=False)  # type: ignore[arg-type]
     unguarded = KvPolicy.from_config(off)
     assert unguarded.rank(req(500), fleet).chosen == "full"
+    assert unguarded.rank(req(500), fleet).set_aside == frozenset()
     decision = KvPolicy.from_config(config).rank(req(500), fleet)
     assert decision.ranked == ["room", "full"]
+    assert decision.set_aside == {"full"}  # for the queue: failover only
+    assert decision.room == {"room"}  # where it fits (the queue's busy_kv_room)
     full = decision.scores[1]
     assert full.reason == "busy: lacks KV room (another worker has room)"
     assert full.terms["busy"] == 1.0 and full.terms["kv_shortfall_blocks"] == 400.0
@@ -142,9 +145,9 @@ def test_the_fit_guard_sets_aside_a_worker_without_room_even_when_it_is_less_loa
         cand("a", active_decode_blocks=3_900, kv_capacity_blocks=4_000),
         cand("b", active_decode_blocks=3_950, kv_capacity_blocks=4_000),
     ]
-    assert all(
-        s.terms["busy"] == 0.0 for s in KvPolicy.from_config(config).rank(req(500), nowhere).scores
-    )
+    anywhere = KvPolicy.from_config(config).rank(req(500), nowhere)
+    assert all(s.terms["busy"] == 0.0 for s in anywhere.scores)
+    assert anywhere.set_aside == frozenset() == anywhere.room
 
 
 # ---- held blocks: in-flight requests that share a prefix hold it once ----
