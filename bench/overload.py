@@ -45,11 +45,15 @@ class PointResult:
     served_ttft_s: tuple[float, ...] = ()  # every served request's TTFT, to pool repeats
 
 
-def goodput(records: Sequence[RequestRecord], slo_s: float, wall_s: float) -> float:
-    """Answered requests whose TTFT is within ``slo_s``, per second of the replay."""
-    good = sum(
-        1 for r in records if r.status == "ok" and r.ttft_s is not None and r.ttft_s <= slo_s
-    )
+def served_ttfts(records: Sequence[RequestRecord]) -> tuple[float, ...]:
+    """The TTFT of every answered request (with a first token)."""
+    return tuple(r.ttft_s for r in records if r.status == "ok" and r.ttft_s is not None)
+
+
+def goodput(served: Sequence[float], slo_s: float, wall_s: float) -> float:
+    """Answered requests (their TTFTs, ``served_ttfts``) whose TTFT is within ``slo_s``, per
+    second of the replay."""
+    good = sum(1 for ttft in served if ttft <= slo_s)
     return good / wall_s if wall_s > 0 else 0.0
 
 
@@ -61,6 +65,7 @@ def point_result(
     statuses = [r.status for r in records]
     rejected_429 = statuses.count("http_429")
     rejected_503 = statuses.count("http_503")
+    served = served_ttfts(records)
     return PointResult(
         factor=factor,
         session_rate=rate,
@@ -73,11 +78,11 @@ def point_result(
         other_failed=len(records) - summary.ok - rejected_429 - rejected_503,
         ttft_p50_s=summary.ttft_p50_s,
         ttft_p99_s=summary.ttft_p99_s,
-        goodput_rps=goodput(records, slo_s, output.result.wall_s),
+        goodput_rps=goodput(served, slo_s, output.result.wall_s),
         hit_rate=summary.hit_rate,
         wall_s=output.result.wall_s,
         queued=round(output.router_metrics.get("kvgate_queue_entered_total", 0.0)),
-        served_ttft_s=tuple(r.ttft_s for r in records if r.status == "ok" and r.ttft_s is not None),
+        served_ttft_s=served,
     )
 
 

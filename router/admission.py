@@ -430,7 +430,7 @@ class AdmissionQueue:
                 entry.future.set_exception(exc)
                 continue
             chosen = free_first(routed, self.gauge, kv_room)
-            if chosen is None and kv_room and self._any_gauge_free(routed):
+            if chosen is None and kv_room and any_free(routed, self.gauge):
                 no_room.add(entry.seq)  # a smaller request may fit where this one does not
                 continue
             if chosen is None:  # the free workers it could use turned out busy
@@ -446,9 +446,6 @@ class AdmissionQueue:
             )
             entry.future.set_result(grant)
             free = self._free_workers()  # the chosen worker now carries it
-
-    def _any_gauge_free(self, routed: Routed) -> bool:
-        return any(self.gauge.busy(c) is None for c in routed.candidates.values())
 
     def _free_workers(self) -> set[WorkerId]:
         """Ready workers not busy now (any model)."""

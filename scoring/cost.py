@@ -52,12 +52,10 @@ def quote_workers(
     size: RequestSize,
     candidates: Sequence[Candidate],
     config: KvPolicyConfig,
-    shortfalls: Sequence[float] | None = None,
+    shortfalls: Sequence[float],
 ) -> list[Quote]:
     """Every candidate's cost for a request of ``size``, in candidate order (``shortfalls``:
-    ``kv_shortfalls`` of the same, when the caller has them)."""
-    if shortfalls is None:
-        shortfalls = kv_shortfalls(size, candidates, config)
+    ``kv_shortfalls`` of the same candidates)."""
     fits = kv_fit_shares(shortfalls, config)
     if config.cost_model == "seconds":
         ratios = footprint_ratios(candidates)
