@@ -81,9 +81,12 @@ def peer_argv(
         "--policy", spec.policy,
         "--worker-urls", *fleet.urls,
     ]  # fmt: skip
+    # each run as a module of its venv's interpreter, not through a console script, whose
+    # shebang names the path the venv was built at (a moved checkout would fail to start it)
+    module = "sglang_router" if spec.package is SGLANG_ROUTER else "vllm_router"
+    argv = [str(bin_dir / "python"), "-m", f"{module}.launch_router", *common]
     if spec.package is SGLANG_ROUTER:
-        return [str(bin_dir / "python"), "-m", "sglang_router.launch_router", *common]
-    argv = [str(bin_dir / "vllm-router"), *common]
+        return argv
     if spec.policy == "kv_aware":
         for url, events, replay in zip(
             fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, strict=True
