@@ -106,9 +106,10 @@ def _span(values: Sequence[float]) -> str:
 
 def ramp_table(results: Sequence[PointResult], slo_s: float) -> str:
     """Markdown: one row per (point, router), medians over repeats (ranges for p99, goodput),
-    and the p99 and mean TTFT of the repeats' served requests pooled."""
+    the p99 and mean TTFT of the repeats' served requests pooled, and the requests answered,
+    sent and rejected summed over the repeats (a median would hide a run that lost some)."""
     lines = [
-        f"| load (× saturation) | router | runs | ok/sent | 429 | 503 | TTFT p50 (s) | "
+        f"| load (× saturation) | router | runs | ok/sent, all runs | 429 | 503 | TTFT p50 (s) | "
         f"TTFT p99 (s), median (range) | TTFT p99, pooled (s) | TTFT mean, pooled (s) | "
         f"goodput ≤{slo_s:g} s (req/s), median (range) | hit rate | queued |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -129,9 +130,8 @@ def ramp_table(results: Sequence[PointResult], slo_s: float) -> str:
 
         lines.append(
             f"| {factor:g} | {router} | {len(group)} | "
-            f"{med([r.ok for r in group]):.0f}/{med([r.sent for r in group]):.0f} | "
-            f"{med([r.rejected_429 for r in group]):.0f} | "
-            f"{med([r.rejected_503 for r in group]):.0f} | "
+            f"{sum(r.ok for r in group)}/{sum(r.sent for r in group)} | "
+            f"{sum(r.rejected_429 for r in group)} | {sum(r.rejected_503 for r in group)} | "
             f"{med([r.ttft_p50_s for r in group]):.3f} | {med(p99):.2f} ({_span(p99)}) | "
             f"{percentile(pooled, 99):.2f} | {mean:.3f} | "
             f"{med(good):.2f} ({_span(good)}) | {med([r.hit_rate for r in group]):.3f} | "

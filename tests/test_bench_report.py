@@ -150,17 +150,17 @@ def test_bench_ports_are_free_and_offset_per_process() -> None:
     assert first >= 21000 + offset  # the search began at this process's offset
 
 
-def _point(repeat: int, ttfts: list[float]) -> PointResult:
+def _point(repeat: int, ttfts: list[float], lost: int = 0, rejected: int = 0) -> PointResult:
     return PointResult(
         factor=1.5,
         session_rate=0.2,
         repeat=repeat,
         router="r",
-        sent=len(ttfts),
+        sent=len(ttfts) + lost + rejected,
         ok=len(ttfts),
-        rejected_429=0,
+        rejected_429=rejected,
         rejected_503=0,
-        other_failed=0,
+        other_failed=lost,
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         goodput_rps=1.0,
@@ -180,3 +180,11 @@ def test_ramp_table_pools_the_repeats_served_requests() -> None:
     pooled = [0.1] * 99 + [9.0] + [0.2] * 100
     assert row[8] == f"{percentile(pooled, 99):.2f}"
     assert row[9] == f"{sum(pooled) / len(pooled):.3f}"
+
+
+def test_ramp_table_counts_requests_over_every_repeat() -> None:
+    """One run of three that lost requests (cancelled at the drain) or had some rejected
+    shows in the row: the counts are summed, not the median run's."""
+    runs = [_point(1, [0.1] * 10), _point(2, [0.1] * 7, lost=3), _point(3, [0.1] * 9, rejected=1)]
+    row = ramp_table(runs, slo_s=5.0).splitlines()[2].split(" | ")
+    assert row[3:6] == ["26/30", "1", "0"]
