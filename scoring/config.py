@@ -251,6 +251,15 @@ class KvPolicyConfig(BaseModel):
             "kv_capacity_blocks); 0: off (docs/scoring.md, KV fit)."
         ),
     )
+    kv_fit_cached: bool = Field(
+        default=False,
+        description=(
+            "Count the request's cached blocks in its KV fit as well as its new ones (held "
+            "blocks + all the request's blocks > capacity): a cached match is free, evictable "
+            "memory until the request runs, so where the running and engine-queued requests "
+            "need the room, it is evicted before the request is scheduled."
+        ),
+    )
     kv_fit_guard: bool = Field(
         default=True,
         description=(

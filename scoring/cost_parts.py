@@ -197,7 +197,8 @@ def kv_shortfall(
     predicted, scraped = held_block_parts(load, config)
     held = blended(max(predicted, 0.0), scraped, config)
     need = float(max(size.blocks - match.gpu, 0))
-    return min(max(held + need - capacity, 0.0), need)
+    resident = float(size.blocks) if config.kv_fit_cached else need
+    return min(max(held + resident - capacity, 0.0), resident)
 
 
 def kv_fit_shares(shortfalls: Sequence[float], config: KvPolicyConfig) -> list[float]:

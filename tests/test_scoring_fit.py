@@ -62,6 +62,19 @@ def test_shortfall_is_held_plus_new_blocks_past_the_capacity(
     assert shortfall(300, 200, kv_capacity_blocks=1_000, **load) == pytest.approx(expected)
 
 
+def test_kv_fit_cached_counts_the_cached_match_as_needing_room_too() -> None:
+    """300 blocks, 200 cached: beside 800 held blocks of 1,000 the 100 new ones fit, but the
+    200 cached ones would be evicted for the running requests before it runs."""
+    cached = KvPolicyConfig(kv_fit_cached=True)
+    assert shortfall(300, 200, kv_capacity_blocks=1_000, active_decode_blocks=800) == 0.0
+    assert shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=800) == (
+        pytest.approx(100.0)
+    )
+    assert shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=700) == 0.0
+    full = shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=5_000)
+    assert full == pytest.approx(300.0)  # at most the request's blocks
+
+
 def test_fit_shares_withdraw_credit_only_while_another_candidate_fits() -> None:
     config = KvPolicyConfig()
     assert kv_fit_shares([0.0, 30.0, 0.0], config) == [1.0, 0.0, 1.0]
