@@ -307,7 +307,7 @@ def _targets(
         bin_dir = ensure_installed(SGLANG_ROUTER, log_dir)
         port = free_port_range(2, start=19100)
         argv = [
-            str(bin_dir / "python"), "-m", "sglang_router.launch_router",
+            *SGLANG_ROUTER.launch(bin_dir),
             "--host", LOOPBACK, "--port", str(port),
             "--prometheus-host", LOOPBACK, "--prometheus-port", str(port + 1),
             "--worker-urls", engine_url, "--policy", "round_robin",

@@ -18,10 +18,17 @@ ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
 class PeerPackage:
     name: str  # venv folder under .engines/
     requirement: str
+    module: str  # its entry point, run as ``python -m <module>``
+
+    def launch(self, bin_dir: Path) -> list[str]:
+        """The command that starts it: its venv's interpreter running the module, not a
+        console script, whose shebang names the path the venv was built at (a venv reused
+        from a moved checkout would fail to start it)."""
+        return [str(bin_dir / "python"), "-m", self.module]
 
 
-SGLANG_ROUTER = PeerPackage("sglang-router", "sglang-router==0.3.2")
-VLLM_ROUTER = PeerPackage("vllm-router", "vllm-router==0.1.17")
+SGLANG_ROUTER = PeerPackage("sglang-router", "sglang-router==0.3.2", "sglang_router.launch_router")
+VLLM_ROUTER = PeerPackage("vllm-router", "vllm-router==0.1.17", "vllm_router.launch_router")
 
 
 def venv_python(pkg: PeerPackage) -> Path:
@@ -81,10 +88,7 @@ def peer_argv(
         "--policy", spec.policy,
         "--worker-urls", *fleet.urls,
     ]  # fmt: skip
-    # each run as a module of its venv's interpreter, not through a console script, whose
-    # shebang names the path the venv was built at (a moved checkout would fail to start it)
-    module = "sglang_router" if spec.package is SGLANG_ROUTER else "vllm_router"
-    argv = [str(bin_dir / "python"), "-m", f"{module}.launch_router", *common]
+    argv = [*spec.package.launch(bin_dir), *common]
     if spec.package is SGLANG_ROUTER:
         return argv
     if spec.policy == "kv_aware":

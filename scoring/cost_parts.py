@@ -190,6 +190,8 @@ def kv_shortfall(
     sum of their prompts' blocks, or the scraped KV usage x capacity, whichever is larger)
     plus the request's blocks not in its GPU match, against the capacity (scraped, else
     ``kv_capacity_blocks``). At most the request's new blocks; 0 when the capacity is unknown.
+    With ``kv_fit_cached`` its cached blocks count as needing room too (a match is evictable
+    until the request runs), and the shortfall is at most all its blocks.
     """
     capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
     if capacity is None or config.kv_fit_weight <= 0.0:
