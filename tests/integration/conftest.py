@@ -125,10 +125,16 @@ def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 @pytest.fixture(scope="module")
 def kvgate(
-    vllm_fleet: Fleet, tiny_model_dir: Path, engine_layout: EngineLayout, ports: PortAllocator
+    request: pytest.FixtureRequest,
+    vllm_fleet: Fleet,
+    tiny_model_dir: Path,
+    engine_layout: EngineLayout,
+    ports: PortAllocator,
 ) -> Iterator[KvgateServer]:
-    """A kvgate server (policy ``kv``, the tiny model's tokenizer) in front of both replicas."""
-    log_path = engine_layout.logs / "pytest" / "kvgate.log"
+    """A kvgate server (policy ``kv``, the tiny model's tokenizer) in front of both replicas;
+    each test module's server logs to its own file, so a failure's decisions are kept."""
+    log_path = engine_layout.logs / "pytest" / f"kvgate-{request.module.__name__}.log"
     flags = vllm_fleet.worker_flags()
-    with KvgateServer(flags, tiny_model_dir, log_path, ports.one()) as server:
+    debug = ("--log-level", "debug")  # each decision's costs, for a failure's evidence
+    with KvgateServer(flags, tiny_model_dir, log_path, ports.one(), debug) as server:
         yield server

@@ -130,9 +130,13 @@ def index_stats(client: httpx.Client) -> dict[str, Any]:
     return stats
 
 
-def route_explain(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
-    """kvgate's ``POST /debug/route`` answer for a request body (nothing is sent upstream)."""
-    reply = client.post("/debug/route", json=body)
+def route_explain(
+    client: httpx.Client, body: dict[str, Any], session: str | None = None
+) -> dict[str, Any]:
+    """kvgate's ``POST /debug/route`` answer for a request body (nothing is sent upstream),
+    with ``session`` as its ``x-session-id`` (ties break on its hash)."""
+    headers = {"x-session-id": session} if session is not None else None
+    reply = client.post("/debug/route", json=body, headers=headers)
     reply.raise_for_status()
     explained: dict[str, Any] = reply.json()
     return explained

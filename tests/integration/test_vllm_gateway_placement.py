@@ -58,10 +58,16 @@ def test_sessions_stay_home_and_new_ones_follow_load(
             # ...so a new session (no cached prefix anywhere) goes to the idle replica.
             second = ChatSession.start("place-second", seed=2002)
             second.ask()
-            explained = route_explain(client, {"model": MODEL, "messages": second.messages})
+            asked = {"model": MODEL, "messages": list(second.messages)}
+            explained = route_explain(client, asked, second.name)
             assert explained["chosen"] == other, explained
             second.messages.pop()
-            assert _turn(client, second) == other
+            went = _turn(client, second)
+            assert went == other, (  # the explain again and the log: the failure's evidence
+                explained,
+                route_explain(client, asked, second.name),
+                kvgate.log_tail(120),
+            )
         first.messages.pop()  # the cut-short turn
 
         # Both sessions keep their replicas while the other one's prefix sits elsewhere.
