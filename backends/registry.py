@@ -40,7 +40,7 @@ from backends.errors import WorkerExists, WorkerNotFound
 from index.api import Endpoints, EngineWorker, WorkerListener
 from index.keys import shared_prefix_blocks
 from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, WorkerLoad
+from scoring.api import DEFAULT_TTFT, Candidate, WorkerLoad
 from scoring.calibration import (
     MAX_TOKENS,
     BusyShare,
@@ -178,23 +178,25 @@ class Worker:
         match: PrefixMatch = NO_MATCH,
         ttft: TtftParams | None = None,
         now: float | None = None,
+        keys: Sequence[BlockKey] = (),
     ) -> Candidate:
-        """The worker as a routing candidate with its current load, ``match`` and TTFT model
-        (none given: the default prior)."""
+        """The worker as a routing candidate with its current load, ``match``, TTFT model
+        (none given: the default prior) and the leading blocks of ``keys`` (the request's)
+        that a request in flight here holds."""
         load = self.load(now)
+        shared = self.shared_blocks(keys)
         last = self._candidate
         if (
             last is not None
             and last.load is load
             and last.match is match
             and last.url is self.url
+            and last.in_flight_prefix == shared
             and (ttft is None or last.ttft is ttft)
         ):
             return last
-        if ttft is None:
-            self._candidate = Candidate(worker=self.id, url=self.url, load=load, match=match)
-        else:
-            self._candidate = Candidate(self.id, self.url, load, match, ttft)
+        prior = DEFAULT_TTFT if ttft is None else ttft
+        self._candidate = Candidate(self.id, self.url, load, match, prior, shared)
         return self._candidate
 
     def shared_blocks(self, keys: Sequence[BlockKey]) -> int:
@@ -490,15 +492,19 @@ class WorkerRegistry:
         return any(model in w.models for w in self._workers.values())
 
     def candidates(
-        self, model: str, matches: Mapping[WorkerId, PrefixMatch] | None = None
+        self,
+        model: str,
+        matches: Mapping[WorkerId, PrefixMatch] | None = None,
+        keys: Sequence[BlockKey] = (),
     ) -> list[Candidate]:
         """Ready workers serving ``model``, each with its entry of ``matches`` (the index's
-        prefix matches; none given: ``NO_MATCH``) and its learned TTFT model."""
+        prefix matches; none given: ``NO_MATCH``), its learned TTFT model and the leading
+        blocks of ``keys`` (the request's block keys) a request in flight there holds."""
         now = self._clock()
         params = self.calibrator.params
         matches = matches or {}
         return [
-            w.candidate(matches.get(w.id, NO_MATCH), params(w.id), now)
+            w.candidate(matches.get(w.id, NO_MATCH), params(w.id), now, keys)
             for w in self._workers.values()
             if w.ready and model in w.models
         ]

@@ -66,7 +66,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_nofleet": ("kv", ("--scoring-fleet-prefill-weight", "0")),  # no fleet term
     "kv_nofitguard": ("kv", ("--no-scoring-kv-fit-guard",)),  # the KV fit guard off
     "kv_kvheld": ("kv", ("--queue-busy-kv-held", "1")),  # busy: in-flight blocks fill the KV
-    "kv_fitcached": ("kv", ("--scoring-kv-fit-cached",)),  # the KV fit counts cached blocks
+    "kv_nofitcached": ("kv", ("--no-scoring-kv-fit-cached",)),  # the fit: new blocks only
     "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),  # busy: the request's blocks do not fit
     # the same, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),

@@ -176,7 +176,7 @@ class Router:
         domain: _Domain,
         exclude: Collection[WorkerId] = (),
     ) -> Routed:
-        candidates = self.registry.candidates(request.model, matches)
+        candidates = self.registry.candidates(request.model, matches, request.block_keys)
         if domain.only is not None:
             candidates = [c for c in candidates if c.worker == domain.only]
         if exclude:

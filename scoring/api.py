@@ -59,6 +59,9 @@ class Candidate:
     load: WorkerLoad = WorkerLoad()
     match: PrefixMatch = NO_MATCH  # best over the worker's data-parallel ranks
     ttft: TtftParams = DEFAULT_TTFT  # the worker's learned TTFT model
+    # leading blocks of the request that a request in flight on the worker holds (they are
+    # among its held blocks: referenced, not copied, by a request that shares them)
+    in_flight_prefix: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,12 +252,13 @@ class KvPolicyConfig(BaseModel):
         ),
     )
     kv_fit_cached: bool = Field(
-        default=False,
+        default=True,
         description=(
             "Count the request's cached blocks in its KV fit as well as its new ones (held "
-            "blocks + all the request's blocks > capacity): a cached match is free, evictable "
-            "memory until the request runs, so where the running and engine-queued requests "
-            "need the room, it is evicted before the request is scheduled."
+            "blocks + the request's blocks, less the prefix a request in flight there holds, "
+            "> capacity): a cached match is free, evictable memory until the request runs, so "
+            "where the running and engine-queued requests need the room, it is evicted before "
+            "the request is scheduled. Off: only the blocks outside its GPU match count."
         ),
     )
     kv_fit_guard: bool = Field(

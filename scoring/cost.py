@@ -23,7 +23,6 @@ from scoring.config import KvPolicyConfig
 from scoring.cost_blocks import BlockQuote
 from scoring.cost_parts import (
     RequestSize,
-    clip_match,
     fleet_factor,
     footprint_ratios,
     kv_fit_shares,
@@ -79,7 +78,4 @@ def kv_shortfalls(
     size: RequestSize, candidates: Sequence[Candidate], config: KvPolicyConfig
 ) -> list[float]:
     """The KV blocks the request lacks on each candidate (``kv_shortfall``; 0: it fits)."""
-    return [
-        kv_shortfall(c.load, size, clip_match(c.match, size.full_blocks), config)
-        for c in candidates
-    ]
+    return [kv_shortfall(c, size, config) for c in candidates]

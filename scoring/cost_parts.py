@@ -39,6 +39,7 @@ class CostRecord:
     credited: float  # matched blocks credited (tier weights, eviction risk, KV fit)
     cache_survival: float  # expected share of the match still cached when the request runs
     kv_shortfall: float  # KV blocks it lacks there to start beside the running requests
+    in_flight_prefix: int  # its leading blocks a request in flight there holds
     kv_fit: float  # share of the match credited for fitting (1: fits, or nothing fits)
     prefill_blocks: float
     params: TtftParams  # the worker's learned TTFT model
@@ -60,6 +61,7 @@ class CostRecord:
             "credited": self.credited,
             "cache_survival": self.cache_survival,
             "kv_shortfall_blocks": self.kv_shortfall,
+            "in_flight_prefix_blocks": float(self.in_flight_prefix),
             "kv_fit": self.kv_fit,
             "prefill_blocks": self.prefill_blocks,
             **ttft_terms(self.ttft, self.params),
@@ -180,9 +182,7 @@ def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfi
     return 1.0 - weight * risk
 
 
-def kv_shortfall(
-    load: WorkerLoad, size: RequestSize, match: PrefixMatch, config: KvPolicyConfig
-) -> float:
+def kv_shortfall(candidate: Candidate, size: RequestSize, config: KvPolicyConfig) -> float:
     """KV blocks the request lacks on the worker to start beside its running requests.
 
     An engine admits a request only when its new blocks fit in the free pool (free and
@@ -191,15 +191,20 @@ def kv_shortfall(
     plus the request's blocks not in its GPU match, against the capacity (scraped, else
     ``kv_capacity_blocks``). At most the request's new blocks; 0 when the capacity is unknown.
     With ``kv_fit_cached`` its cached blocks count as needing room too (a match is evictable
-    until the request runs), and the shortfall is at most all its blocks.
+    until the request runs), less those a request in flight there holds (already among the
+    held blocks), and the shortfall is at most those blocks.
     """
+    load = candidate.load
     capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
     if capacity is None or config.kv_fit_weight <= 0.0:
         return 0.0
     predicted, scraped = held_block_parts(load, config)
     held = blended(max(predicted, 0.0), scraped, config)
-    need = float(max(size.blocks - match.gpu, 0))
-    resident = float(size.blocks) if config.kv_fit_cached else need
+    if config.kv_fit_cached:
+        resident = float(size.blocks - min(max(candidate.in_flight_prefix, 0), size.blocks))
+    else:
+        match = clip_match(candidate.match, size.full_blocks)
+        resident = float(max(size.blocks - match.gpu, 0))
     return min(max(held + resident - capacity, 0.0), resident)
 
 

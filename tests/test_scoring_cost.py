@@ -352,8 +352,10 @@ def test_a_session_leaves_a_home_whose_queue_would_evict_its_history() -> None:
     idle = cand("idle", scraped_kv_usage=0.3, kv_capacity_blocks=200)
     # 250 queued blocks, 20 free, a 200-block cache: the history is as good as gone (cost
     # 110 + 0.33 * 250 at home against 110 idle); trusted, it would win (10 + 0.33 * 250).
-    # A queued block at a third of an own block: a home that holds on to its sessions.
-    sticky = {"queued_prefill_weight": 0.33}
+    # A queued block at a third of an own block: a home that holds on to its sessions. The KV
+    # fit counts new blocks only (with the cached ones, 180 held + 110 > 200 sets home aside
+    # whatever the eviction risk says: tests/test_scoring_fit.py).
+    sticky = {"queued_prefill_weight": 0.33, "kv_fit_cached": False}
     risky = KvPolicy(KvPolicyConfig(eviction_risk_weight=1.0, **sticky), rng=random.Random(0))
     chosen = risky.rank(req(110), [home, idle]).chosen
     assert chosen == WorkerId("idle")

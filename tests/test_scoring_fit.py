@@ -4,6 +4,7 @@ requests loses its match's credit while another candidate has room (docs/scoring
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from backends.config import WorkerConfig
 from backends.registry import FLIGHTS_COMPARED, WorkerRegistry
 from index.keys import shared_prefix_blocks
 from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, RouteRequest, WorkerLoad
+from scoring.api import DEFAULT_TTFT, Candidate, RouteRequest, WorkerLoad
 from scoring.config import KvPolicyConfig
 from scoring.cost_parts import kv_fit_shares, kv_shortfall, request_size
 from scoring.kv import KvPolicy
@@ -25,18 +26,29 @@ def req(blocks: int) -> RouteRequest:
     return RouteRequest(model="m", block_keys=keys, block_size=BS, prompt_tokens=blocks * BS)
 
 
-def cand(name: str, gpu: int = 0, **load: Any) -> Candidate:
+def cand(name: str, gpu: int = 0, in_flight_prefix: int = 0, **load: Any) -> Candidate:
     return Candidate(
         worker=WorkerId(name),
         url=f"http://{name}",
         load=WorkerLoad(**load),
         match=PrefixMatch(gpu=gpu),
+        in_flight_prefix=in_flight_prefix,
     )
 
 
-def shortfall(blocks: int, gpu: int, config: KvPolicyConfig | None = None, **load: Any) -> float:
+def shortfall(
+    blocks: int,
+    gpu: int,
+    config: KvPolicyConfig | None = None,
+    in_flight_prefix: int = 0,
+    **load: Any,
+) -> float:
     size = request_size(req(blocks))
-    return kv_shortfall(WorkerLoad(**load), size, PrefixMatch(gpu=gpu), config or KvPolicyConfig())
+    worker = Candidate(
+        WorkerId("w"), "http://w", WorkerLoad(**load), PrefixMatch(gpu=gpu), DEFAULT_TTFT
+    )
+    candidate = replace(worker, in_flight_prefix=in_flight_prefix)
+    return kv_shortfall(candidate, size, config or KvPolicyConfig())
 
 
 def test_no_shortfall_without_a_known_capacity() -> None:
@@ -55,24 +67,44 @@ def test_no_shortfall_without_a_known_capacity() -> None:
         ({"active_decode_blocks": 5_000}, 100.0),  # at most the request's new blocks
     ],
 )
-def test_shortfall_is_held_plus_new_blocks_past_the_capacity(
+def test_without_kv_fit_cached_the_shortfall_is_held_plus_new_blocks_past_the_capacity(
     load: dict[str, Any], expected: float
 ) -> None:
     # 300 blocks, 200 of them cached on the GPU: 100 new
-    assert shortfall(300, 200, kv_capacity_blocks=1_000, **load) == pytest.approx(expected)
+    new_only = KvPolicyConfig(kv_fit_cached=False)
+    assert shortfall(300, 200, new_only, kv_capacity_blocks=1_000, **load) == pytest.approx(
+        expected
+    )
 
 
 def test_kv_fit_cached_counts_the_cached_match_as_needing_room_too() -> None:
     """300 blocks, 200 cached: beside 800 held blocks of 1,000 the 100 new ones fit, but the
     200 cached ones would be evicted for the running requests before it runs."""
-    cached = KvPolicyConfig(kv_fit_cached=True)
-    assert shortfall(300, 200, kv_capacity_blocks=1_000, active_decode_blocks=800) == 0.0
+    cached = KvPolicyConfig()  # the default
+    new_only = KvPolicyConfig(kv_fit_cached=False)
+    assert shortfall(300, 200, new_only, kv_capacity_blocks=1_000, active_decode_blocks=800) == 0.0
     assert shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=800) == (
         pytest.approx(100.0)
     )
     assert shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=700) == 0.0
     full = shortfall(300, 200, cached, kv_capacity_blocks=1_000, active_decode_blocks=5_000)
     assert full == pytest.approx(300.0)  # at most the request's blocks
+
+
+def test_kv_fit_cached_counts_a_prefix_held_by_a_request_in_flight_once() -> None:
+    """A sibling in flight holds the first 150 of the 200 cached blocks: they are among the
+    800 held ones already (pinned, not evictable), so only 150 of the 300 need room."""
+    cached = KvPolicyConfig()  # the default
+    held = {"kv_capacity_blocks": 1_000, "active_decode_blocks": 800}
+    assert shortfall(300, 200, cached, **held) == pytest.approx(100.0)
+    assert shortfall(300, 200, cached, in_flight_prefix=150, **held) == 0.0
+    assert shortfall(
+        300, 200, cached, in_flight_prefix=150, kv_capacity_blocks=1_000, active_decode_blocks=900
+    ) == pytest.approx(50.0)
+    whole = shortfall(300, 300, cached, in_flight_prefix=10**6, **held)
+    assert whole == 0.0  # at most the request's blocks are held for it
+    new_only = KvPolicyConfig(kv_fit_cached=False)
+    assert shortfall(300, 200, new_only, in_flight_prefix=150, **held) == 0.0  # the new ones
 
 
 def test_fit_shares_withdraw_credit_only_while_another_candidate_fits() -> None:
@@ -89,7 +121,13 @@ def _fleet(home_held: int, other_held: int) -> list[Candidate]:
     """A 1,440-block request; ``home`` holds 1,200 of them (the shared prefix of a sibling
     running there), ``other`` nothing; 4,000-block caches."""
     return [
-        cand("home", gpu=1_200, active_decode_blocks=home_held, kv_capacity_blocks=4_000),
+        cand(
+            "home",
+            gpu=1_200,
+            in_flight_prefix=1_200,
+            active_decode_blocks=home_held,
+            kv_capacity_blocks=4_000,
+        ),
         cand("other", active_decode_blocks=other_held, kv_capacity_blocks=4_000),
     ]
 
@@ -107,6 +145,27 @@ def test_a_request_that_does_not_fit_at_home_goes_where_it_fits(cost_model: str)
     assert home.terms["kv_shortfall_blocks"] == pytest.approx(140.0)
     assert home.terms["kv_fit"] == 0.0
     assert home.terms["credited"] == 0.0
+
+
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_a_home_that_cannot_keep_the_history_beside_its_running_requests_is_left(
+    cost_model: str,
+) -> None:
+    """The session's history (1,200 blocks) cached at home, but no request in flight there
+    holds it: beside 2,900 held blocks of 4,000 it would be evicted before the turn runs, so
+    the turn goes where all of it fits (with the fit off for cached blocks, it stays)."""
+    fleet = [
+        cand("home", gpu=1_200, active_decode_blocks=2_900, kv_capacity_blocks=4_000),
+        cand("other", kv_capacity_blocks=4_000),
+    ]
+    config = KvPolicyConfig(cost_model=cost_model)  # type: ignore[arg-type]
+    decision = KvPolicy.from_config(config).rank(req(1_440), fleet)
+    assert decision.chosen == "other"
+    home = next(s for s in decision.scores if s.worker == "home")
+    assert home.terms["kv_shortfall_blocks"] == pytest.approx(340.0)
+    assert home.terms["in_flight_prefix_blocks"] == 0.0
+    new_only = config.model_copy(update={"kv_fit_cached": False})
+    assert KvPolicy.from_config(new_only).rank(req(1_440), fleet).chosen == "home"
 
 
 @pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
@@ -210,6 +269,19 @@ def test_a_request_without_keys_counts_all_its_blocks() -> None:
     first.finish()
     second.finish()
     assert worker.active_decode_blocks == 0
+
+
+def test_candidates_carry_the_prefix_a_request_in_flight_holds() -> None:
+    reg, wid = _registry()
+    reg.get(wid).healthy = True  # as after its first health probe
+    sibling = reg.begin(wid, 0, 1_700, BS, keys=_keys(1_200, 500, 1))
+    (candidate,) = reg.candidates("m", keys=_keys(1_200, 240, 2))
+    assert candidate.in_flight_prefix == 1_200
+    (unrelated,) = reg.candidates("m", keys=_keys(0, 240, 3))
+    assert unrelated.in_flight_prefix == 0
+    sibling.finish()
+    (alone,) = reg.candidates("m", keys=_keys(1_200, 240, 2))
+    assert alone.in_flight_prefix == 0
 
 
 def test_only_the_most_recent_flights_are_compared() -> None:
