@@ -185,14 +185,13 @@ def cache_survival(load: WorkerLoad, queued_blocks: float, config: KvPolicyConfi
 def kv_shortfall(candidate: Candidate, size: RequestSize, config: KvPolicyConfig) -> float:
     """KV blocks the request lacks on the worker to start beside its running requests.
 
-    An engine admits a request only when its new blocks fit in the free pool (free and
-    cached-but-unused blocks): the blocks held by running requests (kvgate's prediction, the
-    sum of their prompts' blocks, or the scraped KV usage x capacity, whichever is larger)
-    plus the request's blocks not in its GPU match, against the capacity (scraped, else
-    ``kv_capacity_blocks``). At most the request's new blocks; 0 when the capacity is unknown.
-    With ``kv_fit_cached`` its cached blocks count as needing room too (a match is evictable
-    until the request runs), less those a request in flight there holds (already among the
-    held blocks), and the shortfall is at most those blocks.
+    The blocks held by running requests (kvgate's prediction, the sum of their prompts'
+    blocks, or the scraped KV usage x capacity, whichever is larger) plus the request's
+    resident blocks, against the capacity (scraped, else ``kv_capacity_blocks``); at most
+    the resident blocks; 0 when the capacity is unknown. Resident: with ``kv_fit_cached``
+    (the default) all its blocks less the prefix a request in flight there holds (among the
+    held blocks already), since a cached match is evictable until the request runs; without
+    it, as an engine admits a request, only the blocks outside its GPU match.
     """
     load = candidate.load
     capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
@@ -201,7 +200,7 @@ def kv_shortfall(candidate: Candidate, size: RequestSize, config: KvPolicyConfig
     predicted, scraped = held_block_parts(load, config)
     held = blended(max(predicted, 0.0), scraped, config)
     if config.kv_fit_cached:
-        resident = float(size.blocks - min(max(candidate.in_flight_prefix, 0), size.blocks))
+        resident = float(max(size.blocks - max(candidate.in_flight_prefix, 0), 0))
     else:
         match = clip_match(candidate.match, size.full_blocks)
         resident = float(max(size.blocks - match.gpu, 0))

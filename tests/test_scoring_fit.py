@@ -4,7 +4,6 @@ requests loses its match's credit while another candidate has room (docs/scoring
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from backends.config import WorkerConfig
 from backends.registry import FLIGHTS_COMPARED, WorkerRegistry
 from index.keys import shared_prefix_blocks
 from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import DEFAULT_TTFT, Candidate, RouteRequest, WorkerLoad
+from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.config import KvPolicyConfig
 from scoring.cost_parts import kv_fit_shares, kv_shortfall, request_size
 from scoring.kv import KvPolicy
@@ -43,12 +42,8 @@ def shortfall(
     in_flight_prefix: int = 0,
     **load: Any,
 ) -> float:
-    size = request_size(req(blocks))
-    worker = Candidate(
-        WorkerId("w"), "http://w", WorkerLoad(**load), PrefixMatch(gpu=gpu), DEFAULT_TTFT
-    )
-    candidate = replace(worker, in_flight_prefix=in_flight_prefix)
-    return kv_shortfall(candidate, size, config or KvPolicyConfig())
+    candidate = cand("w", gpu, in_flight_prefix, **load)
+    return kv_shortfall(candidate, request_size(req(blocks)), config or KvPolicyConfig())
 
 
 def test_no_shortfall_without_a_known_capacity() -> None:
