@@ -61,6 +61,12 @@ def trace_args(p: argparse.ArgumentParser) -> None:
         help="shrink every block to 512*scale words (only when the box cannot keep up)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--skip-sessions",
+        type=int,
+        default=0,
+        help="agentic: drop the trace's first N sessions (a slice held out from tuning)",
+    )
     d = SyntheticAgentOptions()
     g.add_argument("--syn-sessions", type=int, default=d.sessions, help="synthetic: sessions")
     g.add_argument("--syn-turns", type=int, default=d.turns, help="synthetic: turns per session")
@@ -164,7 +170,9 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
 
 def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
     """The trace after filters and scaling, and the tokens per hash id it now uses."""
-    agentic = AgenticReplayOptions(args.session_rate, args.max_gap, args.max_sessions, args.seed)
+    agentic = AgenticReplayOptions(
+        args.session_rate, args.max_gap, args.max_sessions, args.seed, args.skip_sessions
+    )
     synthetic = SyntheticAgentOptions(
         sessions=args.syn_sessions,
         turns=args.syn_turns,

@@ -190,11 +190,15 @@ def cmd_overload(args: argparse.Namespace, argv: list[str]) -> int:
     runs = [RouterRun(n, router_label(n)) for n in _parse_routers(args.routers)]
     title = _trace_title(args) + f", overload ramp (saturation {args.saturation_rate:g})"
     results: list[PointResult] = []
+    base_seed = args.seed
     for repeat in range(args.repeat):
+        if args.seed_per_repeat:
+            args.seed = base_seed + repeat  # another layout of session starts each repeat
         for factor in _floats(args.points):
             args.session_rate = factor * args.saturation_rate
             reqs, block = load_requests(args)
             point_title = f"{_trace_title(args)}, {factor:g} x saturation, run {repeat + 1}"
+            point_title += f", seed {args.seed}" if args.seed_per_repeat else ""
             cfg = compare_config(args, block, out / f"x{factor:g}-run{repeat + 1}", point_title)
             results += run_point(
                 runs,
@@ -281,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a kvgate checkout for router kv_baseline (kv from that tree, side by side)",
     )
     p.add_argument("--repeat", type=int, default=1, help="runs of every point")
+    p.add_argument(
+        "--seed-per-repeat",
+        action="store_true",
+        help="repeat N lays the sessions out with seed --seed + N - 1 (other arrival bursts) "
+        "instead of replaying one slice",
+    )
     p.add_argument("--slo", type=float, default=5.0, help="goodput's TTFT objective, seconds")
     return parser
 

@@ -70,6 +70,8 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),  # busy: the request's blocks do not fit
     # the same, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
+    "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
+    "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -44,6 +44,7 @@ class AgenticReplayOptions:
     max_gap_s: float = 30.0  # idle gaps between turns are capped to this
     max_sessions: int | None = None
     seed: int = 0
+    skip_sessions: int = 0  # drop the trace's first N sessions (a held-out slice)
 
 
 def _open_text(path: Path) -> Iterator[str]:
@@ -150,7 +151,9 @@ def layout_sessions(
 
 def load_agentic(path: Path, options: AgenticReplayOptions) -> list[TraceRequest]:
     """Agentic sessions: turns keep their order and (capped) gaps; sessions start by Poisson."""
-    grouped = _group_sessions(read_jsonl(path))
+    if options.skip_sessions < 0:
+        raise ValueError("skip_sessions must be >= 0")
+    grouped = _group_sessions(read_jsonl(path))[options.skip_sessions :]
     if options.max_sessions is not None:
         grouped = grouped[: options.max_sessions]
     sessions = [

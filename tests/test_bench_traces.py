@@ -82,6 +82,21 @@ def test_agentic_loader_keeps_turn_order_and_caps_gaps(tmp_path: Path) -> None:
     assert reqs == sorted(reqs, key=lambda r: r.arrival_s)
 
 
+def test_agentic_loader_skips_the_first_sessions(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    rows = [
+        {"session_id": f"s{i}", "timestamp": 0, "input_length": 512, "output_length": 4,
+         "hash_ids": [i]}
+        for i in range(4)
+    ]  # fmt: skip
+    _write_jsonl(path, rows)
+    opts = AgenticReplayOptions(session_rate=1.0, skip_sessions=1, max_sessions=2)
+    reqs = load_trace(str(path), agentic=opts)
+    assert sorted(r.session_id or "" for r in reqs) == ["s1", "s2"]
+    with pytest.raises(ValueError, match="skip_sessions"):
+        load_trace(str(path), agentic=AgenticReplayOptions(skip_sessions=-1))
+
+
 def test_synthetic_sessions_share_prefix_and_grow() -> None:
     opts = SyntheticAgentOptions(sessions=3, turns=4, system_blocks=2, tool_blocks=3, seed=7)
     reqs = synthetic_agent_sessions(opts)
