@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-fast lint typecheck lock bench-quick clean
 
 # The native core (index/csrc/) is compiled by the editable install: rebuild when it changes.
-$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard index/csrc/*.c index/csrc/*.h)
+# build-constraints.txt pins pip and the build backend (setuptools) the install uses.
+$(STAMP): pyproject.toml setup.py constraints.txt build-constraints.txt $(wildcard index/csrc/*.c index/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,bench,otel]'
+	$(BIN)/pip install --quiet -c build-constraints.txt pip
+	$(BIN)/pip install --quiet -c constraints.txt --build-constraint build-constraints.txt -e '.[dev,bench,otel]'
 	touch $(STAMP)
 
 ## demo: 4 simulated replicas + kvgate on http://127.0.0.1:8000 (Ctrl-C to stop)

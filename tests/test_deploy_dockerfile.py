@@ -53,12 +53,20 @@ def test_installs_every_package_with_constraints() -> None:
     # COPY SRC... DEST: every source, trailing slash dropped
     copied = {src.rstrip("/") for kw, rest in build if kw == "COPY" for src in rest.split()[:-1]}
     assert packages <= copied
-    build_files = {"pyproject.toml", "setup.py", "constraints.txt", "README.md"}
+    build_files = {
+        "pyproject.toml",
+        "setup.py",
+        "constraints.txt",
+        "build-constraints.txt",
+        "README.md",
+    }
     assert build_files <= copied
     for name in packages | build_files:
         assert (ROOT / name).exists(), name
     runs = " ".join(rest for kw, rest in build if kw == "RUN")
-    assert "pip install -c constraints.txt '.[otel]'" in runs  # tracing ready, off by default
+    # pip and the build backend pinned too; tracing ready, off by default
+    assert "pip install -c build-constraints.txt pip" in runs
+    assert "--build-constraint build-constraints.txt '.[otel]'" in runs
     # the index's native core is compiled in the build stage and checked to import there
     assert "gcc" in runs and "index._native" in runs
 
