@@ -16,6 +16,11 @@ counted, and the writer reports the count once it catches up; a batch whose writ
 lost (told on stderr), never the thread. uvicorn is run
 with ``log_config=None`` (``router.serve.uvicorn_config``) so its loggers reach the same
 handler.
+
+A warning a client can make uvicorn repeat at will (``Invalid HTTP request received.``,
+once per malformed request) is let through once per ``REPEAT_WINDOW_S`` per logger and
+message (``RepeatLimit``); the next one let through says how many were held back. Errors,
+and kvgate's own loggers, are never held back.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import queue
 import sys
 import threading
+import time
 import traceback
+from collections import OrderedDict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from logging.handlers import QueueHandler
 from typing import Any, Literal, TextIO
@@ -38,6 +47,9 @@ FIELDS = "kvgate_fields"  # LogRecord attribute holding structured fields (the a
 _QUEUE_RECORDS = 10_000  # records waiting for the writer thread before new ones are dropped
 _DRAIN_S = 0.05  # how often the writer thread writes what is queued
 _CHATTY = ("httpx", "httpcore")  # one line per health probe otherwise
+REPEAT_WINDOW_S = 10.0  # a repeatable warning of a server library: at most one line per window
+_REPEATABLE = ("uvicorn",)  # the loggers whose warnings a client can repeat at will
+REPEAT_KEYS = 256  # distinct (logger, message) pairs remembered
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _encode = msgspec.json.Encoder().encode
 
@@ -122,6 +134,40 @@ def make_formatter(fmt: LogFormat) -> logging.Formatter:
     if fmt == "logfmt":
         return LogfmtFormatter()
     return TextFormatter()
+
+
+class RepeatLimit(logging.Filter):
+    """Lets a warning (or lower) of a ``_REPEATABLE`` logger through once per ``window_s``
+    per logger and message template; the next one let through says how many were held back.
+    Remembers at most ``REPEAT_KEYS`` pairs (the oldest forgotten first)."""
+
+    def __init__(
+        self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._window_s = window_s
+        self._clock = clock
+        self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self._lock = threading.Lock()  # records are logged from any thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or not record.name.startswith(_REPEATABLE):
+            return True
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            since, held = self._seen.get(key, (-math.inf, 0))
+            if now - since < self._window_s:
+                self._seen[key] = (since, held + 1)
+                return False
+            self._seen[key] = (now, 0)
+            self._seen.move_to_end(key)
+            while len(self._seen) > REPEAT_KEYS:
+                self._seen.popitem(last=False)
+        if held:
+            record.msg = f"{record.getMessage()} ({held} more like it not logged since the last)"
+            record.args = None
+        return True
 
 
 class _Enqueue(QueueHandler):
@@ -229,6 +275,7 @@ class LogOutput:
         formatter = make_formatter(fmt)
         records: queue.Queue[logging.LogRecord] = queue.Queue(queue_size)
         self.handler = _Enqueue(records, formatter)
+        self.handler.addFilter(RepeatLimit())
         writer = _Writer(stream, self.handler)
         writer.setFormatter(formatter)
         self._thread = _Drain(records, writer)

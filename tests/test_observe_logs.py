@@ -25,10 +25,19 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.process import kvgate_process
+from fakes.rawhttp import exchange
 from fakes.server import serve, wait_for
 
 from router.accesslog import ACCESS_FIELDS, client_key_id
-from router.logs import FIELDS, LogOutput, configure_logging, logfmt, make_formatter
+from router.logs import (
+    FIELDS,
+    REPEAT_KEYS,
+    LogOutput,
+    RepeatLimit,
+    configure_logging,
+    logfmt,
+    make_formatter,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -318,3 +327,68 @@ def _parse(fmt: str, line: str) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(line)
         return parsed
     return dict(part.split("=", 1) for part in shlex.split(line))
+
+
+async def test_a_warning_clients_can_repeat_is_logged_once_per_window(tmp_path: Path) -> None:
+    """Thirty malformed requests: uvicorn warns of each, one line reaches the output (the
+    rest held back for ``REPEAT_WINDOW_S``), and each still gets its 400."""
+    engine = FakeEngine()
+    out = tmp_path / "stdout"
+    async with (
+        serve(engine) as upstream,
+        kvgate_process(f"{upstream.url},models=fake-model", out, "--log-format", "json") as (
+            port,
+            process,
+        ),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client,
+    ):
+        for _ in range(30):
+            reply = await exchange(port, b"NOT HTTP AT ALL\r\n\r\n", limit_s=10)
+            assert reply.status == 400
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        await wait_for(lambda: b"kvgate.access" in out.read_bytes(), 10, "the access line")
+        process.terminate()
+        await process.wait()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    invalid = [line for line in lines if "Invalid HTTP request" in line["message"]]
+    assert len(invalid) == 1, invalid
+    assert invalid[0]["logger"] == "uvicorn.error"
+
+
+def test_repeat_limit_holds_back_repeats_and_counts_them() -> None:
+    now = [0.0]
+    limit = RepeatLimit(window_s=10.0, clock=lambda: now[0])
+
+    def passes(name: str, message: str, level: int = logging.WARNING) -> logging.LogRecord | None:
+        record = logging.LogRecord(name, level, __file__, 0, message, None, None)
+        return record if limit.filter(record) else None
+
+    assert passes("uvicorn.error", "Invalid HTTP request received.") is not None
+    assert passes("uvicorn.error", "Invalid HTTP request received.") is None
+    assert passes("uvicorn.error", "Invalid HTTP request received.") is None
+    assert passes("uvicorn.error", "another warning") is not None  # its own window
+    assert passes("uvicorn.error", "boom", logging.ERROR) is not None  # errors always pass
+    assert passes("uvicorn.error", "boom", logging.ERROR) is not None
+    assert passes("kvgate.gateway", "a warning of kvgate's") is not None  # never held back
+    assert passes("kvgate.gateway", "a warning of kvgate's") is not None
+    now[0] = 10.0
+    record = passes("uvicorn.error", "Invalid HTTP request received.")
+    assert record is not None
+    assert record.getMessage() == (
+        "Invalid HTTP request received. (2 more like it not logged since the last)"
+    )
+    assert passes("uvicorn.error", "Invalid HTTP request received.") is None
+
+
+def test_repeat_limit_remembers_a_bounded_number_of_messages() -> None:
+    limit = RepeatLimit(window_s=10.0, clock=lambda: 0.0)
+
+    def passes(message: str) -> bool:
+        return limit.filter(
+            logging.LogRecord("uvicorn", logging.WARNING, "", 0, message, None, None)
+        )
+
+    assert passes("first")
+    assert not passes("first")
+    assert all(passes(f"message {n}") for n in range(REPEAT_KEYS))  # "first" forgotten
+    assert passes("first")
