@@ -155,6 +155,16 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
         help="KV events topic (empty: vllm-router kv_aware reads only empty topics)",
     )
     g.add_argument(
+        "--fleet-cpu",
+        type=int,
+        action="append",
+        default=[],
+        metavar="CPU",
+        help="pin the simulated fleet to this CPU (repeatable) and the load generator and the "
+        "router under test to the others, so a router's own CPU use does not slow the "
+        "simulated engines it is judged on (default: not pinned)",
+    )
+    g.add_argument(
         "--sim-arg",
         action="append",
         default=[],
@@ -219,6 +229,7 @@ def fleet_spec(args: argparse.Namespace) -> FleetSpec:
         block_size=args.block_size,
         topic=args.topic,
         extra_args=tuple(args.sim_arg),
+        cpus=tuple(args.fleet_cpu),
     )
 
 

@@ -21,6 +21,7 @@ from bench.fleet import (
     KvgateSpec,
     ManagedProcess,
     SimFleet,
+    cpus_apart,
     process_cpu_seconds,
     sim_config,
     start_fleet,
@@ -182,6 +183,17 @@ def run_one(
     slug = run.label.replace(" ", "_").replace("/", "_")
     run_dir = cfg.out_dir / slug
     cfg.log(f"[{run.label}] starting fleet ({cfg.fleet.replicas} replicas) and router")
+    with cpus_apart(cfg.fleet.cpus):
+        return _run_one(run, requests, cfg, oracle_rate, run_dir)
+
+
+def _run_one(
+    run: RouterRun,
+    requests: Sequence[TraceRequest],
+    cfg: CompareConfig,
+    oracle_rate: float,
+    run_dir: Path,
+) -> RunOutput:
     fleet = start_fleet(cfg.fleet, run_dir / "logs")
     router: ManagedProcess | None = None
     try:

@@ -8,8 +8,11 @@ descendants, plus what exited children left in cutime/cstime), so no psutil is n
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +187,8 @@ class FleetSpec:
     topic: str = ""  # empty: vllm-router kv_aware only reads empty-topic events
     event_encoding: str | None = None
     extra_args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = ()
+    """Pin the fleet's process to these CPUs (``--fleet-cpu``; empty: not pinned)."""
 
 
 @dataclass
@@ -247,13 +252,40 @@ def sim_config(spec: FleetSpec) -> SimConfig:
     return sim_cli.config_from_args(sim_cli.build_parser().parse_args(sim_args(spec, 0, 0)))
 
 
+def pinned(argv: list[str], cpus: Sequence[int]) -> list[str]:
+    """``argv`` run on ``cpus`` only (``taskset``; every thread it starts too), or as is."""
+    if not cpus:
+        return argv
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("pinning the fleet to CPUs needs taskset (util-linux)")
+    return [taskset, "--cpu-list", ",".join(str(c) for c in cpus), *argv]
+
+
+@contextlib.contextmanager
+def cpus_apart(cpus: Sequence[int]) -> Iterator[None]:
+    """This thread (the load generator, and every process it starts: the router under test)
+    kept off ``cpus`` while inside, so neither slows the fleet pinned there; as is without."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    rest = before - set(cpus)
+    if not rest:
+        raise RuntimeError(f"no CPU left for the benchmark beside the fleet's {sorted(cpus)}")
+    os.sched_setaffinity(0, rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimFleet:
     """Start the simulated fleet on free loopback ports and wait until every replica is up."""
     http_port = bench_port_range(spec.replicas, start=21000)
     events_port = bench_port_range(2 * spec.replicas, start=25000)
-    proc = ManagedProcess(
-        "sim", sim_argv(spec, http_port, events_port), log_dir / "sim.log"
-    ).start()
+    argv = pinned(sim_argv(spec, http_port, events_port), spec.cpus)
+    proc = ManagedProcess("sim", argv, log_dir / "sim.log").start()
     fleet = SimFleet(spec, http_port, events_port, proc)
     try:
         for url in fleet.urls:

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.fleet import ManagedProcess, process_cpu_seconds, system_cpu_times, tree_cpu_seconds
+from bench.args import compare_parser, fleet_spec
+from bench.fleet import (
+    ManagedProcess,
+    cpus_apart,
+    pinned,
+    process_cpu_seconds,
+    start_fleet,
+    system_cpu_times,
+    tree_cpu_seconds,
+)
 from bench.overload import PointResult, ramp_table
 from bench.replay import MetricsSample, RequestRecord
 from bench.report import (
@@ -188,3 +199,39 @@ def test_ramp_table_counts_requests_over_every_repeat() -> None:
     runs = [_point(1, [0.1] * 10), _point(2, [0.1] * 7, lost=3), _point(3, [0.1] * 9, rejected=1)]
     row = ramp_table(runs, slo_s=5.0).splitlines()[2].split(" | ")
     assert row[3:6] == ["26/30", "1", "0"]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or shutil.which("taskset") is None,
+    reason="needs two CPUs and taskset",
+)
+def test_the_fleet_gets_its_cpu_and_the_benchmark_the_others(tmp_path: Path) -> None:
+    """``--fleet-cpu``: the simulated fleet runs on its CPU only; the load generator (this
+    thread) and the router it starts run on the others, and this thread gets its CPUs back."""
+    cpus = os.sched_getaffinity(0)
+    fleet_cpu = max(cpus)
+    args = compare_parser().parse_args(["--trace", "t.jsonl", "--fleet-cpu", str(fleet_cpu)])
+    spec = replace(fleet_spec(args), replicas=1, speedup=100.0)
+    assert spec.cpus == (fleet_cpu,)
+    fleet = start_fleet(spec, tmp_path)
+    try:
+        assert os.sched_getaffinity(fleet.process.pid) == {fleet_cpu}
+        with cpus_apart(spec.cpus):
+            assert os.sched_getaffinity(0) == cpus - {fleet_cpu}
+            sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+            router = ManagedProcess("router", sleep, tmp_path / "router.log").start()
+            try:
+                assert os.sched_getaffinity(router.pid) == cpus - {fleet_cpu}
+            finally:
+                router.stop(timeout_s=5)
+        assert os.sched_getaffinity(0) == cpus
+    finally:
+        fleet.stop()
+
+
+def test_an_unpinned_fleet_runs_as_is() -> None:
+    argv = [sys.executable, "-m", "router.cli", "sim"]
+    assert pinned(argv, ()) == argv
+    assert fleet_spec(compare_parser().parse_args(["--trace", "t.jsonl"])).cpus == ()
