@@ -238,7 +238,8 @@ def _run_one(
         f"[{run.label}] ok {summary.ok}/{summary.requests} hit {summary.hit_rate:.3f} "
         f"(÷oracle {summary.hit_vs_oracle:.2f}) ttft p50 {summary.ttft_p50_s:.3f}s "
         f"p99 {summary.ttft_p99_s:.3f}s imbalance {summary.imbalance:.2f} "
-        f"fleet busy {summary.fleet_busy:.2f} box {cpu.box_utilisation:.0%}"
+        f"fleet busy {summary.fleet_busy:.2f} late {summary.fleet_late:.0%} "
+        f"box {cpu.box_utilisation:.0%}"
     )
     warning = report.saturation_warning([summary])
     if warning:

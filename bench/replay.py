@@ -231,6 +231,7 @@ SAMPLED_METRICS = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "kvgate_sim_busy_seconds_total",
+    "kvgate_sim_late_seconds_total",
     "vllm:request_success_total",
 )
 

@@ -13,6 +13,7 @@ from typing import Any
 from bench.replay import MetricsSample, RequestRecord
 
 BUSY_METRIC = "kvgate_sim_busy_seconds_total"
+LATE_METRIC = "kvgate_sim_late_seconds_total"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -63,6 +64,8 @@ class RunSummary:
     wall_s: float
     cpu: dict[str, float]  # label -> cores used on average
     box_utilisation: float
+    fleet_late: float = math.nan
+    """The replicas' mean share of the run their steps began late (NaN: not exported)."""
 
 
 def busy_from_records(records: Sequence[RequestRecord]) -> dict[str, float]:
@@ -88,14 +91,17 @@ def busy_from_records(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 
 def busy_from_metrics(
-    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    metric: str = BUSY_METRIC,
 ) -> dict[str, float] | None:
-    """Per replica: growth of the simulator's busy-seconds counter (None if not exported)."""
+    """Per replica: growth of the simulator's busy-seconds counter (or another of its
+    counters: ``metric``) over the run (None if not exported)."""
     out: dict[str, float] = {}
     for url, values in after.items():
-        if BUSY_METRIC not in values:
+        if metric not in values:
             return None
-        out[url] = values[BUSY_METRIC] - before.get(url, {}).get(BUSY_METRIC, 0.0)
+        out[url] = values[metric] - before.get(url, {}).get(metric, 0.0)
     return out or None
 
 
@@ -162,6 +168,20 @@ def _busy(
     return busy_from_records(records), "client-side spans"
 
 
+def _late_share(
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    wall_s: float,
+) -> float:
+    """How far the simulated replicas ran behind their modelled time, as a share of the run
+    (mean over replicas; NaN when the fleet does not export it): a simulator short of CPU
+    serves slower than the model, and a comparison then measures that as well."""
+    late = busy_from_metrics(before, after, LATE_METRIC)
+    if not late or not wall_s:
+        return math.nan
+    return sum(late.values()) / len(late) / wall_s
+
+
 def summarize(
     label: str,
     records: Sequence[RequestRecord],
@@ -201,6 +221,7 @@ def summarize(
         busy_source=source,
         imbalance=imbalance(busy, replicas),
         fleet_busy=mean_busy / wall_s if wall_s else 0.0,
+        fleet_late=_late_share(metrics_before or {}, metrics_after or {}, wall_s),
         per_worker_requests=per_worker,
         wall_s=wall_s,
         cpu={k: (v / cpu.wall_s if cpu.wall_s else 0.0) for k, v in cpu.seconds.items()}

@@ -25,6 +25,7 @@ from bench.fleet import (
 from bench.overload import PointResult, ramp_table
 from bench.replay import MetricsSample, RequestRecord
 from bench.report import (
+    LATE_METRIC,
     CpuUse,
     busy_from_metrics,
     busy_from_records,
@@ -63,6 +64,8 @@ def test_busy_time_is_union_of_in_flight_spans() -> None:
     after = {"u1": {"kvgate_sim_busy_seconds_total": 4.0}}
     assert busy_from_metrics(before, after) == {"u1": 3.0}
     assert busy_from_metrics({}, {"u1": {}}) is None
+    late = {"u1": {"kvgate_sim_late_seconds_total": 2.5}}
+    assert busy_from_metrics({}, late, "kvgate_sim_late_seconds_total") == {"u1": 2.5}
 
 
 def test_summary_counts_and_rates() -> None:
@@ -82,6 +85,11 @@ def test_summary_counts_and_rates() -> None:
     assert s.imbalance == pytest.approx(1.0)
     warning = saturation_warning([s])
     assert warning is not None and "speedup" in warning
+    assert math.isnan(s.fleet_late)  # the fleet exported no lateness
+    late = [{"u1": {LATE_METRIC: t}, "u2": {LATE_METRIC: 2 * t}} for t in (1.0, 2.0)]
+    s = summarize("x", recs, oracle_hit_rate=0.5, wall_s=10.0, replicas=2, metrics_before=late[0],
+                  metrics_after=late[1])  # fmt: skip
+    assert s.fleet_late == pytest.approx((1.0 + 2.0) / 2 / 10.0)
 
 
 def test_plots_are_written(tmp_path: Path) -> None:

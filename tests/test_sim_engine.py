@@ -214,3 +214,34 @@ def test_prefill_slowdown_scales_the_prefill_share_only() -> None:
     )
     decode = StepWork(tokens=10, decode_context=20_000)
     assert step_seconds(decode, timing, prefill_slowdown=3.0) == step_seconds(decode, timing)
+
+
+def _hold_the_loop(seconds: float) -> None:
+    """Keep the event loop's thread busy for ``seconds`` (a simulator short of CPU)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_steps_that_begin_late_are_counted_and_idle_time_is_not(recorder: Recorder) -> None:
+    """``late_s``: a step that begins after its modelled start (the event loop held by a
+    blocking call, as in a simulator short of CPU) adds its delay; time with nothing to do
+    (the loop held while the engine is idle) does not."""
+    hold_s = 0.3
+    config = EngineConfig(block_size=4, capacity_blocks=64)
+    async with _engine(config, recorder) as engine:
+
+        def submit(first_token: int) -> SimRequest:
+            return engine.submit(list(range(first_token, first_token + 10)), 5, None, 0.0)
+
+        assert len(await _finish(submit(10))) == 5
+        before = engine.late_s
+        _hold_the_loop(hold_s)  # nothing to do: idle, not late
+        assert len(await _finish(submit(30))) == 5
+        assert engine.late_s - before < hold_s
+        before = engine.late_s
+        req = submit(50)
+        assert len(await req.stream.next()) == 1  # decoding: the next step is due at once
+        _hold_the_loop(hold_s)  # mid-request: the next step begins that much late
+        await _finish(req)
+        assert engine.late_s - before >= hold_s * 0.9

@@ -212,6 +212,9 @@ class Engine:
         self.steps = 0
         self.busy_s = 0.0
         """Sum of the modelled step times (wall seconds, after speed-up and slowdown)."""
+        self.late_s = 0.0
+        """Wall seconds the steps began after their modelled start (the previous step's
+        end): time the simulator's own work (its process short of CPU) added to the model."""
 
     # --- requests ------------------------------------------------------------------------
 
@@ -283,9 +286,10 @@ class Engine:
     # --- the step loop -------------------------------------------------------------------
 
     async def run(self) -> None:
-        deadline = time.monotonic()
+        deadline = time.monotonic()  # the modelled end of the last step
         while True:
             if await self._paused():
+                deadline = time.monotonic()
                 continue
             scheduled: list[tuple[SimRequest, int]] = []
             work = StepWork()
@@ -295,12 +299,14 @@ class Engine:
                 self._flush_events()
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                deadline = time.monotonic()  # idle: the next step starts from now
                 continue
             epoch = self._epoch
             now = time.monotonic()
             faults = self.faults
             duration = step_seconds(work, self.timing, faults.slowdown(), faults.prefill_slowdown())
             self.busy_s += duration
+            self.late_s += max(now - deadline, 0.0)
             deadline = max(deadline, now) + duration
             delay = deadline - now
             await asyncio.sleep(delay if delay >= _MIN_SLEEP_S else 0)

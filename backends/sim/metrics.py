@@ -33,6 +33,7 @@ class LiveState:
     cpu_cached: Callable[[], int]
     event_seq: Callable[[], int]
     busy_s: Callable[[], float]
+    late_s: Callable[[], float]
 
 
 class _LiveCollector(Collector):
@@ -68,6 +69,13 @@ class _LiveCollector(Collector):
         )
         busy.add_metric(list(self._labels.values()), s.busy_s())
         yield busy
+        late = CounterMetricFamily(
+            "kvgate_sim_late_seconds",
+            "Wall s the steps began after their modelled start (the simulator short of CPU).",
+            labels=list(self._labels),
+        )
+        late.add_metric(list(self._labels.values()), s.late_s())
+        yield late
 
 
 class ReplicaMetrics:

@@ -77,6 +77,7 @@ class SimReplica:
                 cpu_cached=lambda: self.engine.cache.cpu_cached,
                 event_seq=lambda: self.publisher.next_seq,
                 busy_s=lambda: self.engine.busy_s,
+                late_s=lambda: self.engine.late_s,
             ),
             {
                 "block_size": str(cfg.block_size),
@@ -336,6 +337,7 @@ class SimReplica:
             "waiting": len(engine.waiting),
             "steps": engine.steps,
             "busy_s": engine.busy_s,
+            "late_s": engine.late_s,
             "gpu_blocks": cache.num_blocks,
             "gpu_free_blocks": cache.free_blocks,
             "gpu_cached_blocks": cache.gpu_cached,
