@@ -18,9 +18,10 @@ with ``log_config=None`` (``router.serve.uvicorn_config``) so its loggers reach 
 handler.
 
 A warning a client can make uvicorn repeat at will (``Invalid HTTP request received.``,
-once per malformed request) is let through once per ``REPEAT_WINDOW_S`` per logger and
-message (``RepeatLimit``); the next one let through says how many were held back. Errors,
-and kvgate's own loggers, are never held back.
+once per malformed request, on ``uvicorn.error``) is let through once per
+``REPEAT_WINDOW_S`` per logger and message (``RepeatLimit``); the next one let through says
+how many were held back. Errors, and every other logger (kvgate's own included), are never
+held back.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ _QUEUE_RECORDS = 10_000  # records waiting for the writer thread before new ones
 _DRAIN_S = 0.05  # how often the writer thread writes what is queued
 _CHATTY = ("httpx", "httpcore")  # one line per health probe otherwise
 REPEAT_WINDOW_S = 10.0  # a repeatable warning of a server library: at most one line per window
-_REPEATABLE = ("uvicorn",)  # the loggers whose warnings a client can repeat at will
+_REPEATABLE = ("uvicorn.error",)  # the loggers whose warnings a client can repeat at will
 REPEAT_KEYS = 256  # distinct (logger, message) pairs remembered
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _encode = msgspec.json.Encoder().encode

@@ -371,6 +371,8 @@ def test_repeat_limit_holds_back_repeats_and_counts_them() -> None:
     assert passes("uvicorn.error", "boom", logging.ERROR) is not None
     assert passes("kvgate.gateway", "a warning of kvgate's") is not None  # never held back
     assert passes("kvgate.gateway", "a warning of kvgate's") is not None
+    assert passes("uvicorn.access", "%s - %s") is not None  # nor any other uvicorn logger's
+    assert passes("uvicorn.access", "%s - %s") is not None
     now[0] = 10.0
     record = passes("uvicorn.error", "Invalid HTTP request received.")
     assert record is not None
@@ -385,7 +387,7 @@ def test_repeat_limit_remembers_a_bounded_number_of_messages() -> None:
 
     def passes(message: str) -> bool:
         return limit.filter(
-            logging.LogRecord("uvicorn", logging.WARNING, "", 0, message, None, None)
+            logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, message, None, None)
         )
 
     assert passes("first")
