@@ -174,7 +174,7 @@ def _late_share(
     wall_s: float,
 ) -> float:
     """How far the simulated replicas ran behind their modelled time, as a share of the run
-    (mean over replicas; NaN when the fleet does not export it): a simulator short of CPU
+    (mean over replicas; NaN when the fleet does not export it): a simulator behind its model
     serves slower than the model, and a comparison then measures that as well."""
     late = busy_from_metrics(before, after, LATE_METRIC)
     if not late or not wall_s:

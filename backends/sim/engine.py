@@ -214,7 +214,8 @@ class Engine:
         """Sum of the modelled step times (wall seconds, after speed-up and slowdown)."""
         self.late_s = 0.0
         """Wall seconds the steps began after their modelled start (the previous step's
-        end): time the simulator's own work (its process short of CPU) added to the model."""
+        end): time the simulator's own work added to the model (its event loop busy with the
+        other replicas' steps, streams and events, or its process short of CPU)."""
 
     # --- requests ------------------------------------------------------------------------
 

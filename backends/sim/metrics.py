@@ -71,7 +71,7 @@ class _LiveCollector(Collector):
         yield busy
         late = CounterMetricFamily(
             "kvgate_sim_late_seconds",
-            "Wall s the steps began after their modelled start (the simulator short of CPU).",
+            "Wall s the steps began after their modelled start (the simulator's own work).",
             labels=list(self._labels),
         )
         late.add_metric(list(self._labels.values()), s.late_s())
