@@ -50,6 +50,11 @@ class _LiveCollector(Collector):
         family.add_metric(list(labels.values()), value)
         return family
 
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        family = CounterMetricFamily(name, doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
+        return family
+
     def collect(self) -> Iterator[Metric]:
         s = self._state
         yield self._gauge("vllm:num_requests_running", "Requests in the batch.", s.running())
@@ -62,20 +67,14 @@ class _LiveCollector(Collector):
         yield info
         yield self._gauge("kvgate_sim_cpu_cached_blocks", "Blocks on the CPU tier.", s.cpu_cached())
         yield self._gauge("kvgate_sim_event_seq", "Next KV-event sequence number.", s.event_seq())
-        busy = CounterMetricFamily(
-            "kvgate_sim_busy_seconds",
-            "Modelled engine step time (wall s).",
-            labels=list(self._labels),
+        yield self._counter(
+            "kvgate_sim_busy_seconds", "Modelled engine step time (wall s).", s.busy_s()
         )
-        busy.add_metric(list(self._labels.values()), s.busy_s())
-        yield busy
-        late = CounterMetricFamily(
+        yield self._counter(
             "kvgate_sim_late_seconds",
             "Wall s the steps began after their modelled start (the simulator's own work).",
-            labels=list(self._labels),
+            s.late_s(),
         )
-        late.add_metric(list(self._labels.values()), s.late_s())
-        yield late
 
 
 class ReplicaMetrics:
