@@ -90,19 +90,25 @@ def busy_from_records(records: Sequence[RequestRecord]) -> dict[str, float]:
     return out
 
 
-def busy_from_metrics(
+def counter_growth(
     before: Mapping[str, Mapping[str, float]],
     after: Mapping[str, Mapping[str, float]],
-    metric: str = BUSY_METRIC,
+    metric: str,
 ) -> dict[str, float] | None:
-    """Per replica: growth of the simulator's busy-seconds counter (or another of its
-    counters: ``metric``) over the run (None if not exported)."""
+    """Per replica: growth of the counter ``metric`` over the run (None if not exported)."""
     out: dict[str, float] = {}
     for url, values in after.items():
         if metric not in values:
             return None
         out[url] = values[metric] - before.get(url, {}).get(metric, 0.0)
     return out or None
+
+
+def busy_from_metrics(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict[str, float] | None:
+    """Per replica: growth of the simulator's busy-seconds counter (None if not exported)."""
+    return counter_growth(before, after, BUSY_METRIC)
 
 
 def busy_from_samples(samples: Sequence[MetricsSample]) -> dict[str, float] | None:
@@ -176,7 +182,7 @@ def _late_share(
     """How far the simulated replicas ran behind their modelled time, as a share of the run
     (mean over replicas; NaN when the fleet does not export it): a simulator behind its model
     serves slower than the model, and a comparison then measures that as well."""
-    late = busy_from_metrics(before, after, LATE_METRIC)
+    late = counter_growth(before, after, LATE_METRIC)
     if not late or not wall_s:
         return math.nan
     return sum(late.values()) / len(late) / wall_s

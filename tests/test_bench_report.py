@@ -29,6 +29,7 @@ from bench.report import (
     CpuUse,
     busy_from_metrics,
     busy_from_records,
+    counter_growth,
     imbalance,
     percentile,
     plot_hit_rates,
@@ -65,7 +66,7 @@ def test_busy_time_is_union_of_in_flight_spans() -> None:
     assert busy_from_metrics(before, after) == {"u1": 3.0}
     assert busy_from_metrics({}, {"u1": {}}) is None
     late = {"u1": {"kvgate_sim_late_seconds_total": 2.5}}
-    assert busy_from_metrics({}, late, "kvgate_sim_late_seconds_total") == {"u1": 2.5}
+    assert counter_growth({}, late, "kvgate_sim_late_seconds_total") == {"u1": 2.5}
 
 
 def test_summary_counts_and_rates() -> None:
