@@ -165,6 +165,14 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
         "simulated engines it is judged on (default: not pinned)",
     )
     g.add_argument(
+        "--fleet-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the simulated replicas over N processes, each with its own event loop "
+        "(ports and seeds unchanged), so one replica's work does not delay another's steps",
+    )
+    g.add_argument(
         "--sim-arg",
         action="append",
         default=[],
@@ -230,6 +238,7 @@ def fleet_spec(args: argparse.Namespace) -> FleetSpec:
         topic=args.topic,
         extra_args=tuple(args.sim_arg),
         cpus=tuple(args.fleet_cpu),
+        processes=args.fleet_processes,
     )
 
 

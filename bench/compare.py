@@ -259,7 +259,7 @@ def _scrape_router(url: str) -> dict[str, float]:
 def _cpu_snapshot(router: ManagedProcess, fleet: SimFleet) -> dict[str, float]:
     return {
         "router": router.cpu_seconds(),
-        "fleet": fleet.process.cpu_seconds(),
+        "fleet": fleet.cpu_seconds(),
         "replayer": process_cpu_seconds(os.getpid(), include_reaped_children=False),
     }
 

@@ -9,6 +9,7 @@ descendants, plus what exited children left in cutime/cstime), so no psutil is n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import sys
@@ -188,18 +189,27 @@ class FleetSpec:
     event_encoding: str | None = None
     extra_args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = ()
-    """Pin the fleet's process to these CPUs (``--fleet-cpu``; empty: not pinned)."""
+    """Pin the fleet's processes to these CPUs (``--fleet-cpu``; empty: not pinned)."""
+    processes: int = 1
+    """Split the replicas over this many ``kvgate sim`` processes (``--fleet-processes``),
+    each with an event loop of its own; ports and seeds do not change."""
+
+    def shares(self) -> list[range]:
+        """The replica indices each process runs: contiguous, as even as they divide."""
+        count = max(1, min(self.processes, self.replicas))
+        bounds = [self.replicas * k // count for k in range(count + 1)]
+        return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 @dataclass
 class SimFleet:
-    """``kvgate sim`` with N replicas: HTTP on ``http_port + i``, events PUB on
-    ``events_port + 2 i`` and replay on the port after each."""
+    """``kvgate sim`` with N replicas (in one process or several): HTTP on
+    ``http_port + i``, events PUB on ``events_port + 2 i`` and replay on the port after each."""
 
     spec: FleetSpec
     http_port: int
     events_port: int
-    process: ManagedProcess
+    processes: list[ManagedProcess]
 
     @property
     def urls(self) -> list[str]:
@@ -215,15 +225,25 @@ class SimFleet:
             f"tcp://{LOOPBACK}:{self.events_port + 2 * i + 1}" for i in range(self.spec.replicas)
         ]
 
+    def cpu_seconds(self) -> float:
+        return sum(proc.cpu_seconds() for proc in self.processes)
+
     def stop(self) -> None:
-        self.process.stop()
+        for proc in self.processes:
+            proc.stop()
 
 
-def sim_args(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
-    """``kvgate sim`` arguments for ``spec`` (after the sub-command)."""
+def sim_args(
+    spec: FleetSpec, http_port: int, events_port: int, share: range | None = None
+) -> list[str]:
+    """``kvgate sim`` arguments for ``spec`` (after the sub-command): the whole fleet, or
+    the replicas of ``share`` only."""
+    share = range(spec.replicas) if share is None else share
     args = [
         "--replicas",
-        str(spec.replicas),
+        str(len(share)),
+        "--first-replica",
+        str(share.start),
         "--host",
         LOOPBACK,
         "--port",
@@ -243,8 +263,10 @@ def sim_args(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
     return args + list(spec.extra_args)
 
 
-def sim_argv(spec: FleetSpec, http_port: int, events_port: int) -> list[str]:
-    return kvgate_argv("sim", *sim_args(spec, http_port, events_port))
+def sim_argv(
+    spec: FleetSpec, http_port: int, events_port: int, share: range | None = None
+) -> list[str]:
+    return kvgate_argv("sim", *sim_args(spec, http_port, events_port, share))
 
 
 def sim_config(spec: FleetSpec) -> SimConfig:
@@ -284,12 +306,15 @@ def start_fleet(spec: FleetSpec, log_dir: Path, timeout_s: float = 60.0) -> SimF
     """Start the simulated fleet on free loopback ports and wait until every replica is up."""
     http_port = bench_port_range(spec.replicas, start=21000)
     events_port = bench_port_range(2 * spec.replicas, start=25000)
-    argv = pinned(sim_argv(spec, http_port, events_port), spec.cpus)
-    proc = ManagedProcess("sim", argv, log_dir / "sim.log").start()
-    fleet = SimFleet(spec, http_port, events_port, proc)
+    fleet = SimFleet(spec, http_port, events_port, [])
     try:
-        for url in fleet.urls:
-            wait_own_http(f"{url}/health", timeout_s, proc)
+        for share in spec.shares():
+            name = "sim" if len(share) == spec.replicas else f"sim-{share.start}"
+            argv = pinned(sim_argv(spec, http_port, events_port, share), spec.cpus)
+            proc = ManagedProcess(name, argv, log_dir / f"{name}.log").start()
+            fleet.processes.append(proc)
+            for i in share:
+                wait_own_http(f"{fleet.urls[i]}/health", timeout_s, proc)
     except (TimeoutError, RuntimeError):
         fleet.stop()
         raise

@@ -10,10 +10,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.args import compare_parser, fleet_spec
 from bench.fleet import (
+    FleetSpec,
     ManagedProcess,
     cpus_apart,
     pinned,
@@ -226,7 +228,7 @@ def test_the_fleet_gets_its_cpu_and_the_benchmark_the_others(tmp_path: Path) -> 
     assert spec.cpus == (fleet_cpu,)
     fleet = start_fleet(spec, tmp_path)
     try:
-        assert os.sched_getaffinity(fleet.process.pid) == {fleet_cpu}
+        assert [os.sched_getaffinity(p.pid) for p in fleet.processes] == [{fleet_cpu}]
         with cpus_apart(spec.cpus):
             assert os.sched_getaffinity(0) == cpus - {fleet_cpu}
             sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
@@ -244,3 +246,26 @@ def test_an_unpinned_fleet_runs_as_is() -> None:
     argv = [sys.executable, "-m", "router.cli", "sim"]
     assert pinned(argv, ()) == argv
     assert fleet_spec(compare_parser().parse_args(["--trace", "t.jsonl"])).cpus == ()
+
+
+def test_fleet_shares_split_replicas_contiguously() -> None:
+    assert FleetSpec(replicas=4).shares() == [range(4)]
+    assert FleetSpec(replicas=4, processes=4).shares() == [range(i, i + 1) for i in range(4)]
+    assert FleetSpec(replicas=4, processes=3).shares() == [range(0, 1), range(1, 2), range(2, 4)]
+    assert FleetSpec(replicas=2, processes=8).shares() == [range(0, 1), range(1, 2)]
+
+
+def test_a_fleet_split_over_processes_serves_each_replica_on_its_port(tmp_path: Path) -> None:
+    """``--fleet-processes 2``: two ``kvgate sim`` processes; replica i answers on the
+    fleet's port i as replica i, and stopping the fleet stops both."""
+    args = compare_parser().parse_args(["--trace", "t.jsonl", "--fleet-processes", "2"])
+    spec = replace(fleet_spec(args), replicas=2, speedup=100.0)
+    fleet = start_fleet(spec, tmp_path)
+    try:
+        assert len(fleet.processes) == 2
+        states = [httpx.get(f"{url}/sim/state", timeout=10).json() for url in fleet.urls]
+        assert [s["replica"] for s in states] == [0, 1]
+        assert fleet.cpu_seconds() > 0
+    finally:
+        fleet.stop()
+    assert all(p.exit_code() is not None for p in fleet.processes)

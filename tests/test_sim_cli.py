@@ -60,7 +60,8 @@ def test_lora_stream_open_responses_and_prefill_flags() -> None:
     "argv",
     [["--replicas", "0"], ["--speedup", "0"], ["--fail-rate", "2"], ["--port", "70000"],
      ["--lora", "a", "a"], ["--lora", "kvgate-sim"], ["--lora", "=p"], ["--prefill-slowdown", "0"],
-     ["--responses-store", "-1"]],
+     ["--responses-store", "-1"], ["--first-replica", "-1"],
+     ["--port", "65535", "--replicas", "1", "--first-replica", "1"]],
 )  # fmt: skip
 def test_invalid_settings_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2

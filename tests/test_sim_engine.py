@@ -50,10 +50,12 @@ def recorder() -> Recorder:
 
 
 @contextlib.asynccontextmanager
-async def _engine(config: EngineConfig, recorder: Recorder) -> AsyncIterator[Engine]:
+async def _engine(
+    config: EngineConfig, recorder: Recorder, timing: TimingConfig | None = None
+) -> AsyncIterator[Engine]:
     engine = Engine(
         config,
-        timing=TimingConfig(speedup=1000.0),
+        timing=TimingConfig(speedup=1000.0) if timing is None else timing,
         faults=FaultState(random.Random(0), time.monotonic),
         rng=random.Random(0),
         hash_seed=1,
@@ -225,9 +227,10 @@ def _hold_the_loop(seconds: float) -> None:
 
 async def test_steps_that_begin_late_are_counted_and_idle_time_is_not(recorder: Recorder) -> None:
     """``late_s``: a step that begins after its modelled start (the event loop held by a
-    blocking call, as in a simulator short of CPU) adds its delay; time with nothing to do
-    (the loop held while the engine is idle) does not."""
+    blocking call, as in a simulator short of CPU) adds its delay past ``catch_up_ms``;
+    time with nothing to do (the loop held while the engine is idle) does not."""
     hold_s = 0.3
+    catch_up_s = TimingConfig().catch_up_ms / 1000
     config = EngineConfig(block_size=4, capacity_blocks=64)
     async with _engine(config, recorder) as engine:
 
@@ -244,4 +247,22 @@ async def test_steps_that_begin_late_are_counted_and_idle_time_is_not(recorder: 
         assert len(await req.stream.next()) == 1  # decoding: the next step is due at once
         _hold_the_loop(hold_s)  # mid-request: the next step begins that much late
         await _finish(req)
-        assert engine.late_s - before >= hold_s * 0.9
+        assert engine.late_s - before >= (hold_s - catch_up_s) * 0.9
+
+
+async def test_a_delay_within_catch_up_is_made_up_by_the_steps_after(recorder: Recorder) -> None:
+    """The loop held mid-request for less than ``catch_up_ms``: nothing is counted late and
+    the request still finishes at its modelled time (8 steps of 50 ms), not that much later."""
+    step_s, hold_s = 0.05, 0.3
+    timing = TimingConfig(step_floor_ms=step_s * 1000, token_us=0, decode_kv_ns=0,
+                          prefill_attn_ns=0, catch_up_ms=1000)  # fmt: skip
+    async with _engine(EngineConfig(block_size=4, capacity_blocks=64), recorder, timing) as engine:
+        start = time.monotonic()
+        req = engine.submit(list(range(10, 20)), 8, None, start)
+        assert len(await req.stream.next()) == 1  # after the prefill step
+        _hold_the_loop(hold_s)
+        await _finish(req)
+        elapsed = time.monotonic() - start
+        assert engine.late_s == 0.0
+        assert engine.steps == 8
+        assert elapsed < 8 * step_s + hold_s / 2  # without catching up: 8 steps + the hold

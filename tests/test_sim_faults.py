@@ -22,6 +22,7 @@ from test_sim_support import (
 )
 
 from backends.sim.config import StartupFaults
+from backends.sim.faults import FaultError
 from backends.sim.fleet import SimFleet
 from index.events import AllBlocksCleared, decode_event_batch
 
@@ -335,3 +336,24 @@ async def test_slow_prefill_stretches_prefill_steps_only(fleet: SimFleet) -> Non
         slow_decode = await busy([4] * 5, 30)
     assert slow_prefill == pytest.approx(4 * prefill)
     assert slow_decode == pytest.approx(decode)
+
+
+async def test_a_replica_split_off_is_the_same_replica(fleet: SimFleet) -> None:
+    """``first_replica``: replica 1 run in a fleet of its own answers, hashes and seeds as
+    replica 1 of the whole fleet does; the other index is not there to be faulted."""
+    body = {"prompt": [7, 8, 9, 10, 11, 12, 13, 14, 15], "max_tokens": 4}
+    alone = replace(sim_config(block_size=4), first_replica=1)
+    async with sim_fleet(alone) as split, httpx.AsyncClient() as c:
+        assert split.replica(1).index == 1
+        with pytest.raises(FaultError, match="no replica 0 in this process"):
+            split.replica(0)
+        answers = []
+        for f in (fleet, split):
+            reply = await c.post(f"{f.replica(1).url}/v1/completions", json=body)
+            assert reply.status_code == 200
+            answers.append(reply.json()["choices"][0]["text"])
+            await wait_for(f.replica(1).idle)
+        assert answers[0] == answers[1]
+        assert fleet.replica(1).snapshot() == split.replica(1).snapshot()
+        state = (await c.get(f"{split.replicas[0].url}/sim/state")).json()
+        assert state["replica"] == 1

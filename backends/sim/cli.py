@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fleet = p.add_argument_group("fleet")
     fleet.add_argument("--replicas", type=int, default=4, help="replicas in this process")
+    fleet.add_argument(
+        "--first-replica", type=int, default=0, metavar="I",
+        help="index of this process's first replica, for a fleet split over processes "
+        "(its ports and seeds are those of replica I of one whole fleet)",
+    )  # fmt: skip
     fleet.add_argument("--host", default="127.0.0.1", help="bind address of every socket")
     fleet.add_argument("--port", type=int, default=9001, help="HTTP port of replica 0 (+i)")
     fleet.add_argument(
@@ -97,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tim = p.add_argument_group("timing (per step: max(floor, tokens x token-us) + attention)")
     tim.add_argument("--speedup", type=float, default=t.speedup, help="divides every time")
+    tim.add_argument("--catch-up-ms", type=float, default=t.catch_up_ms,
+                     help="wall ms a replica may fall behind its model and make up")  # fmt: skip
     tim.add_argument("--step-floor-ms", type=float, default=t.step_floor_ms,
                      help="minimum step time (weights read once per step)")  # fmt: skip
     tim.add_argument("--token-us", type=float, default=t.token_us,
@@ -134,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         replicas=args.replicas,
+        first_replica=args.first_replica,
         host=args.host,
         port=args.port,
         events_port=args.events_port,
@@ -157,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             decode_kv_ns=args.decode_kv_ns,
             cpu_load_us_per_token=args.cpu_load_us_per_token,
             speedup=args.speedup,
+            catch_up_ms=args.catch_up_ms,
         ),
         events=EventsConfig(
             encoding=args.event_encoding,
@@ -194,7 +203,7 @@ def describe(fleet: SimFleet) -> str:
         f"LoRA adapters: {loras}; streams open {cfg.api.stream_open}",
         "port scheme: HTTP port+i, KV events PUB events-port+2i, replay ROUTER events-port+2i+1",
     ]
-    for i, (url, events, replay) in enumerate(fleet.replicas):
+    for i, (url, events, replay) in zip(cfg.indices, fleet.replicas, strict=True):
         lines.append(f"  replica {i}: {url}  events {events}  replay {replay}")
     lines += [
         f"tokenizer: {fleet.tokenizer.directory}",

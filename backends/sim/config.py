@@ -37,6 +37,10 @@ class TimingConfig:
     decode_kv_ns: float = 49.0
     cpu_load_us_per_token: float = 5.2
     speedup: float = 1.0
+    catch_up_ms: float = 50.0
+    """Wall milliseconds a replica may run behind its model (its steps begun late: the
+    simulator's own work per step, timer slack, a busy loop) and make up by shortening the
+    steps after; time behind past it is lost, counted by ``kvgate_sim_late_seconds_total``."""
 
     def validate(self) -> None:
         for name in ("step_floor_ms", "token_us", "prefill_attn_ns", "decode_kv_ns"):
@@ -46,6 +50,8 @@ class TimingConfig:
             raise ConfigError("cpu_load_us_per_token must be >= 0")
         if not self.speedup > 0:
             raise ConfigError("speedup must be > 0")
+        if self.catch_up_ms < 0:
+            raise ConfigError("catch_up_ms must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,14 +183,17 @@ class StartupFaults:
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """A fleet of ``replicas`` replicas in one process.
+    """A fleet of ``replicas`` replicas in one process: replicas ``first_replica`` to
+    ``first_replica + replicas - 1`` of a fleet that may be split over several processes.
 
     Ports: replica i serves HTTP on ``port + i`` and publishes KV events on
     ``events_port + 2 i`` with its replay socket on ``events_port + 2 i + 1``. Port 0 means
-    ephemeral ports for every replica (tests).
+    ephemeral ports for every replica (tests). A replica's seeds (outputs, hashes, faults)
+    depend on its index, not on the process it runs in.
     """
 
     replicas: int = 4
+    first_replica: int = 0
     host: str = "127.0.0.1"
     port: int = 9001
     events_port: int = 5557
@@ -198,19 +207,27 @@ class SimConfig:
     def validate(self) -> None:
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
+        if self.first_replica < 0:
+            raise ConfigError("first_replica must be >= 0")
+        last = self.first_replica + self.replicas - 1
         for name in ("port", "events_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{name} must be within 0..65535")
-        if self.port and self.port + self.replicas - 1 > 65535:
-            raise ConfigError("port + replicas exceeds 65535")
-        if self.events_port and self.events_port + 2 * self.replicas - 1 > 65535:
-            raise ConfigError("events_port + 2 * replicas exceeds 65535")
+        if self.port and self.port + last > 65535:
+            raise ConfigError("port + last replica's index exceeds 65535")
+        if self.events_port and self.events_port + 2 * last + 1 > 65535:
+            raise ConfigError("events_port + 2 * last replica's index + 1 exceeds 65535")
         self.engine.validate()
         self.timing.validate()
         self.events.validate()
         self.faults.validate()
         self.api.validate()
+
+    @property
+    def indices(self) -> range:
+        """The indices of this process's replicas."""
+        return range(self.first_replica, self.first_replica + self.replicas)
 
     def http_port(self, index: int) -> int:
         return self.port + index if self.port else 0

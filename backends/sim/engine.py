@@ -213,9 +213,11 @@ class Engine:
         self.busy_s = 0.0
         """Sum of the modelled step times (wall seconds, after speed-up and slowdown)."""
         self.late_s = 0.0
-        """Wall seconds the steps began after their modelled start (the previous step's
-        end): time the simulator's own work added to the model (its event loop busy with the
-        other replicas' steps, streams and events, or its process short of CPU)."""
+        """Wall seconds lost to the model: steps that began more than ``catch_up_ms`` after
+        their modelled start (the previous step's end) by the simulator's own work (its
+        steps' bookkeeping, streams and events, timer slack, other replicas in its loop, a
+        process short of CPU) lengthen the run; delays up to it are made up."""
+        self._catch_up_s = timing.catch_up_ms / 1000.0
 
     # --- requests ------------------------------------------------------------------------
 
@@ -307,8 +309,7 @@ class Engine:
             faults = self.faults
             duration = step_seconds(work, self.timing, faults.slowdown(), faults.prefill_slowdown())
             self.busy_s += duration
-            self.late_s += max(now - deadline, 0.0)
-            deadline = max(deadline, now) + duration
+            deadline = self._caught_up(deadline, now) + duration
             delay = deadline - now
             await asyncio.sleep(delay if delay >= _MIN_SLEEP_S else 0)
             if epoch != self._epoch:
@@ -316,6 +317,16 @@ class Engine:
             self.steps += 1
             self._complete(scheduled, time.monotonic())
             self._flush_events()
+
+    def _caught_up(self, deadline: float, now: float) -> float:
+        """When this step starts in the model: the end of the step before, while that is at
+        most ``catch_up_ms`` behind ``now`` (the step then sleeps less, making the delay
+        up), else ``catch_up_ms`` before ``now``: the rest is lost, counted in ``late_s``."""
+        lost = now - self._catch_up_s - deadline
+        if lost <= 0:
+            return deadline
+        self.late_s += lost
+        return deadline + lost
 
     async def _paused(self) -> bool:
         """Wait while a ``pause`` fault holds (until it is cleared or ends); True if it did."""

@@ -54,9 +54,13 @@ class SimFleet:
         ]
 
     def replica(self, index: int) -> SimReplica:
-        if not 0 <= index < len(self._replicas):
-            raise FaultError(f"no replica {index} (fleet of {len(self._replicas)})")
-        return self._replicas[index]
+        """Replica ``index`` (its fleet index: ``config.first_replica`` is the first here)."""
+        position = index - self.config.first_replica
+        if not 0 <= position < len(self._replicas):
+            held = self.config.indices
+            runs = f"it runs {held.start}..{held.stop - 1}"
+            raise FaultError(f"no replica {index} in this process ({runs})")
+        return self._replicas[position]
 
     async def start(self) -> None:
         if self._ctx is not None:
@@ -65,7 +69,7 @@ class SimFleet:
             self._tokenizer = await asyncio.to_thread(SimTokenizer.default)
         self._ctx = zmq.asyncio.Context()
         try:
-            for i in range(self.config.replicas):
+            for i in self.config.indices:
                 replica = SimReplica(i, self.config, self._tokenizer, self.replica)
                 await replica.start(self._ctx)
                 self._replicas.append(replica)
