@@ -73,6 +73,9 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
     "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging
+    # busy with 2x / 4x the default prompt tokens sent and not yet prefilled (queues later)
+    "kv_busy32k": ("kv", ("--queue-busy-pending-prefill-tokens", "32768")),
+    "kv_busy64k": ("kv", ("--queue-busy-pending-prefill-tokens", "65536")),
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -179,9 +179,10 @@ def _late_share(
     after: Mapping[str, Mapping[str, float]],
     wall_s: float,
 ) -> float:
-    """How far the simulated replicas ran behind their modelled time, as a share of the run
-    (mean over replicas; NaN when the fleet does not export it): a simulator behind its model
-    serves slower than the model, and a comparison then measures that as well."""
+    """The time the simulated replicas lost to their model (behind it past what they make
+    up), as a share of the run (mean over replicas; NaN when the fleet does not export it):
+    a simulator behind its model serves slower than the model, and a comparison then
+    measures that as well."""
     late = counter_growth(before, after, LATE_METRIC)
     if not late or not wall_s:
         return math.nan
