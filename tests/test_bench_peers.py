@@ -12,7 +12,7 @@ from bench.peers import PEERS, peer_argv
 
 def _fleet(tmp_path: Path) -> SimFleet:
     process = ManagedProcess("sim", ["true"], tmp_path / "sim.log")  # never started
-    return SimFleet(FleetSpec(replicas=2), http_port=18000, events_port=18100, process=process)
+    return SimFleet(FleetSpec(replicas=2), http_port=18000, events_port=18100, processes=[process])
 
 
 @pytest.mark.parametrize("name", sorted(PEERS))
