@@ -72,7 +72,7 @@ class _LiveCollector(Collector):
         )
         yield self._counter(
             "kvgate_sim_late_seconds",
-            "Wall s the steps began after their modelled start (the simulator's own work).",
+            "Wall s lost to the model: steps begun later than the catch-up allows.",
             s.late_s(),
         )
 
