@@ -341,7 +341,6 @@ class EndlessReplay:
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.interval_s = interval_s
-        self.sent = 0
         self._task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -351,7 +350,6 @@ class EndlessReplay:
         while True:  # bounded by the test: closed when it ends
             await self.router.send_multipart([identity, b"", b"", seq.to_bytes(8, "big"), body])
             seq += 1
-            self.sent += 1
             await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:
@@ -363,10 +361,13 @@ class EndlessReplay:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("interval_s", "limit"), [(0.0, "replay_batches"), (0.05, "replay_seconds")]
+    ("interval_s", "limit", "max_batches", "max_s"),
+    # Each case leaves the other bound far off, so that a slow run (sanitizers, a busy
+    # box) still meets the bound under test first.
+    [(0.0, "replay_batches", 500, 20.0), (0.05, "replay_seconds", 5_000, 1.0)],
 )
 async def test_a_replay_that_never_ends_is_bounded(
-    zmq_context: zmq.asyncio.Context, interval_s: float, limit: str
+    zmq_context: zmq.asyncio.Context, interval_s: float, limit: str, max_batches: int, max_s: float
 ) -> None:
     """Flooded or dripped, a replay stops at its bounds (batches, bytes, seconds): live
     events flow again and the worker's entries are cleared, counted."""
@@ -374,7 +375,7 @@ async def test_a_replay_that_never_ends_is_bounded(
     pub = KvPublisher(zmq_context)
     replay = EndlessReplay(zmq_context, interval_s)
     try:
-        bounds = {"replay_max_batches": 500, "replay_max_s": 1.0}
+        bounds = {"replay_max_batches": max_batches, "replay_max_s": max_s}
         async with service_with(registry, **bounds) as service:
             await connect(service, pub.events_endpoint, replay.endpoint)
             async with asyncio.timeout(5):
@@ -382,9 +383,11 @@ async def test_a_replay_that_never_ends_is_bounded(
             await wait_until(
                 lambda: (
                     metric(registry, "kvgate_index_limits_total", worker=WORKER, limit=limit) == 1
-                )
+                ),
+                timeout_s=max_s + 10.0,
             )
-            assert replay.sent < 10_000
+            other = "replay_seconds" if limit == "replay_batches" else "replay_batches"
+            assert metric(registry, "kvgate_index_limits_total", worker=WORKER, limit=other) == 0
             seq = await pub.send_raw(batch(event_stored(0, 3)))
             await service.wait_applied(WORKER, seq, timeout_s=5)
             assert matched(service) == PrefixMatch(gpu=3)
