@@ -31,6 +31,14 @@ def int_range(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def positive_int(text: str) -> int:
+    """An int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def trace_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace")
     g.add_argument(
@@ -166,7 +174,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--fleet-processes",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="split the simulated replicas over N processes, each with its own event loop "

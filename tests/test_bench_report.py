@@ -255,6 +255,13 @@ def test_fleet_shares_split_replicas_contiguously() -> None:
     assert FleetSpec(replicas=2, processes=8).shares() == [range(0, 1), range(1, 2)]
 
 
+@pytest.mark.parametrize("count", ["0", "-2", "x"])
+def test_a_fleet_of_no_processes_is_refused(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        compare_parser().parse_args(["--trace", "t.jsonl", "--fleet-processes", count])
+    assert "--fleet-processes" in capsys.readouterr().err
+
+
 def test_a_fleet_split_over_processes_serves_each_replica_on_its_port(tmp_path: Path) -> None:
     """``--fleet-processes 2``: two ``kvgate sim`` processes; replica i answers on the
     fleet's port i as replica i, and stopping the fleet stops both."""
