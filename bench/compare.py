@@ -73,9 +73,12 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
     "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging
-    # busy with 2x / 4x the default prompt tokens sent and not yet prefilled (queues later)
+    # busy with 16k / 32k / 64k (the default since 2026-12-05) prompt tokens sent and not
+    # yet prefilled: 16k was the default before, the lower the earlier the queue engages
+    "kv_busy16k": ("kv", ("--queue-busy-pending-prefill-tokens", "16384")),
     "kv_busy32k": ("kv", ("--queue-busy-pending-prefill-tokens", "32768")),
     "kv_busy64k": ("kv", ("--queue-busy-pending-prefill-tokens", "65536")),
+    "kv_qp05": ("kv", ("--scoring-queued-prefill-weight", "0.5")),  # queued prefill at half
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -131,8 +131,8 @@ class QueueConfig(BaseModel):
     A request waits in kvgate when every eligible worker is busy (at or over one of the
     ``busy_*`` limits) or its API key or model is at its concurrency limit; it is sent when
     a worker frees up, to the best worker not busy then. While any worker is free the
-    policy's choice stands. A worker is busy by default with two full steps of vLLM's
-    default prefill budget (2 x 8192 tokens) sent and not yet prefilled, or as many waiting
+    policy's choice stands. A worker is busy by default with eight full steps of vLLM's
+    default prefill budget (8 x 8192 tokens) sent and not yet prefilled, or as many waiting
     requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32).
     """
 
@@ -147,7 +147,7 @@ class QueueConfig(BaseModel):
         "own shorter timeout (X-Request-Timeout or X-Stainless-Timeout, seconds) wins",
     )
     busy_pending_prefill_tokens: int | None = Field(
-        default=16384,
+        default=65536,
         ge=1,
         description="a worker is busy with this many predicted prompt tokens sent and not "
         "yet prefilled (none: no limit)",

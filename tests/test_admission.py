@@ -365,7 +365,7 @@ def test_queue_settings_have_flags_and_variables(monkeypatch: pytest.MonkeyPatch
     assert settings.queue.max_length == 7
     monkeypatch.setenv("KVGATE_QUEUE__MAX_WAIT_S", "2.5")
     assert load_settings().queue.max_wait_s == 2.5
-    assert load_settings().queue.busy_pending_prefill_tokens == 16384
+    assert load_settings().queue.busy_pending_prefill_tokens == 65536
 
 
 async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_elsewhere() -> None:
