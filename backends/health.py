@@ -235,12 +235,15 @@ class HealthChecker:
         if path is None:
             return
         mark = worker.released_blocks  # requests that end from now on: not in this scrape
+        asked = self._registry.now()
         try:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
             worker.scraped = worker.adapter.parse_load(response.text)
             worker.scrape_mark = mark
+            if worker.scraped.waiting == 0:
+                worker.unblock(asked)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)

@@ -51,7 +51,7 @@ from scoring.calibration import (
     attention_pairs,
 )
 from scoring.config import KvPolicyConfig
-from scoring.cost_parts import ttft_features
+from scoring.cost_parts import kv_overcommit, ttft_features
 
 REUSE_REQUESTS = 32.0
 """Requests a worker's reuse (its recent cache hit share) averages over."""
@@ -77,6 +77,8 @@ class Worker:
     pending_prefill_tokens: int = 0
     pending_prefill_pairs: float = 0.0  # attention pairs of that pending prefill
     pending_requests: int = 0  # sent and not started (no first token yet)
+    # of those, the ones sent lacking KV room (LoadTicket.blocking), oldest first: when sent
+    blocked: dict[LoadTicket, float] = field(default_factory=dict)
     active_decode_blocks: int = 0  # in-flight prompts' blocks, shared prefixes counted once
     # block keys of the in-flight requests (for the prefixes they share), by ticket
     flights: dict[LoadTicket, Sequence[BlockKey]] = field(default_factory=dict)
@@ -123,11 +125,34 @@ class Worker:
         parent = self.model_cards.get(model, {}).get("parent")
         return parent if isinstance(parent, str) and parent else None
 
+    @property
+    def blocked_requests(self) -> int:
+        """Requests sent here lacking KV room and not started yet."""
+        return len(self.blocked)
+
+    def unblock(self, sent_before: float) -> None:
+        """The engine reported no request waiting in a scrape asked for at ``sent_before``:
+        the blocked requests sent before then have started (a request read whole at its end,
+        not streamed, shows no first token until then)."""
+        while self.blocked:
+            ticket, sent = next(iter(self.blocked.items()))
+            if sent > sent_before:
+                return
+            del self.blocked[ticket]
+
+    def blocked_s(self, now: float | None) -> float:
+        """How long the oldest of ``blocked_requests`` has waited at ``now`` (0: none, or no
+        ``now``), to the hundredth of a second."""
+        if not self.blocked or now is None:
+            return 0.0
+        return round(max(now - next(iter(self.blocked.values())), 0.0), 2)
+
     def load(self, now: float | None = None) -> WorkerLoad:
-        """The worker's load (an immutable snapshot); its busy share at ``now`` (to the
-        hundredth, so that snapshots are reused while nothing else changes)."""
+        """The worker's load (an immutable snapshot); its busy share and blocked time at
+        ``now`` (to the hundredth, so that snapshots are reused while nothing else changes)."""
         busy = self.prefill_busy
         share = 0.0 if busy is None or now is None else round(busy.at(now), 2)
+        blocked_s = self.blocked_s(now)
         usage = self.kv_usage_now()
         last = self._load
         if (
@@ -141,6 +166,8 @@ class Worker:
             and last.footprint == self.footprint
             and last.reuse == self.reuse
             and last.prefill_busy_share == share
+            and last.blocked_requests == self.blocked_requests
+            and last.blocked_s == blocked_s
         ):
             return last
         scraped = self.scraped
@@ -157,6 +184,8 @@ class Worker:
             footprint=self.footprint,
             prefill_busy_share=share,
             reuse=self.reuse,
+            blocked_requests=self.blocked_requests,
+            blocked_s=blocked_s,
         )
         return self._load
 
@@ -296,6 +325,7 @@ class LoadTicket:
         predicted_s: float,
         keys: Sequence[BlockKey] = (),
         reserved: bool = False,
+        blocking: bool = False,
     ) -> None:
         self.worker = worker
         self._registry = registry
@@ -318,6 +348,9 @@ class LoadTicket:
         worker.pending_prefill_pairs += features.own_pairs
         worker.active_decode_blocks += self._blocks
         worker.pending_requests += 1
+        # sent lacking KV room: until it starts, the engine starts nothing sent after it
+        if blocking:
+            worker.blocked[self] = self._sent_at
         if worker.pending_requests == 1 and worker.prefill_busy is not None:
             worker.prefill_busy.set(self._sent_at, busy=True)
 
@@ -328,6 +361,11 @@ class LoadTicket:
     @property
     def predicted_ttft_s(self) -> float:
         return self._predicted_s
+
+    @property
+    def blocking(self) -> bool:
+        """Sent lacking KV room (kvgate's prediction then), and not known to have started."""
+        return self in self.worker.blocked
 
     def first_token(self, *, measured: bool = True) -> None:
         """The first token came back: the prompt is no longer pending prefill.
@@ -341,6 +379,7 @@ class LoadTicket:
         worker = self.worker
         worker.pending_prefill_tokens -= self._prompt_tokens
         worker.pending_requests -= 1
+        worker.blocked.pop(self, None)
         worker.pending_prefill_pairs = (
             max(worker.pending_prefill_pairs - self._pairs, 0.0) if worker.pending_requests else 0.0
         )
@@ -654,6 +693,10 @@ class WorkerRegistry:
         load = worker.load(self._clock())
         features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
         predicted = self.calibrator.params(worker.id).predict(features).total_s
+        if self._scoring.kv_fit_cached:
+            resident = max(blocks - worker.shared_blocks(keys), 0)
+        else:
+            resident = -(-max(prefill_tokens, 0) // max(block_size, 1))
         return LoadTicket(
             self,
             worker,
@@ -663,6 +706,7 @@ class WorkerRegistry:
             predicted_s=predicted,
             keys=keys,
             reserved=reserved,
+            blocking=kv_overcommit(load, resident, self._scoring) > 0.0,
         )
 
     def observe_ttft(

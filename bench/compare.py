@@ -66,6 +66,9 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
     "kv_nofleet": ("kv", ("--scoring-fleet-prefill-weight", "0")),  # no fleet term
     "kv_nofitguard": ("kv", ("--no-scoring-kv-fit-guard",)),  # the KV fit guard off
+    # a worker's blocked time (its oldest request sent lacking KV room, unstarted) priced as
+    # as much more wait ahead (off by default: measured and not adopted)
+    "kv_blockedwait": ("kv", ("--scoring-blocked-wait-weight", "1")),
     "kv_kvheld": ("kv", ("--queue-busy-kv-held", "1")),  # busy: in-flight blocks fill the KV
     "kv_nofitcached": ("kv", ("--no-scoring-kv-fit-cached",)),  # the fit: new blocks only
     "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),  # busy: the request's blocks do not fit

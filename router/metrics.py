@@ -265,6 +265,7 @@ class WorkerStateCollector(Collector):
             gauges["in_flight"].add_metric(labels, w.in_flight)
             gauges["prefill"].add_metric(labels, w.pending_prefill_tokens)
             gauges["decode"].add_metric(labels, w.active_decode_blocks)
+            gauges["blocked"].add_metric(labels, w.blocked_requests)
             if w.scraped.waiting is not None:
                 gauges["waiting"].add_metric(labels, w.scraped.waiting)
             if w.scraped.kv_usage is not None:
@@ -286,6 +287,12 @@ _WORKER_GAUGES = (
         "Predicted prompt tokens waiting for their first token",
     ),
     ("decode", "kvgate_worker_active_decode_blocks", "Predicted KV blocks of requests in flight"),
+    (
+        "blocked",
+        "kvgate_worker_blocked_requests",
+        "Requests sent lacking KV room (predicted) and not started: the engine starts nothing "
+        "sent after them first",
+    ),
     (
         "waiting",
         "kvgate_worker_scraped_waiting",

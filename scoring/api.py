@@ -48,6 +48,12 @@ class WorkerLoad:
     # share of the prompt tokens of recent requests sent here that were cached there
     # (kvgate's prediction; exponentially weighted over about 32 requests)
     reuse: float = 0.0
+    # requests sent here lacking KV room (kvgate's prediction when it sent them) and not
+    # started yet: an engine admits its queue in order, so nothing sent after them starts
+    # before they do, however small (docs/scoring.md, "KV fit")
+    blocked_requests: int = 0
+    # seconds the oldest of them has waited so far (0 with none)
+    blocked_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -269,6 +269,19 @@ class KvPolicyConfig(BaseModel):
             "there only as failover (docs/scoring.md, KV fit)."
         ),
     )
+    blocked_wait_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        description=(
+            "Price the time the oldest request kvgate sent to a worker lacking KV room has "
+            "waited there unstarted (blocked_s) as that much more wait ahead of a new request: "
+            "an engine admits in order, and a wait for a running request to end that has lasted "
+            "long is expected to last about as long again. Block cost: blocked_s x the worker's "
+            "learned prefill rate / block size, x this weight; seconds cost: blocked_s x this "
+            "weight. 0 (the default): off; 1 was measured and not adopted (docs/scoring.md, "
+            "KV fit)."
+        ),
+    )
     waiting_request_prefill_tokens: int = Field(
         default=512,
         ge=0,

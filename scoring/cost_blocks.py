@@ -5,6 +5,7 @@ unless named ``*_tokens``::
     cost = overlap_credit * prefill_blocks * (1 + footprint_weight * clip(ratio - 1)
                                               + fleet_prefill_weight * fleet_factor)
          + queued_prefill_weight * queued_prefill_blocks + decode_weight * decode_blocks
+         + blocked_wait_weight * blocked_s * prefill_tokens_per_s / block_size
 
 The worker's predicted TTFT (its learned model, ``scoring.calibration``) is computed for the
 terms only: shown in ``/debug/route``, it does not decide.
@@ -43,6 +44,7 @@ class BlockCost(CostRecord):
     queued_prefill: BlendedLoad
     decode: BlendedLoad
     load_blocks: float
+    blocked_wait_blocks: float  # the blocked time, as prefill queued ahead (in load_blocks)
     footprint_ratio: float  # the worker's recent footprint / the candidates' mean
     footprint_cost: float
     fleet_factor: float  # requests expected to wait behind this one's prefill
@@ -57,6 +59,7 @@ class BlockCost(CostRecord):
             "predicted_decode_blocks": self.decode.predicted,
             "decode_blocks": self.decode.blended,
             "load_blocks": self.load_blocks,
+            "blocked_wait_blocks": self.blocked_wait_blocks,
             "footprint_ratio": self.footprint_ratio,
             "footprint_cost": self.footprint_cost,
             "fleet_factor": self.fleet_factor,
@@ -99,6 +102,18 @@ def _cost(prefill: float, load_blocks: float, config: KvPolicyConfig) -> float:
 
 def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
     return config.queued_prefill_weight * queued + config.decode_weight * decode
+
+
+def blocked_wait_blocks(candidate: Candidate, block_size: int, config: KvPolicyConfig) -> float:
+    """``blocked_wait_weight * blocked_s * prefill_tokens_per_s / block_size``: the time the
+    oldest request sent to the worker lacking KV room has waited there unstarted, priced as
+    prefill queued ahead for as long again (the engine admits in order; a wait for a running
+    request to end that has lasted long is expected to last about as long again)."""
+    blocked_s = candidate.load.blocked_s
+    if blocked_s <= 0.0 or config.blocked_wait_weight <= 0.0:
+        return 0.0
+    rate = candidate.ttft.prefill_tokens_per_s
+    return config.blocked_wait_weight * blocked_s * rate / max(block_size, 1)
 
 
 FOOTPRINT_EXCESS_MAX = 1.0
@@ -145,7 +160,8 @@ def worker_cost(
     prefill = size.blocks - credited
     overlap = overlap_tokens(match.blocks, size)
     decode = decode_load(load, config)
-    load_blocks = _load_blocks(queued.blended, decode.blended, config)
+    waited = blocked_wait_blocks(candidate, size.block_size, config)
+    load_blocks = _load_blocks(queued.blended, decode.blended, config) + waited
     features = ttft_features(
         load,
         prefill_tokens_after(size, credited),
@@ -168,12 +184,15 @@ def worker_cost(
         queued_prefill=queued,
         decode=decode,
         load_blocks=load_blocks,
+        blocked_wait_blocks=waited,
         footprint_ratio=footprint_ratio,
         footprint_cost=(footprint := footprint_cost(prefill, footprint_ratio, config)),
         fleet_factor=fleet,
         fleet_cost=(spread := fleet_cost(prefill, fleet, config)),
         cost=_cost(prefill, load_blocks, config) + footprint + spread,
         in_flight=load.in_flight,
+        blocked_requests=load.blocked_requests,
+        blocked_s=load.blocked_s,
         busy=busy_reason(load, config, fit),
         params=candidate.ttft,
         ttft=candidate.ttft.predict(features),
@@ -205,8 +224,9 @@ class BlockQuote(QuoteBase):
         survival = cache_survival(load, queued, config)
         prefill = size.blocks - tier_credit(match, config) * survival * fit
         decode = blended(*_decode_parts(load, config), config)
+        waited = blocked_wait_blocks(candidate, size.block_size, config)
         cost = (
-            _cost(prefill, _load_blocks(queued, decode, config), config)
+            _cost(prefill, _load_blocks(queued, decode, config) + waited, config)
             + footprint_cost(prefill, footprint_ratio, config)
             + fleet_cost(prefill, fleet, config)
         )

@@ -46,6 +46,8 @@ class CostRecord:
     ttft: TtftEstimate  # its prediction for this request there
     cost: float
     in_flight: int
+    blocked_requests: int  # sent there lacking KV room, not started yet
+    blocked_s: float  # how long the oldest of them has waited
     busy: str | None  # why the worker is busy, or None
 
     def common_terms(self) -> dict[str, float]:
@@ -67,6 +69,8 @@ class CostRecord:
             **ttft_terms(self.ttft, self.params),
             "cost": self.cost,
             "in_flight": float(self.in_flight),
+            "blocked_requests": float(self.blocked_requests),
+            "blocked_s": self.blocked_s,
             "busy": 1.0 if self.busy else 0.0,
         }
 
@@ -193,18 +197,24 @@ def kv_shortfall(candidate: Candidate, size: RequestSize, config: KvPolicyConfig
     held blocks already), since a cached match is evictable until the request runs; without
     it, as an engine admits a request, only the blocks outside its GPU match.
     """
-    load = candidate.load
-    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
-    if capacity is None or config.kv_fit_weight <= 0.0:
-        return 0.0
-    predicted, scraped = held_block_parts(load, config)
-    held = blended(max(predicted, 0.0), scraped, config)
     if config.kv_fit_cached:
         resident = float(max(size.blocks - max(candidate.in_flight_prefix, 0), 0))
     else:
         match = clip_match(candidate.match, size.full_blocks)
         resident = float(max(size.blocks - match.gpu, 0))
-    return min(max(held + resident - capacity, 0.0), resident)
+    return min(max(kv_overcommit(candidate.load, resident, config), 0.0), resident)
+
+
+def kv_overcommit(load: WorkerLoad, resident_blocks: float, config: KvPolicyConfig) -> float:
+    """Held blocks (the larger of kvgate's prediction and the scrape) plus
+    ``resident_blocks``, less the capacity (scraped, else ``kv_capacity_blocks``): what
+    running requests must release before a request needing ``resident_blocks`` starts
+    there (it fits at 0 or below). 0 when the capacity is unknown or the fit is off."""
+    capacity = load.kv_capacity_blocks or config.kv_capacity_blocks
+    if capacity is None or config.kv_fit_weight <= 0.0:
+        return 0.0
+    predicted, scraped = held_block_parts(load, config)
+    return blended(max(predicted, 0.0), scraped, config) + resident_blocks - capacity
 
 
 def kv_fit_shares(shortfalls: Sequence[float], config: KvPolicyConfig) -> list[float]:

@@ -54,6 +54,7 @@ class SecondsCost(CostRecord):
     reuse: float  # the fleet's recent cache reuse (cached / prompt tokens routed)
     cache_duplicate_s: float
     cache_s: float
+    blocked_wait_s: float  # in the cost: the blocked time, expected as long again
 
     def terms(self) -> dict[str, float]:
         """The named terms, for /debug/route and the decision log line."""
@@ -71,6 +72,7 @@ class SecondsCost(CostRecord):
             "reuse": self.reuse,
             "cache_duplicate_s": self.cache_duplicate_s,
             "cache_s": self.cache_s,
+            "blocked_wait_s": self.blocked_wait_s,
         }
         if self.queued.scraped is not None:
             terms["scraped_queued_tokens"] = self.queued.scraped
@@ -226,8 +228,11 @@ def worker_cost(
         reuse=fleet.reuse,
         cache_duplicate_s=duplicate * ttft.prefill_s,
         cache_s=(footprint + duplicate) * ttft.prefill_s,
-        cost=_total(ttft, k, footprint + duplicate),
+        blocked_wait_s=(waited := blocked_wait_s(load, config)),
+        cost=_total(ttft, k, footprint + duplicate) + waited,
         in_flight=load.in_flight,
+        blocked_requests=load.blocked_requests,
+        blocked_s=load.blocked_s,
         busy=busy_reason(load, config, fit),
     )
 
@@ -236,6 +241,12 @@ def _whole(size: RequestSize) -> TtftFeatures:
     """The whole prompt prefilled, nothing queued."""
     tokens = float(size.prompt_tokens)
     return TtftFeatures(tokens, attention_pairs(tokens, tokens))
+
+
+def blocked_wait_s(load: WorkerLoad, config: KvPolicyConfig) -> float:
+    """``blocked_wait_weight * blocked_s``: the time the oldest request sent to the worker
+    lacking KV room has waited there unstarted, expected about as long again."""
+    return config.blocked_wait_weight * max(load.blocked_s, 0.0)
 
 
 def _total(ttft: TtftEstimate, fleet_factor: float, cache_factor: float) -> float:
@@ -271,7 +282,7 @@ class SecondsQuote(QuoteBase):
         spend = cache_factor(footprint_ratio, fleet.footprint_floor, config)
         duplicated = duplicated_tokens(prefill, fleet)
         spend += duplicate_factor(prefill, duplicated, footprint_ratio, fleet, config)
-        cost = _total(ttft, fleet.fleet_factor, spend)
+        cost = _total(ttft, fleet.fleet_factor, spend) + blocked_wait_s(load, config)
         # the whole prompt's prefill there: the temperature's unit
         scale = candidate.ttft.predict(_whole(size)).prefill_s
         super().__init__(size, candidate, config, footprint_ratio, cost=cost, scale=scale, fit=fit)

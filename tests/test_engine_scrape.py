@@ -4,14 +4,17 @@ how it keeps the scraped KV usage current between scrapes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from fakes.gateway import kvgate
+from fakes.gateway import Kvgate, kvgate
 from fakes.server import wait_for
 from test_sim_support import fault, sim_config, sim_fleet
 
 from backends.engines import SGLANG, VLLM
+from backends.registry import Worker
 from backends.sim.tokenizer import tokenizer_dir
 
 MODEL = "kvgate-sim"
@@ -51,11 +54,10 @@ def test_sglang_has_no_capacity_metric() -> None:
     assert (load.running, load.waiting, load.kv_usage, load.kv_capacity_blocks) == (2, 1, 0.5, None)
 
 
-@pytest.mark.anyio
-async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() -> None:
-    """A scrape taken while a request held its blocks counts them until the next scrape;
-    kvgate takes off what the requests it saw end there held (an agent's next turn follows
-    at once, and its home must not look full of the blocks its last turn released)."""
+@contextlib.asynccontextmanager
+async def one_replica() -> AsyncIterator[tuple[Kvgate, httpx.AsyncClient, Worker]]:
+    """kvgate (kv policy, the simulator's tokenizer) before one simulated replica of 64 KV
+    blocks of 4 tokens; a client of the replica itself (faults); kvgate's worker for it."""
     config = sim_config(replicas=1, speedup=1000.0, block_size=4, capacity_blocks=64)
     async with sim_fleet(config) as fleet:
         url = fleet.replicas[0].url
@@ -65,20 +67,68 @@ async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() 
             httpx.AsyncClient(base_url=url) as sim,
         ):
             (worker,) = gw.gateway.registry
-            await fault(sim, kind="slow", factor=5e4)  # 0.3 s a step: the request stays
-            body = {"model": MODEL, "prompt": " ".join(["forty blocks"] * 80), "max_tokens": 4}
-            sent = asyncio.ensure_future(
-                gw.client.post("/v1/completions", json={**body, "stream": True})
-            )
-            await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
-            await gw.gateway.health.scrape_all()  # the request decoding: its 41 blocks held
-            scraped = worker.scraped.kv_usage
-            assert scraped is not None and scraped >= 40 / 64
-            assert worker.load().scraped_kv_usage == scraped
-            await fault(sim, kind="clear")
-            assert (await sent).status_code == 200
-            assert worker.in_flight == 0
-            now = worker.load().scraped_kv_usage
-            assert now is not None and now == pytest.approx(max(scraped - 40 / 64, 0.0))
-            await gw.gateway.health.scrape_all()  # a new scrape: nothing ended since
-            assert worker.load().scraped_kv_usage == worker.scraped.kv_usage == 0.0
+            yield gw, sim, worker
+
+
+@pytest.mark.anyio
+async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() -> None:
+    """A scrape taken while a request held its blocks counts them until the next scrape;
+    kvgate takes off what the requests it saw end there held (an agent's next turn follows
+    at once, and its home must not look full of the blocks its last turn released)."""
+    async with one_replica() as (gw, sim, worker):
+        await fault(sim, kind="slow", factor=5e4)  # 0.3 s a step: the request stays
+        body = {"model": MODEL, "prompt": " ".join(["forty blocks"] * 80), "max_tokens": 4}
+        sent = asyncio.ensure_future(
+            gw.client.post("/v1/completions", json={**body, "stream": True})
+        )
+        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        await gw.gateway.health.scrape_all()  # the request decoding: its 41 blocks held
+        scraped = worker.scraped.kv_usage
+        assert scraped is not None and scraped >= 40 / 64
+        assert worker.load().scraped_kv_usage == scraped
+        await fault(sim, kind="clear")
+        assert (await sent).status_code == 200
+        assert worker.in_flight == 0
+        now = worker.load().scraped_kv_usage
+        assert now is not None and now == pytest.approx(max(scraped - 40 / 64, 0.0))
+        await gw.gateway.health.scrape_all()  # a new scrape: nothing ended since
+        assert worker.load().scraped_kv_usage == worker.scraped.kv_usage == 0.0
+
+
+@pytest.mark.anyio
+async def test_a_request_sent_without_room_blocks_its_worker_until_the_engine_admits_it() -> None:
+    """A request whose blocks do not fit beside the running one's (41 + 40 of 64) waits at the
+    head of the engine's queue: kvgate counts its worker blocked (``blocked_requests``, the
+    gauge). Read whole at its end (not streamed), it shows no first token while it runs, so
+    a scrape with nothing waiting, asked after it was sent, says it started."""
+    async with one_replica() as (gw, sim, worker):
+        await gw.gateway.health.scrape_all()  # the engine's capacity: 64 blocks
+        await fault(sim, kind="slow", factor=5e4)  # 0.3 s a step
+        running = {"model": MODEL, "prompt": " ".join(["forty blocks"] * 80), "max_tokens": 6}
+        first = asyncio.ensure_future(
+            gw.client.post("/v1/completions", json={**running, "stream": True})
+        )
+        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        assert worker.blocked_requests == 0  # it had room
+        waiting = {"model": MODEL, "prompt": " ".join(["other words"] * 78), "max_tokens": 20}
+        second = asyncio.ensure_future(gw.client.post("/v1/completions", json=waiting))
+        await wait_for(lambda: worker.in_flight == 2)
+        assert worker.blocked_requests == 1 and worker.load().blocked_requests == 1
+        text = (await gw.client.get("/metrics")).text
+        assert f'kvgate_worker_blocked_requests{{worker="{worker.url}"}} 1.0' in text
+        await gw.gateway.health.scrape_all()  # the engine: one waiting
+        assert worker.scraped.waiting == 1 and worker.blocked_requests == 1
+        assert (await first).status_code == 200  # room released: the engine admits it
+
+        async def admitted() -> bool:
+            await gw.gateway.health.scrape_all()
+            return worker.scraped.waiting == 0
+
+        async with asyncio.timeout(10):
+            while not await admitted():  # each scrape is an await
+                pass
+        assert worker.in_flight == 1 and worker.pending_requests == 1  # still decoding
+        assert worker.blocked_requests == 0 and worker.load().blocked_requests == 0
+        await fault(sim, kind="clear")
+        assert (await second).status_code == 200
+        assert worker.in_flight == 0 and worker.blocked_requests == 0

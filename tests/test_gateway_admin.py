@@ -155,6 +155,7 @@ async def test_metrics_endpoint_exposes_gateway_metrics() -> None:
             "kvgate_request_duration_seconds_bucket",
             "kvgate_router_overhead_seconds_bucket",
             "kvgate_worker_in_flight",
+            "kvgate_worker_blocked_requests",
             "kvgate_worker_healthy",
             "kvgate_upstream_retries_total",
             "kvgate_failovers_total",
@@ -166,6 +167,7 @@ async def test_metrics_endpoint_exposes_gateway_metrics() -> None:
         assert gw.metric("kvgate_requests_total", missing) == 1
         assert gw.metric("kvgate_router_overhead_seconds_count") == 2
         assert gw.metric("kvgate_worker_healthy", {"worker": f.urls[0]}) == 1
+        assert gw.metric("kvgate_worker_blocked_requests", {"worker": f.urls[0]}) == 0
 
 
 class TableIndex:

@@ -289,3 +289,87 @@ def test_only_the_most_recent_flights_are_compared() -> None:
     for ticket in [shared, *others, late]:
         ticket.finish()
     assert worker.active_decode_blocks == 0 and not worker.flights
+
+
+# ---- blocked: a worker whose engine queue holds a request sent lacking room ----
+
+
+def test_a_request_sent_lacking_room_blocks_its_worker_until_it_starts() -> None:
+    """The registry marks a request sent where its blocks do not fit beside the held ones
+    (kvgate's prediction then); the worker's load says so until its first token, or its end
+    without one. A request that fits marks nothing."""
+    reg = WorkerRegistry(scoring=KvPolicyConfig(kv_capacity_blocks=1_000))
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    running = reg.begin(worker.id, 600 * BS, 600, BS, keys=_keys(0, 600, 1))
+    assert not running.blocking and worker.load().blocked_requests == 0
+    big = reg.begin(worker.id, 500 * BS, 500, BS, keys=_keys(0, 500, 2))  # 600 + 500 > 1,000
+    assert big.blocking and worker.load().blocked_requests == 1
+    small = reg.begin(worker.id, 10 * BS, 10, BS, keys=_keys(0, 10, 3))  # behind it: lacks too
+    assert small.blocking and worker.load().blocked_requests == 2
+    small.finish()  # cancelled before it started
+    assert worker.load().blocked_requests == 1
+    running.finish()
+    big.first_token()  # room released: it started
+    assert not big.blocking and worker.load().blocked_requests == 0
+    big.finish()
+    assert worker.blocked_requests == 0
+    reused = reg.begin(worker.id, 0, 900, BS, keys=_keys(0, 900, 4))
+    assert not reused.blocking  # 900 fit in 1,000
+    reused.finish()
+
+
+# ---- blocked wait: how long a worker's blocked head has waited so far ----
+
+
+def test_the_oldest_blocked_request_sets_the_blocked_time() -> None:
+    clock = [100.0]
+    reg = WorkerRegistry(scoring=KvPolicyConfig(kv_capacity_blocks=1_000), clock=lambda: clock[0])
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    running = reg.begin(worker.id, 600 * BS, 600, BS, keys=_keys(0, 600, 1))
+    clock[0] = 101.0
+    first = reg.begin(worker.id, 500 * BS, 500, BS, keys=_keys(0, 500, 2))  # lacks room
+    clock[0] = 102.5
+    second = reg.begin(worker.id, 10 * BS, 10, BS, keys=_keys(0, 10, 3))  # behind it
+    clock[0] = 104.0
+    assert worker.load(clock[0]).blocked_s == 3.0 and worker.blocked_requests == 2
+    worker.unblock(sent_before=102.0)  # a scrape asked at 102 s saw nothing waiting
+    assert not first.blocking and second.blocking
+    assert worker.load(clock[0]).blocked_s == 1.5  # the next oldest
+    first.first_token()
+    second.finish()
+    assert worker.load(clock[0]).blocked_s == 0.0 and worker.load(clock[0]).blocked_requests == 0
+    for ticket in (running, first):
+        ticket.finish()
+
+
+@pytest.mark.parametrize("cost_model", ["blocks", "seconds"])
+def test_a_home_blocked_for_long_loses_a_turn_that_a_short_block_keeps(cost_model: str) -> None:
+    """With the blocked wait priced (weight 1): the turn's history is cached at home, where a
+    request sent lacking room waits unstarted. Blocked 0.1 s, the home keeps the turn;
+    blocked 10 s (a wait that long is expected to last about as long again), recomputing
+    elsewhere is cheaper."""
+    config = KvPolicyConfig(cost_model=cost_model, blocked_wait_weight=1.0)  # type: ignore[arg-type]
+    policy = KvPolicy.from_config(config)
+
+    def home(blocked_s: float) -> Candidate:
+        load = WorkerLoad(
+            active_decode_blocks=1_000,
+            kv_capacity_blocks=4_000,
+            blocked_requests=1,
+            blocked_s=blocked_s,
+        )
+        return Candidate(WorkerId("home"), "http://home", load, PrefixMatch(gpu=1_200))
+
+    other = cand("other", active_decode_blocks=1_000, kv_capacity_blocks=4_000)
+    assert policy.rank(req(1_440), [home(0.1), other]).chosen == "home"
+    decision = policy.rank(req(1_440), [home(10.0), other])
+    assert decision.chosen == "other"
+    left = next(s for s in decision.scores if s.worker == "home")
+    assert left.terms["blocked_s"] == 10.0
+    waited = "blocked_wait_blocks" if cost_model == "blocks" else "blocked_wait_s"
+    assert left.terms[waited] > 0.0
+    default = KvPolicyConfig(cost_model=cost_model)  # type: ignore[arg-type]
+    assert default.blocked_wait_weight == 0.0  # off: measured and not adopted
+    assert KvPolicy.from_config(default).rank(req(1_440), [home(10.0), other]).chosen == "home"

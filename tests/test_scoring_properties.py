@@ -35,6 +35,7 @@ configs = st.builds(
     footprint_weight=st.floats(min_value=0.0, max_value=1.0),
     max_utilisation=st.floats(min_value=0.0, max_value=0.95),
     eviction_risk_weight=st.floats(min_value=0.0, max_value=1.0),
+    blocked_wait_weight=st.floats(min_value=0.0, max_value=4.0),
     kv_capacity_blocks=st.none() | st.integers(min_value=1, max_value=100_000),
     temperature=st.sampled_from([0.0, 0.0, 0.1, 1.0, 5.0]),
     seed=st.integers(min_value=0, max_value=2**32),
@@ -50,6 +51,8 @@ loads = st.builds(
     footprint=st.floats(min_value=0.0, max_value=1e6),
     prefill_busy_share=st.floats(min_value=0.0, max_value=1.0),
     reuse=st.floats(min_value=0.0, max_value=1.0),
+    blocked_requests=st.integers(0, 5),
+    blocked_s=st.floats(min_value=0.0, max_value=60.0),
 )
 ttft_models = st.builds(
     TtftParams,
@@ -150,6 +153,8 @@ def test_more_load_never_lowers_cost(
         active_decode_blocks=a.active_decode_blocks + b.active_decode_blocks,
         scraped_waiting=a.scraped_waiting,
         scraped_kv_usage=a.scraped_kv_usage,
+        blocked_requests=a.blocked_requests + b.blocked_requests,
+        blocked_s=a.blocked_s + b.blocked_s,
     )
     size = request_size(request)
     base = worker_cost(size, Candidate(WorkerId("w"), "u", a, match, model), config).cost
@@ -180,8 +185,9 @@ def test_cost_terms_are_sane(
     assert terms["ttft_s"] == pytest.approx(sum(terms[p] for p in parts))
     assert terms["ttft_s"] >= 0
     if isinstance(cost, SecondsCost):
-        assert cost.cost >= cost.ttft.total_s  # the fleet and cache terms only add
-        assert cost.cost == pytest.approx(cost.ttft.total_s + cost.fleet_s + cost.cache_s)
+        assert cost.cost >= cost.ttft.total_s  # the fleet, cache and blocked terms only add
+        added = cost.fleet_s + cost.cache_s + cost.blocked_wait_s
+        assert cost.cost == pytest.approx(cost.ttft.total_s + added)
 
 
 @settings(max_examples=200)
