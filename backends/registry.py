@@ -320,7 +320,7 @@ class LoadTicket:
         worker: Worker,
         *,
         prompt_tokens: int,
-        blocks: int,
+        own_blocks: int,
         features: TtftFeatures,
         predicted_s: float,
         keys: Sequence[BlockKey] = (),
@@ -332,7 +332,7 @@ class LoadTicket:
         self._reserved = reserved  # a queue's hold, handed over: its end releases nothing
         self._prompt_tokens = prompt_tokens
         # its own blocks: those past the prefix it shares with a request in flight there
-        self._blocks = max(blocks - worker.shared_blocks(keys), 0)
+        self._blocks = own_blocks
         if keys:
             worker.flights[self] = keys
         self._features = features
@@ -693,15 +693,16 @@ class WorkerRegistry:
         load = worker.load(self._clock())
         features = ttft_features(load, prefill_tokens, prompt, block_size, self._scoring)
         predicted = self.calibrator.params(worker.id).predict(features).total_s
+        own = max(blocks - worker.shared_blocks(keys), 0)  # past a prefix one in flight holds
         if self._scoring.kv_fit_cached:
-            resident = max(blocks - worker.shared_blocks(keys), 0)
+            resident = own
         else:
             resident = -(-max(prefill_tokens, 0) // max(block_size, 1))
         return LoadTicket(
             self,
             worker,
             prompt_tokens=prefill_tokens,
-            blocks=blocks,
+            own_blocks=own,
             features=features,
             predicted_s=predicted,
             keys=keys,
