@@ -9,6 +9,8 @@ Sub-commands:
   faults   requests lost, phantom hits and recovery through crashes, restarts and lossy
            event wires (bench/faults.py; ``kvgate bench faults --help``)
   overload routers side by side from below to above the saturating session rate (goodput)
+  room-wait  from finished runs' records: the requests that lacked KV room where they were
+           sent, their wait for it there, and on the replica that freed room first
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import matrix, report
+from bench import matrix, report, room_wait
 from bench.args import (
     compare_config,
     fleet_args,
@@ -292,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of replaying one slice",
     )
     p.add_argument("--slo", type=float, default=5.0, help="goodput's TTFT objective, seconds")
+
+    p = sub.add_parser(
+        "room-wait",
+        help="from finished runs' records: requests that lacked KV room where they were sent, "
+        "their wait there, with hindsight, and by a residual-life estimate (bench/room_wait.py)",
+    )
+    room_wait.add_arguments(p)
     return parser
 
 
@@ -322,4 +331,6 @@ def main(argv: list[str]) -> int:
         return cmd_overload(args, argv)
     if args.command == "matrix":
         return cmd_matrix(args)
+    if args.command == "room-wait":
+        return room_wait.main(args)
     return cmd_sweep(args, argv)

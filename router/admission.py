@@ -139,6 +139,8 @@ class _Entry:
     key: str
     routed: Routed
     future: asyncio.Future[Grant]
+    room_until: float = math.inf  # (clock) waits for KV room until then; then goes as ranked
+    room_timer: asyncio.TimerHandle | None = None  # a dispatch pass at room_until
 
     @property
     def model(self) -> str:
@@ -284,21 +286,26 @@ class AdmissionQueue:
             # the policy's choice stands (busy or not): the queue acts only when all are busy
             return self._grant(routed, key, reservation=None, waited_s=None)
         self._check_room(key, model)
+        limit = (
+            self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
+        )
+        loop = asyncio.get_running_loop()
         entry = _Entry(
             seq=next(self._seq),
             enqueued_at=self._clock(),
             session=session,
             key=key,
             routed=routed,
-            future=asyncio.get_running_loop().create_future(),
+            future=loop.create_future(),
         )
+        if self.config.busy_kv_room:
+            patience = limit * self.config.kv_room_patience
+            entry.room_until = entry.enqueued_at + patience
+            entry.room_timer = loop.call_later(patience, self._wake)
         self._entries[entry.seq] = entry
         self._counts.queued(key, model, 1)
         self._metrics.entered(key)
         self._wake()
-        limit = (
-            self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
-        )
         return await self._wait(entry, limit, disconnected)
 
     async def _wait(
@@ -431,8 +438,11 @@ class AdmissionQueue:
                 continue
             chosen = free_first(routed, self.gauge, kv_room)
             if chosen is None and kv_room and any_free(routed, self.gauge):
-                no_room.add(entry.seq)  # a smaller request may fit where this one does not
-                continue
+                if now < entry.room_until:
+                    no_room.add(entry.seq)  # a smaller request may fit where this one does not
+                    continue
+                # waited for room long enough: it takes its place in an engine's queue
+                chosen = free_first(routed, self.gauge)
             if chosen is None:  # the free workers it could use turned out busy
                 free.difference_update(routed.candidates)
                 free.difference_update(entry.routed.candidates)  # (its workers then: progress)
@@ -453,6 +463,9 @@ class AdmissionQueue:
         return {w.id for w in self._registry if w.ready and gauge.busy(w.candidate()) is None}
 
     def _remove(self, entry: _Entry) -> None:
+        if entry.room_timer is not None:
+            entry.room_timer.cancel()
+            entry.room_timer = None
         if self._entries.pop(entry.seq, None) is not None:
             self._counts.queued(entry.key, entry.model, -1)
 

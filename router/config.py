@@ -178,6 +178,15 @@ class QueueConfig(BaseModel):
         "beside its requests in flight (the kv policy's KV fit): a request that fits nowhere "
         "waits in kvgate for the first worker with room",
     )
+    kv_room_patience: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="busy_kv_room: the share of its wait limit (max_wait_s, or the client's "
+        "shorter timeout) a request waits in kvgate for KV room; then it goes as the policy "
+        "ranked it and waits in that engine's queue (smaller requests that fit cannot keep "
+        "it waiting until its deadline)",
+    )
     aging_tokens_per_s: float = Field(
         default=4096.0,
         gt=0,

@@ -494,3 +494,34 @@ async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room(
             assert reply.status_code == 200
             assert reply.headers["x-kvgate-worker"] == urls[1]
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None:
+    """``kv_room_patience``: past that share of its wait limit, a request that still fits
+    nowhere stops waiting in kvgate and goes as the policy ranked it, to wait in that
+    engine's queue, well before its deadline (smaller requests could otherwise keep taking
+    the room it waits for)."""
+    queue = {
+        "busy_kv_room": True,
+        "busy_pending_prefill_tokens": None,
+        "max_wait_s": 20,
+        "kv_room_patience": 0.01,
+    }
+    async with _small_caches(queue) as (gw, urls):
+        async with _paused(urls[0]), _paused(urls[1]):
+            held = await _hold_each(gw, 33)  # 50 of the 64 blocks each
+            words = " ".join(["a request of some twenty blocks"] * 14)
+            explained = await gw.client.post("/debug/route", json=_body(words))
+            assert explained.json()["admission"]["would_queue"]
+            queued = _send(gw, _body(words))
+            await _in_flight(gw, 3)  # dispatched after 0.2 s, both replicas still paused
+            assert len(_queue(gw)) == 0
+            assert sorted(w.in_flight for w in gw.gateway.registry) == [1, 2]
+            metrics = (await gw.client.get("/metrics")).text
+            entered = [
+                ln for ln in metrics.splitlines() if ln.startswith("kvgate_queue_entered_total")
+            ]
+            assert [ln.rsplit(" ", 1)[1] for ln in entered] == ["1.0"]  # it was queued first
+        reply = await queued
+        assert reply.status_code == 200
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
