@@ -24,6 +24,7 @@ from scoring.cost_parts import (
     RequestSize,
     blend,
     blended,
+    blocked_wait_s,
     busy_reason,
     cache_survival,
     clip_match,
@@ -105,15 +106,12 @@ def _load_blocks(queued: float, decode: float, config: KvPolicyConfig) -> float:
 
 
 def blocked_wait_blocks(candidate: Candidate, block_size: int, config: KvPolicyConfig) -> float:
-    """``blocked_wait_weight * blocked_s * prefill_tokens_per_s / block_size``: the time the
-    oldest request sent to the worker lacking KV room has waited there unstarted, priced as
-    prefill queued ahead for as long again (the engine admits in order; a wait for a running
-    request to end that has lasted long is expected to last about as long again)."""
-    blocked_s = candidate.load.blocked_s
-    if blocked_s <= 0.0 or config.blocked_wait_weight <= 0.0:
+    """``blocked_wait_s`` (``blocked_wait_weight * blocked_s``) as prefill queued ahead: times
+    the worker's learned ``prefill_tokens_per_s``, over ``block_size``."""
+    waited = blocked_wait_s(candidate.load, config)
+    if waited <= 0.0:
         return 0.0
-    rate = candidate.ttft.prefill_tokens_per_s
-    return config.blocked_wait_weight * blocked_s * rate / max(block_size, 1)
+    return waited * candidate.ttft.prefill_tokens_per_s / max(block_size, 1)
 
 
 FOOTPRINT_EXCESS_MAX = 1.0

@@ -217,6 +217,15 @@ def kv_overcommit(load: WorkerLoad, resident_blocks: float, config: KvPolicyConf
     return blended(max(predicted, 0.0), scraped, config) + resident_blocks - capacity
 
 
+def blocked_wait_s(load: WorkerLoad, config: KvPolicyConfig) -> float:
+    """``blocked_wait_weight * blocked_s``: the time the oldest request sent to the worker
+    lacking KV room has waited there unstarted, expected about as long again (an engine
+    admits in order; a wait for a running request to end that has lasted long is expected to
+    last about as long again). Both costs price it: in seconds, and in blocks at the
+    worker's learned prefill rate."""
+    return config.blocked_wait_weight * max(load.blocked_s, 0.0)
+
+
 def kv_fit_shares(shortfalls: Sequence[float], config: KvPolicyConfig) -> list[float]:
     """Each candidate's share of its match credited for fitting: ``1 - kv_fit_weight`` where
     the request lacks KV blocks while another candidate has room for it, else 1.

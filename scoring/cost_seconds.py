@@ -26,6 +26,7 @@ from scoring.cost_parts import (
     RequestSize,
     blend,
     blended,
+    blocked_wait_s,
     busy_reason,
     cache_survival,
     clip_match,
@@ -241,12 +242,6 @@ def _whole(size: RequestSize) -> TtftFeatures:
     """The whole prompt prefilled, nothing queued."""
     tokens = float(size.prompt_tokens)
     return TtftFeatures(tokens, attention_pairs(tokens, tokens))
-
-
-def blocked_wait_s(load: WorkerLoad, config: KvPolicyConfig) -> float:
-    """``blocked_wait_weight * blocked_s``: the time the oldest request sent to the worker
-    lacking KV room has waited there unstarted, expected about as long again."""
-    return config.blocked_wait_weight * max(load.blocked_s, 0.0)
 
 
 def _total(ttft: TtftEstimate, fleet_factor: float, cache_factor: float) -> float:
