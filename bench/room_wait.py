@@ -43,7 +43,6 @@ class Served:
     end: float
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int
     worker: str
 
     def held(self, t: float) -> float:
@@ -59,9 +58,7 @@ class Served:
 class RoomWait:
     """One request that lacked room where it was sent: its room waits, seconds."""
 
-    ttft_s: float
     prompt_tokens: int
-    cached_tokens: int
     where_sent: float
     residual_life: float
     hindsight: float
@@ -87,7 +84,6 @@ def read_served(run_dir: Path) -> list[Served]:
                     end=end,
                     prompt_tokens=int(r["prompt_tokens"]),
                     output_tokens=int(r["output_tokens"]),
-                    cached_tokens=int(r["cached_tokens"]),
                     worker=str(r["worker"]),
                 )
             )
@@ -145,9 +141,7 @@ def room_waits(served: Sequence[Served], capacity: int) -> list[RoomWait]:
         pick = min(workers, key=lambda w: (estimate[w], w != x.worker))
         out.append(
             RoomWait(
-                ttft_s=x.first - x.sent,
                 prompt_tokens=x.prompt_tokens,
-                cached_tokens=x.cached_tokens,
                 where_sent=actual[x.worker],
                 residual_life=actual[pick],
                 hindsight=min(actual.values()),

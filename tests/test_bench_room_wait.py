@@ -70,14 +70,12 @@ def test_residual_life_is_the_mean_remaining_of_longer_decodes() -> None:
 
 
 def test_a_request_not_started_releases_nothing() -> None:
-    queued = Served(sent=0.0, first=5.0, end=6.0, prompt_tokens=80, output_tokens=0,
-                    cached_tokens=0, worker="A")  # fmt: skip
+    queued = Served(sent=0.0, first=5.0, end=6.0, prompt_tokens=80, output_tokens=0, worker="A")
     assert estimated_wait([queued], 1.0, 50, 100, [0.5]) == float("inf")
 
 
 def test_decoded_tokens_are_held_as_they_grow() -> None:
-    s = Served(sent=0.0, first=1.0, end=3.0, prompt_tokens=10, output_tokens=20,
-               cached_tokens=0, worker="A")  # fmt: skip
+    s = Served(sent=0.0, first=1.0, end=3.0, prompt_tokens=10, output_tokens=20, worker="A")
     assert [s.held(t) for t in (0.5, 2.0, 3.0)] == [10.0, 20.0, 0.0]
 
 
