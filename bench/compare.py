@@ -73,6 +73,10 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_nofitcached": ("kv", ("--no-scoring-kv-fit-cached",)),  # the fit: new blocks only
     "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),  # busy: the request's blocks do not fit
     # the same, dispatched first come first served (aging so fast that work never counts)
+    # the same, a request waiting in kvgate for room 10% / 3% of its wait limit (3 s / 1 s at
+    # the default 30 s) before it goes as ranked (the default patience is 50%)
+    "kv_kvroom_p10": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.1")),
+    "kv_kvroom_p03": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.033")),
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
     "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging
