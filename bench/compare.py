@@ -71,12 +71,15 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_blockedwait": ("kv", ("--scoring-blocked-wait-weight", "1")),
     "kv_kvheld": ("kv", ("--queue-busy-kv-held", "1")),  # busy: in-flight blocks fill the KV
     "kv_nofitcached": ("kv", ("--no-scoring-kv-fit-cached",)),  # the fit: new blocks only
-    "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),  # busy: the request's blocks do not fit
-    # the same, dispatched first come first served (aging so fast that work never counts)
-    # the same, a request waiting in kvgate for room 10% / 3% of its wait limit (3 s / 1 s at
-    # the default 30 s) before it goes as ranked (the default patience is 50%)
+    # busy: the request's blocks do not fit (the default since 2026-12-06, off before), with
+    # a patience of 10% of its wait limit (the default: 3 s of the default 30 s), 50% (the
+    # patience before 2026-12-06) and 3% (1 s); and off (the default before 2026-12-06)
+    "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),
     "kv_kvroom_p10": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.1")),
+    "kv_kvroom_p50": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.5")),
     "kv_kvroom_p03": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.033")),
+    "kv_nokvroom": ("kv", ("--no-queue-busy-kv-room",)),
+    # busy_kv_room, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
     "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging

@@ -139,8 +139,8 @@ class _Entry:
     key: str
     routed: Routed
     future: asyncio.Future[Grant]
-    room_until: float = math.inf  # (clock) waits for KV room until then; then goes as ranked
-    room_timer: asyncio.TimerHandle | None = None  # a dispatch pass at room_until
+    waits_for_room: bool = False  # busy_kv_room: waits for KV room (then goes as ranked)
+    room_timer: asyncio.TimerHandle | None = None  # ends that wait, with a dispatch pass
 
     @property
     def model(self) -> str:
@@ -299,9 +299,9 @@ class AdmissionQueue:
             future=loop.create_future(),
         )
         if self.config.busy_kv_room:
+            entry.waits_for_room = True
             patience = limit * self.config.kv_room_patience
-            entry.room_until = entry.enqueued_at + patience
-            entry.room_timer = loop.call_later(patience, self._wake)
+            entry.room_timer = loop.call_later(patience, self._out_of_patience, entry)
         self._entries[entry.seq] = entry
         self._counts.queued(key, model, 1)
         self._metrics.entered(key)
@@ -410,6 +410,14 @@ class AdmissionQueue:
             self._scheduled = True
             loop.call_soon(self._dispatch)
 
+    def _out_of_patience(self, entry: _Entry) -> None:
+        """``entry`` has waited for KV room as long as it may (``kv_room_patience``): from
+        now on it goes as ranked. The timer's firing ends the wait, not a clock reading, which
+        a timer may precede by the loop's clock resolution (the pass would skip it again)."""
+        entry.waits_for_room = False
+        entry.room_timer = None
+        self._wake()
+
     def _dispatch(self) -> None:
         """Send queued requests while some worker is free, best first (one pass)."""
         self._scheduled = False
@@ -438,7 +446,7 @@ class AdmissionQueue:
                 continue
             chosen = free_first(routed, self.gauge, kv_room)
             if chosen is None and kv_room and any_free(routed, self.gauge):
-                if now < entry.room_until:
+                if entry.waits_for_room:
                     no_room.add(entry.seq)  # a smaller request may fit where this one does not
                     continue
                 # waited for room long enough: it takes its place in an engine's queue

@@ -133,7 +133,9 @@ class QueueConfig(BaseModel):
     a worker frees up, to the best worker not busy then. While any worker is free the
     policy's choice stands. A worker is busy by default with eight full steps of vLLM's
     default prefill budget (8 x 8192 tokens) sent and not yet prefilled, or as many waiting
-    requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32).
+    requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32);
+    and busy for one request when its KV blocks do not fit there (``busy_kv_room``), which
+    holds a request that fits nowhere a tenth of its wait limit at most.
     """
 
     enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
@@ -173,13 +175,13 @@ class QueueConfig(BaseModel):
         "prediction, or the scraped usage if more) need this share of its KV capacity",
     )
     busy_kv_room: bool = Field(
-        default=False,
+        default=True,
         description="a worker is busy for a request whose new KV blocks do not fit there now "
         "beside its requests in flight (the kv policy's KV fit): a request that fits nowhere "
-        "waits in kvgate for the first worker with room",
+        "waits in kvgate for the first worker with room, up to its kv_room_patience",
     )
     kv_room_patience: float = Field(
-        default=0.5,
+        default=0.1,
         ge=0,
         le=1,
         description="busy_kv_room: the share of its wait limit (max_wait_s, or the client's "

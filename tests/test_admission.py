@@ -435,8 +435,8 @@ async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> N
     """A queued request is not sent to the worker that frees up when the policy set that
     worker aside (the request lacks KV room there while the other has room): it goes as the
     policy ranked it, to the worker with room, there to wait behind a prefill, not for a
-    decode to end."""
-    queue = {"busy_pending_prefill_tokens": 1}  # any prefill not done: busy
+    decode to end (the set-aside alone: ``busy_kv_room`` off)."""
+    queue = {"busy_pending_prefill_tokens": 1, "busy_kv_room": False}  # any prefill: busy
     async with _small_caches(queue) as (gw, urls):
         registry = gw.gateway.registry
         clients = [httpx.AsyncClient(base_url=u) for u in urls]
@@ -475,7 +475,7 @@ async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room(
     next request (which needs 21 of the 64 blocks) is queued though no other limit is
     reached (a short one would fit: no worker is busy for it), and the queued request goes to
     the replica whose request ends first."""
-    queue = {"busy_kv_room": True, "busy_pending_prefill_tokens": None}
+    queue = {"busy_kv_room": True, "busy_pending_prefill_tokens": None, "kv_room_patience": 1}
     async with _small_caches(queue) as (gw, urls):
         async with _paused(urls[0]):
             async with _paused(urls[1]):

@@ -57,13 +57,18 @@ def test_sglang_has_no_capacity_metric() -> None:
 @contextlib.asynccontextmanager
 async def one_replica() -> AsyncIterator[tuple[Kvgate, httpx.AsyncClient, Worker]]:
     """kvgate (kv policy, the simulator's tokenizer) before one simulated replica of 64 KV
-    blocks of 4 tokens; a client of the replica itself (faults); kvgate's worker for it."""
+    blocks of 4 tokens; a client of the replica itself (faults); kvgate's worker for it. The
+    queue's ``busy_kv_room`` is off: a request that lacks KV room goes to the engine's queue
+    at once, the engine-side wait these tests read, instead of waiting in kvgate first."""
     config = sim_config(replicas=1, speedup=1000.0, block_size=4, capacity_blocks=64)
     async with sim_fleet(config) as fleet:
         url = fleet.replicas[0].url
         tokenizers = [f"{MODEL}={tokenizer_dir()}"]
+        queue = {"busy_kv_room": False}
         async with (
-            kvgate([f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers) as gw,
+            kvgate(
+                [f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers, queue=queue
+            ) as gw,
             httpx.AsyncClient(base_url=url) as sim,
         ):
             (worker,) = gw.gateway.registry
