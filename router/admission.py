@@ -139,12 +139,16 @@ class _Entry:
     key: str
     routed: Routed
     future: asyncio.Future[Grant]
-    waits_for_room: bool = False  # busy_kv_room: waits for KV room (then goes as ranked)
-    room_timer: asyncio.TimerHandle | None = None  # ends that wait, with a dispatch pass
+    room_timer: asyncio.TimerHandle | None = None  # busy_kv_room: ends its wait for KV room
 
     @property
     def model(self) -> str:
         return self.routed.request.model
+
+    @property
+    def waits_for_room(self) -> bool:
+        """Does it wait for KV room (``busy_kv_room``, its patience not yet over)?"""
+        return self.room_timer is not None
 
 
 @dataclass(slots=True)
@@ -299,7 +303,6 @@ class AdmissionQueue:
             future=loop.create_future(),
         )
         if self.config.busy_kv_room:
-            entry.waits_for_room = True
             patience = limit * self.config.kv_room_patience
             entry.room_timer = loop.call_later(patience, self._out_of_patience, entry)
         self._entries[entry.seq] = entry
@@ -414,7 +417,6 @@ class AdmissionQueue:
         """``entry`` has waited for KV room as long as it may (``kv_room_patience``): from
         now on it goes as ranked. The timer's firing ends the wait, not a clock reading, which
         a timer may precede by the loop's clock resolution (the pass would skip it again)."""
-        entry.waits_for_room = False
         entry.room_timer = None
         self._wake()
 
@@ -445,12 +447,12 @@ class AdmissionQueue:
                 entry.future.set_exception(exc)
                 continue
             chosen = free_first(routed, self.gauge, kv_room)
-            if chosen is None and kv_room and any_free(routed, self.gauge):
-                if entry.waits_for_room:
+            if chosen is None and kv_room:
+                chosen = free_first(routed, self.gauge)  # a free worker, room or not
+                if chosen is not None and entry.waits_for_room:
                     no_room.add(entry.seq)  # a smaller request may fit where this one does not
                     continue
-                # waited for room long enough: it takes its place in an engine's queue
-                chosen = free_first(routed, self.gauge)
+                # else it waited for room long enough: it takes its place in an engine's queue
             if chosen is None:  # the free workers it could use turned out busy
                 free.difference_update(routed.candidates)
                 free.difference_update(entry.routed.candidates)  # (its workers then: progress)
