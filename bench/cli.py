@@ -11,6 +11,8 @@ Sub-commands:
   overload routers side by side from below to above the saturating session rate (goodput)
   room-wait  from finished runs' records: the requests that lacked KV room where they were
            sent, their wait for it there, and on the replica that freed room first
+  tail     from finished runs' records and kvgate's access log: the slowest requests by
+           cause (a first turn, a history kept, lost before or after routing, moved)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import matrix, report, room_wait
+from bench import matrix, report, room_wait, tail
 from bench.args import (
     compare_config,
     fleet_args,
@@ -301,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         "their wait there, with hindsight, and by a residual-life estimate (bench/room_wait.py)",
     )
     room_wait.add_arguments(p)
+
+    p = sub.add_parser(
+        "tail",
+        help="from finished runs' records (and kvgate's access log): why the slowest "
+        "requests were slow, by cause (bench/tail.py)",
+    )
+    tail.add_arguments(p)
     return parser
 
 
@@ -333,4 +342,6 @@ def main(argv: list[str]) -> int:
         return cmd_matrix(args)
     if args.command == "room-wait":
         return room_wait.main(args)
+    if args.command == "tail":
+        return tail.main(args)
     return cmd_sweep(args, argv)

@@ -223,7 +223,7 @@ def _run_one(
         t0 = time.perf_counter()
         result = asyncio.run(replay(requests, rcfg))
         wall = time.perf_counter() - t0
-        router_metrics = _scrape_router(url)
+        router_metrics = _scrape_router(url, kvgate=run.name not in PEERS)
         cpu1 = _cpu_snapshot(router, fleet)
         box1 = system_cpu_times()[0]
     finally:
@@ -250,12 +250,14 @@ def _run_one(
     write_records(run_dir / "records.jsonl", result.records)
     report.write_summary(run_dir / "summary.json", summary)
     _write_samples(run_dir / "samples.jsonl", result.samples)
+    if router_metrics:
+        (run_dir / "router_metrics.json").write_text(json.dumps(router_metrics, indent=2) + "\n")
     cfg.log(
         f"[{run.label}] ok {summary.ok}/{summary.requests} hit {summary.hit_rate:.3f} "
         f"(÷oracle {summary.hit_vs_oracle:.2f}) ttft p50 {summary.ttft_p50_s:.3f}s "
         f"p99 {summary.ttft_p99_s:.3f}s imbalance {summary.imbalance:.2f} "
         f"fleet busy {summary.fleet_busy:.2f} late {summary.fleet_late:.0%} "
-        f"box {cpu.box_utilisation:.0%}"
+        f"box {cpu.box_utilisation:.0%}{_queued_note(router_metrics)}"
     )
     warning = report.saturation_warning([summary])
     if warning:
@@ -263,13 +265,25 @@ def _run_one(
     return RunOutput(summary, result, router_metrics)
 
 
-def _scrape_router(url: str) -> dict[str, float]:
+def _queued_note(router_metrics: dict[str, float]) -> str:
+    """`` queued N`` for kvgate (requests its queue took in the run); peers have no queue."""
+    entered = router_metrics.get("kvgate_queue_entered_total")
+    return "" if entered is None else f" queued {entered:.0f}"
+
+
+def _scrape_router(url: str, *, kvgate: bool) -> dict[str, float]:
+    """kvgate's ``ROUTER_METRICS`` (a counter with no request counted yet is 0); {} for a
+    peer or when the scrape fails."""
+    if not kvgate:
+        return {}
     with httpx.Client(timeout=5.0) as client:
         try:
             resp = client.get(f"{url}/metrics")
         except httpx.HTTPError:
             return {}
-    return parse_prometheus(resp.text, ROUTER_METRICS) if resp.status_code == 200 else {}
+    if resp.status_code != 200:
+        return {}
+    return dict.fromkeys(ROUTER_METRICS, 0.0) | parse_prometheus(resp.text, ROUTER_METRICS)
 
 
 def _cpu_snapshot(router: ManagedProcess, fleet: SimFleet) -> dict[str, float]:

@@ -165,6 +165,12 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, t0: float) -> N
                     rec.worker = _chunk_worker(chunk)
 
 
+def request_id(r: TraceRequest) -> str:
+    """The ``x-request-id`` a replayed request carries: its trace index, so that a router's
+    access log (kvgate's ``request_id``) joins the client's records (``bench tail``)."""
+    return f"replay-{r.index}"
+
+
 async def send_one(
     client: httpx.AsyncClient,
     r: TraceRequest,
@@ -173,7 +179,7 @@ async def send_one(
     t_start: float,
 ) -> None:
     """Send one request and fill ``rec`` (never raises for HTTP/transport failures)."""
-    headers = {}
+    headers = {"x-request-id": request_id(r)}
     key = session_key(r) if cfg.send_session else None
     if key is not None:
         headers["x-session-id"] = key

@@ -135,7 +135,8 @@ class QueueConfig(BaseModel):
     default prefill budget (8 x 8192 tokens) sent and not yet prefilled, or as many waiting
     requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32);
     and busy for one request when its KV blocks do not fit there (``busy_kv_room``), which
-    holds a request that fits nowhere a tenth of its wait limit at most.
+    holds a request that fits nowhere for its patience at most (``kv_room_patience``, a
+    share of its wait limit).
     """
 
     enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")

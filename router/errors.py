@@ -299,6 +299,7 @@ class QueueTimeout(KvgateError):
     code = "queue_timeout"
 
     def __init__(self, waited_s: float, *, retry_after_s: int = 1) -> None:
+        self.waited_s = waited_s
         super().__init__(
             f"every worker stayed busy for the {waited_s:.3g} s this request could wait; "
             "retry later",

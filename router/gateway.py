@@ -43,6 +43,7 @@ from router.errors import (
     PayloadTooLarge,
     PreviousResponseGone,
     PreviousResponseUnavailable,
+    QueueTimeout,
     RequestTimeout,
     Unauthorized,
     WorkerNotAllowed,
@@ -374,13 +375,19 @@ class Gateway:
         queue = self.admission
         if queue is None or not queue.config.enabled:
             return None
-        return await queue.admit(
-            routed,
-            key=call.observation.client,
-            session=session,
-            timeout_s=client_timeout_s(call.request.headers),
-            disconnected=disconnect_of(call.request.receive),
-        )
+        try:
+            grant = await queue.admit(
+                routed,
+                key=call.observation.client,
+                session=session,
+                timeout_s=client_timeout_s(call.request.headers),
+                disconnected=disconnect_of(call.request.receive),
+            )
+        except QueueTimeout as exc:
+            call.observation.queued = exc.waited_s
+            raise
+        call.observation.queued = grant.waited_s
+        return grant
 
     def _send(
         self,

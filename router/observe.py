@@ -54,6 +54,7 @@ SPAN_ATTRIBUTES = {
     "best_cached_tokens": "kvgate.best_available_cached_tokens",
     "engine_cached_tokens": "kvgate.engine_cached_tokens",
     "output_tokens": "gen_ai.usage.output_tokens",
+    "queued_ms": "kvgate.queued_ms",
     "ttft_ms": "kvgate.ttft_ms",
 }
 
@@ -115,8 +116,8 @@ class Observation:
 
     __slots__ = (
         "_events", "_headers", "_observer", "_tail", "attempts", "bytes_in", "bytes_out",
-        "client", "method", "model", "path", "received_at", "request_id", "spans", "stream",
-        "ttft",
+        "client", "method", "model", "path", "queued", "received_at", "request_id", "spans",
+        "stream", "ttft",
     )  # fmt: skip
 
     def __init__(
@@ -144,6 +145,8 @@ class Observation:
         self.bytes_out = 0
         self.attempts = 0
         self.ttft: float | None = None
+        self.queued: float | None = None
+        """Seconds waited in kvgate's queue (router/admission.py); None: never queued."""
         self._events = 0
         self._tail = b""
 
@@ -263,6 +266,7 @@ class Observation:
             "best_cached_tokens": None,
             "engine_cached_tokens": usage.cached_tokens if usage is not None else None,
             "output_tokens": output,
+            "queued_ms": _ms(self.queued),
             "ttft_ms": _ms(self.ttft),
             "duration_ms": _ms(duration),
             "bytes_in": self.bytes_in,

@@ -4,6 +4,8 @@ in them) behind a real kvgate on 127.0.0.1. Every wait is on a condition, never 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -21,6 +23,7 @@ from router.accesslog import client_key_id
 from router.admission import AdmissionQueue
 from router.config import Settings, load_settings
 from router.flags import given_settings
+from router.logs import configure_logging
 from router.serve import build_parser
 
 pytestmark = pytest.mark.anyio
@@ -173,6 +176,36 @@ async def test_deadline_is_a_503_from_the_client_timeout_or_the_configured_one()
         assert (await first).status_code == 200
         labels = {"key": "-", "reason": "deadline"}
         assert gw.metric("kvgate_queue_rejected_total", labels) == 2
+
+
+async def test_the_access_log_says_how_long_each_request_waited_in_the_queue() -> None:
+    """``queued_ms``: null for a request sent at once, the wait for one dispatched from the
+    queue, and the wait until its deadline for one refused there (503)."""
+    stream = io.StringIO()
+    output = configure_logging("info", "json", stream)
+    try:
+        async with _setup({"busy_in_flight": 1, "max_wait_s": 30}) as (gw, url):
+            async with _paused(url):
+                first = _send(gw, _body("first"), **{"x-request-id": "first"})
+                await _in_flight(gw, 1)
+                late = await gw.client.post(
+                    "/v1/completions",
+                    json=_body("late"),
+                    headers={"x-request-timeout": "0.05", "x-request-id": "late"},
+                )
+                assert late.status_code == 503
+                second = _send(gw, _body("second"), **{"x-request-id": "second"})
+                await _queued(gw, 1)
+            assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    finally:
+        output.close()  # every queued line written
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    queued = {
+        line["request_id"]: line["queued_ms"] for line in lines if line["logger"] == "kvgate.access"
+    }
+    assert queued["first"] is None
+    assert queued["late"] >= 40  # its 0.05 s deadline (a timer may fire a little early)
+    assert queued["second"] > 0
 
 
 async def test_a_client_that_disconnects_while_queued_is_removed_at_once() -> None:

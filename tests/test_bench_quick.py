@@ -64,6 +64,8 @@ def test_quick_compare_produces_complete_sane_output(tmp_path: Path) -> None:
         run_dir = tmp_path / run["label"].replace(" ", "_")
         records = read_records(run_dir / "records.jsonl")
         assert len(records) == run["requests"]
+        queue = json.loads((run_dir / "router_metrics.json").read_text())
+        assert queue["kvgate_queue_entered_total"] >= 0  # kvgate's queue, counted per run
         for rec in records:
             assert rec.status == "ok"
             assert rec.worker is not None
