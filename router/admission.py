@@ -175,11 +175,20 @@ class _Counts:
         self._move(self.flight_model, model, delta)
 
 
-def busy_for(routed: Routed, worker: WorkerId, gauge: BusyGauge, kv_room: bool) -> str | None:
-    """Why ``worker`` takes no more of ``routed``'s request now (``None``: it may): the
+def busy_for(
+    routed: Routed,
+    worker: WorkerId,
+    gauge: BusyGauge,
+    kv_room: bool,
+    held: WorkerId | None = None,
+) -> str | None:
+    """Why ``worker`` takes no more of ``routed``'s request now (``None``: it may): held for
+    another request waiting for KV room there (``held``, ``QueueConfig.kv_room_hold``), the
     gauge's reason, or (``kv_room``: ``QueueConfig.busy_kv_room``) that the request's new
     KV blocks do not fit there, as the policy found (``Decision.room``), unless nothing of
     kvgate's is in flight there to make room (a prompt larger than the cache never waits)."""
+    if worker == held:
+        return "held for a queued request waiting for KV room there"
     candidate = routed.candidates[worker]
     reason = gauge.busy(candidate)
     if reason is None and kv_room and candidate.load.in_flight > 0:
@@ -194,9 +203,12 @@ def any_free(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> bool:
     return any(busy_for(routed, w, gauge, kv_room) is None for w in routed.decision.ranked)
 
 
-def free_first(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> Routed | None:
+def free_first(
+    routed: Routed, gauge: BusyGauge, kv_room: bool = False, held: WorkerId | None = None
+) -> Routed | None:
     """``routed`` with the workers it may go to now ranked first, in the policy's order, or
-    ``None`` when every ranked worker is busy.
+    ``None`` when every ranked worker is busy (``held``: a worker held for another request,
+    busy for this one).
 
     A worker the policy set aside (``Decision.set_aside``: it lacks KV room where another has
     room, say) does not jump ahead of the policy's choice for being free: when every free
@@ -204,9 +216,9 @@ def free_first(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> Route
     waits behind the prefill that makes its choice busy rather than for a decode to end on a
     worker without room."""
     ranked = routed.decision.ranked
-    if busy_for(routed, ranked[0], gauge, kv_room) is None:
+    if busy_for(routed, ranked[0], gauge, kv_room, held) is None:
         return routed
-    free = [w for w in ranked if busy_for(routed, w, gauge, kv_room) is None]
+    free = [w for w in ranked if busy_for(routed, w, gauge, kv_room, held) is None]
     if not free:
         return None
     first = [w for w in free if w not in routed.decision.set_aside]
@@ -254,6 +266,7 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._hold: tuple[int, WorkerId] | None = None  # kv_room_hold: (entry, its worker)
         metrics.declare(self.keys)
         metrics.watch(self)
 
@@ -418,7 +431,14 @@ class AdmissionQueue:
         now on it goes as ranked. The timer's firing ends the wait, not a clock reading, which
         a timer may precede by the loop's clock resolution (the pass would skip it again)."""
         entry.room_timer = None
+        self._release_hold(entry)
         self._wake()
+
+    def _release_hold(self, entry: _Entry) -> None:
+        """``entry`` no longer waits for room: the worker it held is everyone's again."""
+        if self._hold is not None and self._hold[0] == entry.seq:
+            self._hold = None
+            self._wake()
 
     def _dispatch(self) -> None:
         """Send queued requests while some worker is free, best first (one pass)."""
@@ -428,12 +448,21 @@ class AdmissionQueue:
         kv_room = self.config.busy_kv_room
         no_room: set[int] = set()  # entries that fit on no free worker (this pass)
 
+        def held_from(entry: _Entry) -> WorkerId | None:
+            """The worker held for another entry's KV room (``kv_room_hold``), if any."""
+            hold = self._hold
+            return hold[1] if hold is not None and hold[0] != entry.seq else None
+
         def work(entry: _Entry) -> int | None:
             """Its uncached tokens on the free worker holding most of its prompt."""
             if entry.seq in no_room or not self._under_limits(entry.key, entry.model):
                 return None
-            routed = entry.routed
-            tokens = [routed.predicted_uncached_tokens(w) for w in routed.candidates if w in free]
+            routed, held = entry.routed, held_from(entry)
+            tokens = [
+                routed.predicted_uncached_tokens(w)
+                for w in routed.candidates
+                if w in free and w != held
+            ]
             return min(tokens) if tokens else None
 
         while (
@@ -446,11 +475,14 @@ class AdmissionQueue:
                 self._metrics.rejected(entry.key, "no_worker")
                 entry.future.set_exception(exc)
                 continue
-            chosen = free_first(routed, self.gauge, kv_room)
+            held = held_from(entry)
+            chosen = free_first(routed, self.gauge, kv_room, held)
             if chosen is None and kv_room:
-                chosen = free_first(routed, self.gauge)  # a free worker, room or not
+                chosen = free_first(routed, self.gauge, held=held)  # a free worker, room or not
                 if chosen is not None and entry.waits_for_room:
                     no_room.add(entry.seq)  # a smaller request may fit where this one does not
+                    if self.config.kv_room_hold and held is None:  # the first such holds
+                        self._hold = (entry.seq, routed.decision.ranked[0])  # where it waits
                     continue
                 # else it waited for room long enough: it takes its place in an engine's queue
             if chosen is None:  # the free workers it could use turned out busy
@@ -473,6 +505,7 @@ class AdmissionQueue:
         return {w.id for w in self._registry if w.ready and gauge.busy(w.candidate()) is None}
 
     def _remove(self, entry: _Entry) -> None:
+        self._release_hold(entry)
         if entry.room_timer is not None:
             entry.room_timer.cancel()
             entry.room_timer = None
@@ -502,10 +535,11 @@ class AdmissionQueue:
         """Would a request routed as ``routed`` for ``key`` queue now, and why."""
         model = routed.request.model
         kv_room = self.config.busy_kv_room
+        held = self._hold[1] if self._hold is not None else None
         busy = {
             c.url: reason
             for c in routed.candidates.values()
-            if (reason := busy_for(routed, c.worker, self.gauge, kv_room)) is not None
+            if (reason := busy_for(routed, c.worker, self.gauge, kv_room, held)) is not None
         }
         reason = None
         if not self.config.enabled:

@@ -190,6 +190,14 @@ class QueueConfig(BaseModel):
         "ranked it and waits in that engine's queue (smaller requests that fit cannot keep "
         "it waiting until its deadline)",
     )
+    kv_room_hold: bool = Field(
+        default=False,
+        description="busy_kv_room: the request waiting for KV room that comes first in the "
+        "dispatch order holds the policy's first choice for it: no other queued request is "
+        "sent there while it waits, so the room that frees there is its (as an engine's "
+        "first-come-first-served queue would keep it) instead of smaller requests' that "
+        "overtake it",
+    )
     aging_tokens_per_s: float = Field(
         default=4096.0,
         gt=0,

@@ -529,6 +529,66 @@ async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room(
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
 
 
+async def _cached_on(gw: Kvgate, prompt: str, worker: str) -> None:
+    """Until kvgate's index holds a prefix of ``prompt`` on ``worker`` (its KV events)."""
+
+    async def overlap() -> int:
+        explained = (await gw.client.post("/debug/route", json=_body(prompt))).json()
+        return sum(
+            w.get("overlap_tokens", 0) for w in explained["workers"] if w["worker"] == worker
+        )
+
+    for _ in range(400):
+        if await overlap() > 0:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{worker} never held a prefix of the prompt in the index")
+
+
+@pytest.mark.parametrize("hold", [True, False])
+async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_ones(
+    hold: bool,
+) -> None:
+    """``kv_room_hold``: a turn that fits in no cache waits for room on its first choice, the
+    replica holding its prefix; a short request queued behind it, which would go there too
+    (its prefix is cached there), is sent to the other replica instead of taking the room the
+    turn waits for. Without the hold it goes to the turn's replica."""
+    queue = {
+        "busy_kv_room": True,
+        "busy_pending_prefill_tokens": None,
+        "kv_room_patience": 1,
+        "kv_room_hold": hold,
+    }
+    prefix = "an opening shared by both requests here"
+    async with _small_caches(queue) as (gw, urls):
+        home = (await gw.client.post("/v1/completions", json=_body(prefix))).headers[
+            "x-kvgate-worker"
+        ]
+        other = next(u for u in urls if u != home)
+        big = prefix + " " + " ".join(["a request of some twenty blocks"] * 14)
+        short = prefix + " and a question"
+        await _cached_on(gw, short, home)
+        async with _paused(urls[0]), _paused(urls[1]):
+            held = await _hold_each(gw, 33)  # 50 of the 64 blocks each
+            waiting = _send(gw, _body(big))
+            await _queued(gw, 1)
+            ranked = (await gw.client.post("/debug/route", json=_body(big))).json()["ranked"]
+            assert ranked[0] == home  # where its prefix is: the worker it holds
+            small = _send(gw, _body(short))
+            await _in_flight(gw, 3)  # the short one was sent; the turn still waits
+            assert len(_queue(gw)) == 1
+            explained = (await gw.client.post("/debug/route", json=_body(short))).json()
+            busy = explained["admission"]["busy_workers"]
+            in_flight = {w.url: w.in_flight for w in gw.gateway.registry}
+            if hold:
+                assert in_flight == {home: 1, other: 2}
+                assert busy[home] == "held for a queued request waiting for KV room there"
+            else:
+                assert in_flight == {home: 2, other: 1}
+        replies = await asyncio.gather(waiting, small, *held)
+        assert [r.status_code for r in replies] == [200] * 4
+
+
 async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None:
     """``kv_room_patience``: past that share of its wait limit, a request that still fits
     nowhere stops waiting in kvgate and goes as the policy ranked it, to wait in that
