@@ -80,7 +80,9 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_kvroom_p03": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.033")),
     "kv_nokvroom": ("kv", ("--no-queue-busy-kv-room",)),
     # a request waiting for KV room holds its first choice against smaller queued requests
+    # (the default since 2026-12-06); kv_noroomhold: the former default, without the hold
     "kv_roomhold": ("kv", ("--queue-kv-room-hold",)),
+    "kv_noroomhold": ("kv", ("--no-queue-kv-room-hold",)),
     # busy_kv_room, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served

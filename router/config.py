@@ -136,7 +136,8 @@ class QueueConfig(BaseModel):
     requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32);
     and busy for one request when its KV blocks do not fit there (``busy_kv_room``), which
     holds a request that fits nowhere for its patience at most (``kv_room_patience``, a
-    share of its wait limit).
+    share of its wait limit); the first such request in the dispatch order keeps other
+    queued requests off the worker it waits for (``kv_room_hold``).
     """
 
     enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
@@ -191,7 +192,7 @@ class QueueConfig(BaseModel):
         "it waiting until its deadline)",
     )
     kv_room_hold: bool = Field(
-        default=False,
+        default=True,
         description="busy_kv_room: the request waiting for KV room that comes first in the "
         "dispatch order holds the policy's first choice for it: no other queued request is "
         "sent there while it waits, so the room that frees there is its (as an engine's "

@@ -506,8 +506,8 @@ async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> N
 async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room() -> None:
     """``busy_kv_room``: each replica's cache is claimed by its request in flight, so the
     next request (which needs 21 of the 64 blocks) is queued though no other limit is
-    reached (a short one would fit: no worker is busy for it), and the queued request goes to
-    the replica whose request ends first."""
+    reached (a short one would fit: only the worker the queued request holds is busy for it,
+    ``kv_room_hold``), and the queued request goes to the replica whose request ends first."""
     queue = {"busy_kv_room": True, "busy_pending_prefill_tokens": None, "kv_room_patience": 1}
     async with _small_caches(queue) as (gw, urls):
         async with _paused(urls[0]):
@@ -518,11 +518,15 @@ async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room(
                 await _queued(gw, 1)
                 explained = await gw.client.post("/debug/route", json=_body(words))
                 admission = explained.json()["admission"]
-                assert admission["busy_workers"] == dict.fromkeys(
-                    urls, "lacks KV room for this request"
-                )
+                assert set(admission["busy_workers"]) == set(urls)
+                assert sorted(admission["busy_workers"].values()) == [
+                    "held for a queued request waiting for KV room there",  # by the queued one
+                    "lacks KV room for this request",
+                ]
                 short = await gw.client.post("/debug/route", json=_body("a short one"))
-                assert short.json()["admission"]["busy_workers"] == {}
+                assert list(short.json()["admission"]["busy_workers"].values()) == [
+                    "held for a queued request waiting for KV room there"
+                ]  # the other worker has room for it
             reply = await queued  # the second replica runs again, the first is paused
             assert reply.status_code == 200
             assert reply.headers["x-kvgate-worker"] == urls[1]
