@@ -165,10 +165,10 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, t0: float) -> N
                     rec.worker = _chunk_worker(chunk)
 
 
-def request_id(r: TraceRequest) -> str:
-    """The ``x-request-id`` a replayed request carries: its trace index, so that a router's
-    access log (kvgate's ``request_id``) joins the client's records (``bench tail``)."""
-    return f"replay-{r.index}"
+def request_id(index: int) -> str:
+    """The ``x-request-id`` the trace's request ``index`` carries when replayed, so that a
+    router's access log (kvgate's ``request_id``) joins the client's records (``bench tail``)."""
+    return f"replay-{index}"
 
 
 async def send_one(
@@ -179,7 +179,7 @@ async def send_one(
     t_start: float,
 ) -> None:
     """Send one request and fill ``rec`` (never raises for HTTP/transport failures)."""
-    headers = {"x-request-id": request_id(r)}
+    headers = {"x-request-id": request_id(r.index)}
     key = session_key(r) if cfg.send_session else None
     if key is not None:
         headers["x-session-id"] = key

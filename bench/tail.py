@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.replay import request_id
+
 FIRST_TURN = "first turn"
 HISTORY_KEPT = "history kept"
 HISTORY_LOST = "history lost"
@@ -124,7 +126,7 @@ def classify(
             previous[session] = max(prompt, int(r.get("expected_prompt_tokens") or 0))
         if r.get("status") != "ok" or r.get("ttft_s") is None:
             continue
-        line = access.get(f"replay-{r['index']}")
+        line = access.get(request_id(int(r["index"])))
         cached = int(r.get("cached_tokens") or 0)
         cause, best, predicted = cause_of(prompt, cached, history, line)
         queued = line.get("queued_ms") if line is not None else None
@@ -176,31 +178,29 @@ def router_of(run_dir: Path) -> str:
 def report(runs: Iterable[tuple[str, Sequence[Slow]]], share: float, top: int) -> dict[str, Any]:
     """Per router: runs read, requests in the slowest share, their causes, their mean TTFT
     and uncached tokens by cause; and each run's ``top`` slowest requests."""
-    routers: dict[str, dict[str, Any]] = {}
+    runs_of: Counter[str] = Counter()
+    tails: dict[str, list[Slow]] = {}
+    tops: dict[str, list[list[dict[str, Any]]]] = {}
     for name, served in runs:
-        entry = routers.setdefault(
-            name, {"runs": 0, "slowest": 0, "causes": Counter(), "_ttft": {}, "_uncached": {}}
-        )
-        tail = slowest(served, share)
-        entry["runs"] += 1
-        entry["slowest"] += len(tail)
-        for s in tail:
-            entry["causes"][s.cause] += 1
-            entry["_ttft"].setdefault(s.cause, []).append(s.ttft_s)
-            entry["_uncached"].setdefault(s.cause, []).append(s.prompt_tokens - s.cached_tokens)
+        runs_of[name] += 1
+        tails.setdefault(name, []).extend(slowest(served, share))
+        tops.setdefault(name, []).append([_row(s) for s in served[:top]])
+    routers: dict[str, dict[str, Any]] = {}
+    for name, tail in tails.items():
+        entry: dict[str, Any] = {"runs": runs_of[name], "slowest": len(tail), "causes": {}}
+        for cause in CAUSES:
+            group = [s for s in tail if s.cause == cause]
+            if group:
+                entry["causes"][cause] = {
+                    "requests": len(group),
+                    "mean_ttft_s": round(sum(s.ttft_s for s in group) / len(group), 3),
+                    "mean_uncached_tokens": round(
+                        sum(s.prompt_tokens - s.cached_tokens for s in group) / len(group)
+                    ),
+                }
         if top > 0:
-            entry.setdefault("top", []).append([_row(s) for s in served[:top]])
-    for entry in routers.values():
-        ttfts, uncached = entry.pop("_ttft"), entry.pop("_uncached")
-        entry["causes"] = {
-            cause: {
-                "requests": entry["causes"][cause],
-                "mean_ttft_s": round(sum(ttfts[cause]) / len(ttfts[cause]), 3),
-                "mean_uncached_tokens": round(sum(uncached[cause]) / len(uncached[cause])),
-            }
-            for cause in CAUSES
-            if entry["causes"][cause]
-        }
+            entry["top"] = tops[name]
+        routers[name] = entry
     return routers
 
 
@@ -217,8 +217,11 @@ def _row(s: Slow) -> dict[str, Any]:
         "cause": s.cause,
     }
     if s.best_cached_tokens is not None:
-        row |= {"best": s.best_cached_tokens, "predicted": s.predicted_cached_tokens}
-        row["queued_ms"] = s.queued_ms
+        row |= {
+            "best": s.best_cached_tokens,
+            "predicted": s.predicted_cached_tokens,
+            "queued_ms": s.queued_ms,
+        }
     return row
 
 

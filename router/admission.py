@@ -440,6 +440,12 @@ class AdmissionQueue:
             self._hold = None
             self._wake()
 
+    def _held_from(self, seq: int | None) -> WorkerId | None:
+        """The worker held for KV room (``kv_room_hold``) by an entry other than ``seq``
+        (None: any entry's), if any."""
+        hold = self._hold
+        return hold[1] if hold is not None and hold[0] != seq else None
+
     def _dispatch(self) -> None:
         """Send queued requests while some worker is free, best first (one pass)."""
         self._scheduled = False
@@ -448,16 +454,11 @@ class AdmissionQueue:
         kv_room = self.config.busy_kv_room
         no_room: set[int] = set()  # entries that fit on no free worker (this pass)
 
-        def held_from(entry: _Entry) -> WorkerId | None:
-            """The worker held for another entry's KV room (``kv_room_hold``), if any."""
-            hold = self._hold
-            return hold[1] if hold is not None and hold[0] != entry.seq else None
-
         def work(entry: _Entry) -> int | None:
             """Its uncached tokens on the free worker holding most of its prompt."""
             if entry.seq in no_room or not self._under_limits(entry.key, entry.model):
                 return None
-            routed, held = entry.routed, held_from(entry)
+            routed, held = entry.routed, self._held_from(entry.seq)
             tokens = [
                 routed.predicted_uncached_tokens(w)
                 for w in routed.candidates
@@ -475,7 +476,7 @@ class AdmissionQueue:
                 self._metrics.rejected(entry.key, "no_worker")
                 entry.future.set_exception(exc)
                 continue
-            held = held_from(entry)
+            held = self._held_from(entry.seq)
             chosen = free_first(routed, self.gauge, kv_room, held)
             if chosen is None and kv_room:
                 chosen = free_first(routed, self.gauge, held=held)  # a free worker, room or not
@@ -535,7 +536,7 @@ class AdmissionQueue:
         """Would a request routed as ``routed`` for ``key`` queue now, and why."""
         model = routed.request.model
         kv_room = self.config.busy_kv_room
-        held = self._hold[1] if self._hold is not None else None
+        held = self._held_from(None)
         busy = {
             c.url: reason
             for c in routed.candidates.values()
