@@ -83,6 +83,9 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # (the default since 2026-12-06); kv_noroomhold: the former default, without the hold
     "kv_roomhold": ("kv", ("--queue-kv-room-hold",)),
     "kv_noroomhold": ("kv", ("--no-queue-kv-room-hold",)),
+    # the first requests waiting for KV room hold a worker each, all workers but one at most
+    # (measured 2026-12-06 and not adopted: the default holds one)
+    "kv_holdmost": ("kv", ("--queue-kv-room-holds", "1024")),
     # busy_kv_room, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served

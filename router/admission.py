@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -180,14 +180,14 @@ def busy_for(
     worker: WorkerId,
     gauge: BusyGauge,
     kv_room: bool,
-    held: WorkerId | None = None,
+    held: Collection[WorkerId] = frozenset(),
 ) -> str | None:
     """Why ``worker`` takes no more of ``routed``'s request now (``None``: it may): held for
     another request waiting for KV room there (``held``, ``QueueConfig.kv_room_hold``), the
     gauge's reason, or (``kv_room``: ``QueueConfig.busy_kv_room``) that the request's new
     KV blocks do not fit there, as the policy found (``Decision.room``), unless nothing of
     kvgate's is in flight there to make room (a prompt larger than the cache never waits)."""
-    if worker == held:
+    if worker in held:
         return "held for a queued request waiting for KV room there"
     candidate = routed.candidates[worker]
     reason = gauge.busy(candidate)
@@ -204,10 +204,13 @@ def any_free(routed: Routed, gauge: BusyGauge, kv_room: bool = False) -> bool:
 
 
 def free_first(
-    routed: Routed, gauge: BusyGauge, kv_room: bool = False, held: WorkerId | None = None
+    routed: Routed,
+    gauge: BusyGauge,
+    kv_room: bool = False,
+    held: Collection[WorkerId] = frozenset(),
 ) -> Routed | None:
     """``routed`` with the workers it may go to now ranked first, in the policy's order, or
-    ``None`` when every ranked worker is busy (``held``: a worker held for another request,
+    ``None`` when every ranked worker is busy (``held``: workers held for other requests,
     busy for this one).
 
     A worker the policy set aside (``Decision.set_aside``: it lacks KV room where another has
@@ -266,7 +269,7 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
-        self._hold: tuple[int, WorkerId] | None = None  # kv_room_hold: (entry, its worker)
+        self._holds: dict[int, WorkerId] = {}  # kv_room_hold: entry -> the worker it holds
         metrics.declare(self.keys)
         metrics.watch(self)
 
@@ -436,15 +439,25 @@ class AdmissionQueue:
 
     def _release_hold(self, entry: _Entry) -> None:
         """``entry`` no longer waits for room: the worker it held is everyone's again."""
-        if self._hold is not None and self._hold[0] == entry.seq:
-            self._hold = None
+        if self._holds.pop(entry.seq, None) is not None:
             self._wake()
 
-    def _held_from(self, seq: int | None) -> WorkerId | None:
-        """The worker held for KV room (``kv_room_hold``) by an entry other than ``seq``
-        (None: any entry's), if any."""
-        hold = self._hold
-        return hold[1] if hold is not None and hold[0] != seq else None
+    def _held_from(self, seq: int | None) -> frozenset[WorkerId]:
+        """The workers held for KV room (``kv_room_hold``) by entries other than ``seq``
+        (None: any entry's)."""
+        return frozenset(w for s, w in self._holds.items() if s != seq)
+
+    def _hold(self, entry: _Entry, routed: Routed, held: frozenset[WorkerId]) -> None:
+        """``entry`` waits for KV room: it holds (or keeps holding) a worker when it holds one
+        already or fewer than ``kv_room_holds`` are held (one by default; never all of its
+        workers): the first such in the dispatch order hold one each."""
+        cfg = self.config
+        most = min(cfg.kv_room_holds, max(1, len(routed.candidates) - 1))
+        if not cfg.kv_room_hold or (entry.seq not in self._holds and len(self._holds) >= most):
+            return
+        target = self._hold_target(routed, held)
+        if target is not None:
+            self._holds[entry.seq] = target
 
     def _dispatch(self) -> None:
         """Send queued requests while some worker is free, best first (one pass)."""
@@ -462,7 +475,7 @@ class AdmissionQueue:
             tokens = [
                 routed.predicted_uncached_tokens(w)
                 for w in routed.candidates
-                if w in free and w != held
+                if w in free and w not in held
             ]
             return min(tokens) if tokens else None
 
@@ -482,8 +495,7 @@ class AdmissionQueue:
                 chosen = free_first(routed, self.gauge, held=held)  # a free worker, room or not
                 if chosen is not None and entry.waits_for_room:
                     no_room.add(entry.seq)  # a smaller request may fit where this one does not
-                    if self.config.kv_room_hold and held is None:  # the first such holds
-                        self._hold = (entry.seq, routed.decision.ranked[0])  # where it waits
+                    self._hold(entry, routed, held)
                     continue
                 # else it waited for room long enough: it takes its place in an engine's queue
             if chosen is None:  # the free workers it could use turned out busy
@@ -499,6 +511,11 @@ class AdmissionQueue:
             )
             entry.future.set_result(grant)
             free = self._free_workers()  # the chosen worker now carries it
+
+    def _hold_target(self, routed: Routed, held: frozenset[WorkerId]) -> WorkerId | None:
+        """The worker a request waiting for KV room holds: the policy's first choice among
+        those no other request holds (None: every one is held)."""
+        return next((w for w in routed.decision.ranked if w not in held), None)
 
     def _free_workers(self) -> set[WorkerId]:
         """Ready workers not busy now (any model)."""

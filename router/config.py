@@ -199,6 +199,13 @@ class QueueConfig(BaseModel):
         "first-come-first-served queue would keep it) instead of smaller requests' that "
         "overtake it",
     )
+    kv_room_holds: int = Field(
+        default=1,
+        ge=1,
+        description="kv_room_hold: how many workers may be held at once, each by one of the "
+        "first requests waiting for KV room in the dispatch order (never every worker of a "
+        "request that has more than one)",
+    )
     aging_tokens_per_s: float = Field(
         default=4096.0,
         gt=0,

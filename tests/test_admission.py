@@ -4,6 +4,7 @@ in them) behind a real kvgate on 127.0.0.1. Every wait is on a condition, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 from asyncio import FIRST_COMPLETED
@@ -76,11 +77,13 @@ async def _queued(gw: Kvgate, n: int) -> None:
 
 
 @asynccontextmanager
-async def _small_caches(queue: dict[str, Any]) -> AsyncIterator[tuple[Kvgate, list[str]]]:
-    """Two simulated replicas of 64 KV blocks of 4 tokens behind kvgate (``kv`` policy, the
-    real tokenizer and index, ``queue`` settings), and the replica URLs."""
+async def _small_caches(
+    queue: dict[str, Any], replicas: int = 2
+) -> AsyncIterator[tuple[Kvgate, list[str]]]:
+    """Simulated replicas (two) of 64 KV blocks of 4 tokens behind kvgate (``kv`` policy,
+    the real tokenizer and index, ``queue`` settings), and the replica URLs."""
     tokenizers = [f"{MODEL}={tokenizer_dir()}"]
-    config = sim_config(replicas=2, speedup=1000.0, block_size=4, capacity_blocks=64)
+    config = sim_config(replicas=replicas, speedup=1000.0, block_size=4, capacity_blocks=64)
     async with sim_fleet(config) as fleet:
         urls = [r.url for r in fleet.replicas]
         workers = [f"{u},models={MODEL}" for u in urls]
@@ -98,10 +101,11 @@ async def _small_caches(queue: dict[str, Any]) -> AsyncIterator[tuple[Kvgate, li
 async def _hold_each(gw: Kvgate, repeats: int) -> list[asyncio.Task[httpx.Response]]:
     """One request in flight on each (paused) replica, of ``repeats`` x 6 prompt tokens."""
     held = []
-    for n in (1, 2):
+    replicas = len(gw.gateway.registry)
+    for n in range(1, replicas + 1):
         held.append(_send(gw, _body(" ".join([f"held number {n} waiting"] * repeats))))
         await _in_flight(gw, n)
-    assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+    assert [w.in_flight for w in gw.gateway.registry] == [1] * replicas
     return held
 
 
@@ -591,6 +595,44 @@ async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_on
                 assert in_flight == {home: 2, other: 1}
         replies = await asyncio.gather(waiting, small, *held)
         assert [r.status_code for r in replies] == [200] * 4
+
+
+@pytest.mark.parametrize(("holds", "held"), [(8, 2), (2, 2), (1, 1)])
+async def test_requests_waiting_for_kv_room_hold_up_to_kv_room_holds_workers(
+    holds: int, held: int
+) -> None:
+    """``kv_room_holds``: with each of three replicas' caches claimed by its request in
+    flight, the first requests waiting for room hold a worker each, as many as it says (one
+    by default) and never every worker; a short request queued behind them goes to a worker
+    none holds."""
+    queue = {
+        "busy_kv_room": True,
+        "busy_pending_prefill_tokens": None,
+        "kv_room_patience": 1,
+        "kv_room_holds": holds,
+    }
+    words = " ".join(["a request of some twenty blocks"] * 14)
+    async with _small_caches(queue, replicas=3) as (gw, urls):
+        async with contextlib.AsyncExitStack() as paused:
+            for url in urls:
+                await paused.enter_async_context(_paused(url))
+            waiting = await _hold_each(gw, 33)  # 50 of the 64 blocks each
+            for n in range(3):
+                waiting.append(_send(gw, _body(f"waiting number {n} {words}")))
+            await _queued(gw, 3)
+            explained = (await gw.client.post("/debug/route", json=_body("short"))).json()
+            busy = explained["admission"]["busy_workers"]
+            assert (
+                list(busy.values())
+                == ["held for a queued request waiting for KV room there"] * held
+            )
+            waiting.append(_send(gw, _body("short")))
+            await _in_flight(gw, 4)  # the short one was sent; the three still wait
+            assert len(_queue(gw)) == 3
+            sent = [w.url for w in gw.gateway.registry if w.in_flight == 2]
+            assert len(sent) == 1 and sent[0] not in busy
+        replies = await asyncio.gather(*waiting)
+        assert [r.status_code for r in replies] == [200] * 7
 
 
 async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None:
