@@ -6,7 +6,9 @@ rebuilds, from the client's side alone, how many tokens each replica held over t
 
 * a request holds its prompt from the moment it was sent (queued in the engine or running,
   as kvgate's own prediction counts it) to its end, plus its output tokens, decoded at an
-  even pace from its first token to its end;
+  even pace from its first token to its end. A request that waited in kvgate's queue was
+  sent to its replica only when dispatched: where the run holds kvgate's access log (JSON
+  format, as in ``bench tail``), its ``queued_ms`` is added to the client's send time;
 * a request sent at ``t`` *lacks room* on a replica when the tokens held there by requests
   sent before it, plus its own prompt, exceed the capacity (``--capacity-blocks`` x
   ``--block-size``); its *room wait* there is the time until enough of them ended.
@@ -30,6 +32,10 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from bench.replay import request_id
+from bench.tail import read_access, read_records
 
 NEVER = math.inf
 
@@ -38,7 +44,7 @@ NEVER = math.inf
 class Served:
     """One answered request, in seconds of the run."""
 
-    sent: float
+    sent: float  # to its replica: the client's send, plus its wait in kvgate's queue
     first: float  # first token
     end: float
     prompt_tokens: int
@@ -67,27 +73,33 @@ class RoomWait:
 
 def read_served(run_dir: Path) -> list[Served]:
     """The answered requests of one run directory's ``records.jsonl`` whose replica is known
-    (kvgate names it in a response header; routers that do not leave nothing to read)."""
+    (kvgate names it in a response header; routers that do not leave nothing to read), each
+    sent when it left kvgate's queue where the run's access log says it waited there."""
+    access = read_access(run_dir)
     served = []
-    with (run_dir / "records.jsonl").open() as lines:
-        for line in lines:
-            r = json.loads(line)
-            times = (r.get("sent_s"), r.get("ttft_s"), r.get("e2e_s"))
-            if r.get("status") != "ok" or None in times or not r.get("worker"):
-                continue  # not answered, or no replica named (a router that does not say)
-            sent = float(r["sent_s"])
-            end = sent + max(float(r["e2e_s"]), float(r["ttft_s"]))
-            served.append(
-                Served(
-                    sent=sent,
-                    first=sent + float(r["ttft_s"]),
-                    end=end,
-                    prompt_tokens=int(r["prompt_tokens"]),
-                    output_tokens=int(r["output_tokens"]),
-                    worker=str(r["worker"]),
-                )
+    for r in read_records(run_dir):
+        times = (r.get("sent_s"), r.get("ttft_s"), r.get("e2e_s"))
+        if r.get("status") != "ok" or None in times or not r.get("worker"):
+            continue  # not answered, or no replica named (a router that does not say)
+        sent = float(r["sent_s"])
+        end = sent + max(float(r["e2e_s"]), float(r["ttft_s"]))
+        served.append(
+            Served(
+                sent=sent + _queued_s(access.get(request_id(int(r["index"])))),
+                first=sent + float(r["ttft_s"]),
+                end=end,
+                prompt_tokens=int(r["prompt_tokens"]),
+                output_tokens=int(r["output_tokens"]),
+                worker=str(r["worker"]),
             )
+        )
     return sorted(served, key=lambda s: s.sent)
+
+
+def _queued_s(line: dict[str, Any] | None) -> float:
+    """Seconds the access-log ``line`` says the request waited in kvgate's queue (0: none)."""
+    queued = None if line is None else line.get("queued_ms")
+    return float(queued) / 1000.0 if isinstance(queued, int | float) and queued > 0 else 0.0
 
 
 def room_wait(holders: Sequence[Served], t0: float, need: int, capacity: int) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import cli
+from bench.replay import request_id
 from bench.room_wait import Served, estimated_wait, read_served, residual_life, room_waits
 
 
@@ -62,6 +63,24 @@ def test_room_waits_where_sent_by_hindsight_and_by_the_estimate(tmp_path: Path) 
     # B's request has decoded 0.5 s, A's 0.9 s, both past the one decode seen (0.4 s): each
     # is expected to last as long again, so B is expected to free room first
     assert wait.residual_life == pytest.approx(1.0)
+
+
+def test_a_request_queued_in_kvgate_holds_room_from_its_dispatch(tmp_path: Path) -> None:
+    """kvgate's access log says the 50-token request waited 1 s in its queue: it reached A at
+    t=3, when B's request had ended (room at B at once), and A's holds 60 until t=11."""
+    run = _run(tmp_path)
+    (run / "logs").mkdir()
+    lines = [
+        {"logger": "kvgate.access", "request_id": request_id(3), "queued_ms": 1000.0},
+        {"logger": "kvgate.access", "request_id": request_id(1), "queued_ms": None},
+    ]
+    (run / "logs" / "kvgate-kv.log").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    served = read_served(run)
+    assert [(s.prompt_tokens, s.sent) for s in served][3] == (50, pytest.approx(3.0))
+    (wait,) = room_waits(served, capacity=100)
+    assert wait.where_sent == pytest.approx(8.0)
+    assert wait.hindsight == 0.0
+    assert not wait.fits_nowhere
 
 
 def test_residual_life_is_the_mean_remaining_of_longer_decodes() -> None:
