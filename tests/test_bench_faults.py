@@ -27,6 +27,9 @@ def test_no_request_fails_before_its_first_token_and_no_phantom_hits(tmp_path: P
     argv = ["--scenarios", ",".join(SCENARIOS), "--runs", "1", "--seconds", "9"]
     argv += ["--fault-at", "3", "--drain", "15", "--slots", "12", "--capacity-blocks", "400"]
     argv += ["--seed", "14", "--json", str(out), "--out", str(tmp_path / "logs")]
+    # probes every 0.5 s: the crashed replica (down 5 s) is found down by its probes alone
+    # (3 failures), also when no request happened to be in flight there when it crashed
+    argv += ["--serve-arg=--health-interval-s=0.5"]
     assert faults_main(argv) == 0
     results = {r["scenario"]: r for r in json.loads(out.read_text())}
     assert set(results) == set(SCENARIOS)
