@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay import request_id
-from bench.tail import read_access, read_records
+from bench.tail import queued_ms_of, read_access, read_records
 
 NEVER = math.inf
 
@@ -98,8 +98,7 @@ def read_served(run_dir: Path) -> list[Served]:
 
 def _queued_s(line: dict[str, Any] | None) -> float:
     """Seconds the access-log ``line`` says the request waited in kvgate's queue (0: none)."""
-    queued = None if line is None else line.get("queued_ms")
-    return float(queued) / 1000.0 if isinstance(queued, int | float) and queued > 0 else 0.0
+    return max(queued_ms_of(line) or 0.0, 0.0) / 1000.0
 
 
 def room_wait(holders: Sequence[Served], t0: float, need: int, capacity: int) -> float:

@@ -107,6 +107,12 @@ def cause_of(
     return LOST_AFTER, best, predicted
 
 
+def queued_ms_of(access: Mapping[str, Any] | None) -> float | None:
+    """The access-log line's ``queued_ms`` (None: no line, or the request never queued)."""
+    queued = None if access is None else access.get("queued_ms")
+    return float(queued) if isinstance(queued, int | float) else None
+
+
 def _int_or_none(access: Mapping[str, Any] | None, key: str) -> int | None:
     value = None if access is None else access.get(key)
     return value if isinstance(value, int) else None
@@ -129,7 +135,6 @@ def classify(
         line = access.get(request_id(int(r["index"])))
         cached = int(r.get("cached_tokens") or 0)
         cause, best, predicted = cause_of(prompt, cached, history, line)
-        queued = line.get("queued_ms") if line is not None else None
         out.append(
             Slow(
                 index=int(r["index"]),
@@ -143,7 +148,7 @@ def classify(
                 cause=cause,
                 best_cached_tokens=best,
                 predicted_cached_tokens=predicted,
-                queued_ms=float(queued) if isinstance(queued, int | float) else None,
+                queued_ms=queued_ms_of(line),
             )
         )
     return sorted(out, key=lambda s: -s.ttft_s)

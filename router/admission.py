@@ -455,7 +455,8 @@ class AdmissionQueue:
         most = min(cfg.kv_room_holds, max(1, len(routed.candidates) - 1))
         if not cfg.kv_room_hold or (entry.seq not in self._holds and len(self._holds) >= most):
             return
-        target = self._hold_target(routed, held)
+        # its policy's first choice among the workers no other request holds
+        target = next((w for w in routed.decision.ranked if w not in held), None)
         if target is not None:
             self._holds[entry.seq] = target
 
@@ -511,11 +512,6 @@ class AdmissionQueue:
             )
             entry.future.set_result(grant)
             free = self._free_workers()  # the chosen worker now carries it
-
-    def _hold_target(self, routed: Routed, held: frozenset[WorkerId]) -> WorkerId | None:
-        """The worker a request waiting for KV room holds: the policy's first choice among
-        those no other request holds (None: every one is held)."""
-        return next((w for w in routed.decision.ranked if w not in held), None)
 
     def _free_workers(self) -> set[WorkerId]:
         """Ready workers not busy now (any model)."""
