@@ -89,7 +89,11 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # busy_kv_room, dispatched first come first served (aging so fast that work never counts)
     "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
     "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
-    "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),  # 4x the default aging
+    # the dispatch order's aging: 4,096 tokens/s (the default before 2026-12-06, fifth
+    # session), 16,384, and 65,536 (the default since; kv_age64k names it for older mains)
+    "kv_age4k": ("kv", ("--queue-aging-tokens-per-s", "4096")),
+    "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),
+    "kv_age64k": ("kv", ("--queue-aging-tokens-per-s", "65536")),
     # busy with 16k / 32k / 64k (the default since 2026-12-05) prompt tokens sent and not
     # yet prefilled: 16k was the default before, the lower the earlier the queue engages
     "kv_busy16k": ("kv", ("--queue-busy-pending-prefill-tokens", "16384")),

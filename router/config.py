@@ -207,10 +207,11 @@ class QueueConfig(BaseModel):
         "request that has more than one)",
     )
     aging_tokens_per_s: float = Field(
-        default=4096.0,
+        default=65536.0,
         gt=0,
         description="dispatch order: each second queued counts as this many prompt tokens "
-        "less work (bounds how long a large prefill can be passed by cheaper requests)",
+        "less work (bounds how long a large prefill can be passed by cheaper requests: a "
+        "32k-token one for half a second at the default)",
     )
     base_tokens: int = Field(
         default=256, ge=0, description="dispatch order: work counted for every request"

@@ -9,8 +9,10 @@ frees its place soon and keeps its cache warm; one whose cache is on a busy work
 recompute it and waits for its home instead), and waiting earns credit: each second in the
 queue takes ``aging_tokens_per_s`` off the work. A request of work W therefore never waits
 more than ``W / aging_tokens_per_s`` seconds longer than a request of no work that arrived
-when it did: starvation is bounded whatever the arrival rate. Ties go to the earlier
-arrival. Only the oldest queued turn of a session is eligible (its turns leave in order).
+when it did: starvation is bounded whatever the arrival rate. The default (65,536 tokens a
+second) lets the cheapest go first among requests that arrived close together and otherwise
+keeps near the arrival order. Ties go to the earlier arrival. Only the oldest queued turn
+of a session is eligible (its turns leave in order).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Protocol, TypeVar
 
 @dataclass(frozen=True, slots=True)
 class OrderConfig:
-    aging_tokens_per_s: float = 4096.0
+    aging_tokens_per_s: float = 65536.0
     base_tokens: int = 256
 
 

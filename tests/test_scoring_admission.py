@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from index.types import WorkerId
+from router.config import QueueConfig
 from scoring.api import Candidate, WorkerLoad
 from scoring.busy import BusyLimits, ThresholdGauge, kv_held_share, over_limits
 from scoring.dispatch_order import OrderConfig, dispatch_priority, next_to_dispatch
@@ -71,6 +72,20 @@ def test_aging_bounds_how_long_large_work_is_passed() -> None:
         chosen = next_to_dispatch([big, fresh], now, config, _all)
         assert chosen is (big if now >= 50.0 else fresh), now
     assert dispatch_priority(big, big.work_tokens, 50.0, config) == 0.0
+
+
+def test_by_default_a_large_prompt_is_passed_for_about_half_a_second_per_32k_tokens() -> None:
+    """The defaults (QueueConfig's too) keep near arrival order: cheap work goes first only
+    among requests that arrived within about W / 65,536 s of each other."""
+    config = OrderConfig()
+    big = Entry(0, 0.0, 32768)
+    assert next_to_dispatch([big, Entry(1, 0.25, 0)], 0.25, config, _all) is not big
+    assert next_to_dispatch([big, Entry(1, 0.75, 0)], 0.75, config, _all) is big
+    order = QueueConfig()
+    assert (order.aging_tokens_per_s, order.base_tokens) == (
+        config.aging_tokens_per_s,
+        config.base_tokens,
+    )
 
 
 def test_only_a_sessions_oldest_turn_and_entries_that_may_go_are_taken() -> None:
