@@ -35,6 +35,7 @@ from backends.config import HealthConfig, WorkerConfig, check_secret, redact
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
 from scoring.config import KvPolicyConfig
+from scoring.dispatch_order import AGING_TOKENS_PER_S, BASE_TOKENS
 from scoring.policies import POLICY_NAMES
 
 _SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
@@ -207,14 +208,14 @@ class QueueConfig(BaseModel):
         "request that has more than one)",
     )
     aging_tokens_per_s: float = Field(
-        default=65536.0,
+        default=AGING_TOKENS_PER_S,
         gt=0,
         description="dispatch order: each second queued counts as this many prompt tokens "
         "less work (bounds how long a large prefill can be passed by cheaper requests: a "
         "32k-token one for half a second at the default)",
     )
     base_tokens: int = Field(
-        default=256, ge=0, description="dispatch order: work counted for every request"
+        default=BASE_TOKENS, ge=0, description="dispatch order: work counted for every request"
     )
     max_in_flight_per_key: int | None = Field(
         default=None, ge=1, description="requests one API key may have in flight; more wait"

@@ -21,11 +21,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+AGING_TOKENS_PER_S = 65536.0
+"""Default credit per second queued (``QueueConfig.aging_tokens_per_s`` too)."""
+BASE_TOKENS = 256
+"""Default work counted for every request (``QueueConfig.base_tokens`` too)."""
+
 
 @dataclass(frozen=True, slots=True)
 class OrderConfig:
-    aging_tokens_per_s: float = 65536.0
-    base_tokens: int = 256
+    aging_tokens_per_s: float = AGING_TOKENS_PER_S
+    base_tokens: int = BASE_TOKENS
 
 
 class Queued(Protocol):
