@@ -62,6 +62,9 @@ bound on the work per request however many are in flight."""
 log = logging.getLogger("kvgate.registry")
 _FOOTPRINT_REBASE_EXPONENT = 256.0
 """Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
+MAX_DECODE_BLOCKS = 1 << 20
+"""The most blocks one request's streamed answer counts as holding where its worker reports
+no KV capacity (16M tokens at 16 a block: more than any engine's cache)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -79,7 +82,9 @@ class Worker:
     pending_requests: int = 0  # sent and not started (no first token yet)
     # of those, the ones sent lacking KV room (LoadTicket.blocking), oldest first: when sent
     blocked: dict[LoadTicket, float] = field(default_factory=dict)
-    active_decode_blocks: int = 0  # in-flight prompts' blocks, shared prefixes counted once
+    # in-flight requests' blocks: their prompts' (shared prefixes counted once) and the
+    # blocks their streamed answers have filled so far
+    active_decode_blocks: int = 0
     # block keys of the in-flight requests (for the prefixes they share), by ticket
     flights: dict[LoadTicket, Sequence[BlockKey]] = field(default_factory=dict)
     footprint: float = 0.0  # see WorkerRegistry.record_footprint
@@ -299,13 +304,17 @@ class LoadTicket:
     """One request's share of a worker's predicted load; every release is idempotent."""
 
     __slots__ = (
+        "_block_size",
         "_blocks",
         "_completed",
+        "_decoded",
         "_features",
         "_finished",
+        "_grown",
         "_pairs",
         "_predicted_s",
         "_prefill_done",
+        "_prompt",
         "_prompt_tokens",
         "_registry",
         "_reserved",
@@ -326,13 +335,21 @@ class LoadTicket:
         keys: Sequence[BlockKey] = (),
         reserved: bool = False,
         blocking: bool = False,
+        prompt: int = 0,
+        block_size: int = 16,
     ) -> None:
+        """``prompt_tokens``: its tokens to prefill, of ``prompt`` (the whole prompt, where
+        its answer's first block starts: ``block_size`` tokens a block)."""
         self.worker = worker
         self._registry = registry
         self._reserved = reserved  # a queue's hold, handed over: its end releases nothing
         self._prompt_tokens = prompt_tokens
         # its own blocks: those past the prefix it shares with a request in flight there
         self._blocks = own_blocks
+        self._prompt = max(prompt, 0)
+        self._block_size = max(block_size, 1)
+        self._decoded = 0  # answer tokens streamed so far
+        self._grown = 0  # the blocks they filled past the prompt's (in active_decode_blocks)
         if keys:
             worker.flights[self] = keys
         self._features = features
@@ -391,6 +408,24 @@ class LoadTicket:
         if not self._finished:  # (finish tells the watchers once, itself)
             self._registry.load_changed()
 
+    def streamed(self, tokens: int) -> None:
+        """``tokens`` more of its answer came back (a stream's events): the engine holds
+        the blocks they fill, as long as the request runs. A long answer grows a block
+        every ``block_size`` tokens, and two of them decoding for a minute hold hundreds
+        more than their prompts did. Counted from the stream, at most the capacity the
+        worker reports (or ``MAX_DECODE_BLOCKS``): a worker that streams without end makes
+        only itself look full, and only until the request ends."""
+        if self._finished or tokens <= 0 or not self._registry.counts_answer_blocks:
+            return
+        self._decoded += tokens
+        size = self._block_size
+        grown = -(-(self._prompt + self._decoded) // size) - -(-self._prompt // size)
+        cap = self.worker.scraped.kv_capacity_blocks or MAX_DECODE_BLOCKS
+        grown = min(grown, cap)
+        if grown > self._grown:
+            self.worker.active_decode_blocks += grown - self._grown
+            self._grown = grown
+
     def complete(self, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """The request was answered in full; the engine's usage, when it reported it, says
         what was really prefilled (the TTFT model learns from that, not the prediction)."""
@@ -408,9 +443,10 @@ class LoadTicket:
         self._finished = True
         self.first_token(measured=False)
         self.worker.in_flight -= 1
-        self.worker.active_decode_blocks -= self._blocks
+        held = self._blocks + self._grown
+        self.worker.active_decode_blocks -= held
         if not self._reserved:
-            self.worker.released_blocks += self._blocks
+            self.worker.released_blocks += held
         self.worker.flights.pop(self, None)
         self._registry.load_changed()
         if not self._completed or self._ttft_s is None or self.worker.removed:
@@ -453,6 +489,11 @@ class WorkerRegistry:
 
     def now(self) -> float:
         return self._clock()
+
+    @property
+    def counts_answer_blocks(self) -> bool:
+        """Streamed answers' blocks count as held (``KvPolicyConfig.answer_blocks``)."""
+        return self._scoring.answer_blocks
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:
@@ -708,6 +749,8 @@ class WorkerRegistry:
             keys=keys,
             reserved=reserved,
             blocking=kv_overcommit(load, resident, self._scoring) > 0.0,
+            prompt=prompt,
+            block_size=block_size,
         )
 
     def observe_ttft(

@@ -100,6 +100,10 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_busy32k": ("kv", ("--queue-busy-pending-prefill-tokens", "32768")),
     "kv_busy64k": ("kv", ("--queue-busy-pending-prefill-tokens", "65536")),
     "kv_qp05": ("kv", ("--scoring-queued-prefill-weight", "0.5")),  # queued prefill at half
+    # held blocks: the prompts' only, not the blocks streamed answers have filled (the
+    # default before 2026-12-06, sixth session); kv_answerblocks names the new one for older mains
+    "kv_noanswerblocks": ("kv", ("--no-scoring-answer-blocks",)),
+    "kv_answerblocks": ("kv", ("--scoring-answer-blocks",)),
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
 

@@ -92,6 +92,7 @@ _CLIENT_CLOSED = "499"  # nginx's convention for "client closed the request"
 _LAST_WRITE_S = 5.0  # past the deadline: how long the error may take to reach the client
 _MAX_HELD_BYTES = 1 << 20  # a stream's bytes held before its first content, at most
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
+_SSE_DATA = b"data:"  # an event's data line: one per streamed token
 _WORKER_GONE = frozenset({Reason.REFUSED, Reason.RESET})
 
 
@@ -492,10 +493,10 @@ class ProxyResponse(Response):
         if held.sse and mode is not UsageMode.NONE:
             tap = SseUsageTap(hide=mode is UsageMode.HIDE)
         for chunk in held.chunks:
-            await self._relay_chunk(send, chunk, tap, worker)
+            await self._relay_chunk(send, chunk, tap, worker, ticket)
         try:
             while not held.ended and (more := await response.next_chunk()) is not None:
-                await self._relay_chunk(send, more, tap, worker)
+                await self._relay_chunk(send, more, tap, worker, ticket)
         except httpx.HTTPError as exc:
             error = from_httpx(exc, worker=worker.url)
             reason = failure_reason(exc)
@@ -511,8 +512,10 @@ class ProxyResponse(Response):
         await self._end(send, tail)
 
     async def _relay_chunk(
-        self, send: Send, chunk: bytes, tap: SseUsageTap | None, worker: Worker
+        self, send: Send, chunk: bytes, tap: SseUsageTap | None, worker: Worker, ticket: LoadTicket
     ) -> None:
+        if self._sse:  # an event a token (vLLM, SGLang): the answer's blocks grow with them
+            ticket.streamed(chunk.count(_SSE_DATA))
         if self._answer_tap is not None and self._answer_tap.feed(worker.id, chunk):
             self._answer_tap = None  # it has seen enough
         if self._watch_errors and error_events(chunk):  # the engine's own, after tokens

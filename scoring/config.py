@@ -261,6 +261,15 @@ class KvPolicyConfig(BaseModel):
             "the request is scheduled. Off: only the blocks outside its GPU match count."
         ),
     )
+    answer_blocks: bool = Field(
+        default=True,
+        description=(
+            "Count the blocks a streamed answer has filled so far (one token an event) in its "
+            "worker's held blocks, beside its prompt's: a long answer holds a block more every "
+            "block_size tokens, and the scraped KV usage sees them a scrape late. Off: the "
+            "prompts' blocks only (docs/scoring.md, KV fit)."
+        ),
+    )
     kv_fit_guard: bool = Field(
         default=True,
         description=(

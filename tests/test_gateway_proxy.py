@@ -86,6 +86,26 @@ async def test_stream_is_relayed_before_the_engine_finishes() -> None:
         engine.release.set()
 
 
+async def test_a_streamed_answer_counts_its_blocks_as_held_until_it_ends() -> None:
+    """64 tokens streamed (of 65) fill 4 blocks of 16 past the prompt's; the end of the
+    stream releases the prompt's and the answer's blocks together."""
+    engine = FakeEngine()
+    body = {**CHAT, "stream": True, "fake": {"tokens": 65, "hold": "before_last_chunk"}}
+    async with fleet(engine) as f, kvgate(f.urls) as gw:
+        worker = gw.gateway.registry.get(f.urls[0])
+        prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
+        prompt_blocks = -(-prompt // 16)
+        async with gw.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            await wait_for(lambda: engine.holding == 1, what="64 tokens streamed")
+            held = prompt_blocks + 4
+            await wait_for(lambda: worker.active_decode_blocks == held, what="the answer held")
+            engine.release.set()
+            events = sse_data((await r.aread()).decode())
+        assert len(events) == 65 + 1  # every token, then [DONE]
+        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        assert worker.active_decode_blocks == 0
+
+
 async def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"hold": "after_first_chunk"}}

@@ -4,6 +4,7 @@ requests loses its match's credit while another candidate has room (docs/scoring
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from index.keys import shared_prefix_blocks
 from index.types import BlockKey, PrefixMatch, WorkerId
 from scoring.api import Candidate, RouteRequest, WorkerLoad
 from scoring.config import KvPolicyConfig
-from scoring.cost_parts import kv_fit_shares, kv_shortfall, request_size
+from scoring.cost_parts import kv_fit_shares, kv_overcommit, kv_shortfall, request_size
 from scoring.kv import KvPolicy
 
 BS = 16
@@ -289,6 +290,70 @@ def test_only_the_most_recent_flights_are_compared() -> None:
     for ticket in [shared, *others, late]:
         ticket.finish()
     assert worker.active_decode_blocks == 0 and not worker.flights
+
+
+# ---- answers: the blocks a streamed answer fills count as held ----
+
+
+def test_a_streamed_answer_holds_a_block_more_every_block_size_tokens() -> None:
+    """A prompt of 100 tokens ends 4 tokens into its seventh block: its answer's first 12
+    tokens fill that block, the next 16 a new one. All of it is released at the end."""
+    reg, wid = _registry()
+    worker = reg.get(wid)
+    ticket = reg.begin(wid, 100, 7, BS, prompt_tokens=100, keys=_keys(0, 7, 1))
+    assert worker.active_decode_blocks == 7
+    ticket.first_token()
+    ticket.streamed(12)
+    assert worker.active_decode_blocks == 7
+    ticket.streamed(1)
+    assert worker.active_decode_blocks == 8
+    ticket.streamed(16 * 10)
+    assert worker.active_decode_blocks == 18
+    assert worker.load().active_decode_blocks == 18
+    ticket.finish()
+    assert worker.active_decode_blocks == 0
+    assert worker.released_blocks == 18  # the scrape counted them: what it still holds less
+    ticket.streamed(1_000)  # a late event changes nothing
+    assert worker.active_decode_blocks == 0
+
+
+def test_an_answer_that_never_ends_counts_at_most_the_worker_capacity() -> None:
+    reg, wid = _registry()
+    worker = reg.get(wid)
+    worker.scraped = replace(worker.scraped, kv_capacity_blocks=1_000)
+    ticket = reg.begin(wid, 16, 1, BS, prompt_tokens=16)
+    for _ in range(100):
+        ticket.streamed(10**9)  # a worker streaming without end, or lying in its events
+    assert worker.active_decode_blocks == 1 + 1_000
+    ticket.finish()
+    assert worker.active_decode_blocks == 0
+
+
+def test_answer_blocks_off_counts_the_prompts_only() -> None:
+    reg = WorkerRegistry(scoring=KvPolicyConfig(answer_blocks=False))
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    ticket = reg.begin(worker.id, 16, 1, BS, prompt_tokens=16)
+    ticket.streamed(1_000)
+    assert worker.active_decode_blocks == 1
+    ticket.finish()
+    assert worker.active_decode_blocks == 0
+
+
+def test_a_long_answer_takes_the_room_a_prompt_needed() -> None:
+    """The case measured on the faithful simulator: two long answers decoding where, by
+    their prompts, a 500-block prompt fits; by what they hold now, it does not."""
+    config = KvPolicyConfig(kv_capacity_blocks=1_000)
+    reg = WorkerRegistry(scoring=config)
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    running = [reg.begin(worker.id, 240 * BS, 240, BS, keys=_keys(0, 240, i)) for i in (1, 2)]
+    assert kv_overcommit(worker.load(), 500, config) == -20  # fits, 20 blocks to spare
+    for ticket in running:
+        ticket.first_token()
+        ticket.streamed(20 * BS)  # 20 blocks of answer each
+    assert kv_overcommit(worker.load(), 500, config) == 20
+    assert reg.begin(worker.id, 0, 500, BS, keys=_keys(0, 500, 3)).blocking
 
 
 # ---- blocked: a worker whose engine queue holds a request sent lacking room ----

@@ -3,8 +3,9 @@
 A request body may carry ``"fake": {...}`` (kvgate forwards unknown fields untouched):
 
 * ``"tokens": N``: number of output tokens (default 3);
-* ``"hold": "before_headers" | "after_first_chunk"``: stop there until the connection
-  goes away (the engine records the cancel) or ``FakeEngine.release`` is set;
+* ``"hold": "before_headers" | "after_first_chunk" | "before_last_chunk"``: stop there until
+  the connection goes away (the engine records the cancel) or ``FakeEngine.release`` is set
+  (released before its last chunk, a stream goes on to its end);
 * ``"status": CODE``: answer with this HTTP status and an OpenAI error body;
 * ``"break_stream": true``: send one chunk, then break the connection;
 * ``"trickle": true``: stream one chunk every few milliseconds until the client goes away
@@ -153,6 +154,10 @@ class FakeEngine:
             if i == 0 and fake.get("hold") == "after_first_chunk":
                 await self._hold(receive)
                 return
+            if i == tokens - 2 and fake.get("hold") == "before_last_chunk":
+                await self._hold(receive)
+                if not self.release.is_set():
+                    return  # the client went
             if i == 0 and fake.get("break_stream"):
                 raise ConnectionAbortedError("fake engine breaks the stream")
         if (body.get("stream_options") or {}).get("include_usage"):
