@@ -93,6 +93,7 @@ _LAST_WRITE_S = 5.0  # past the deadline: how long the error may take to reach t
 _MAX_HELD_BYTES = 1 << 20  # a stream's bytes held before its first content, at most
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
 _SSE_DATA = b"data:"  # an event's data line: one per streamed token
+_SSE_DONE = b"data: [DONE]"  # the end of an OpenAI stream: no token
 _WORKER_GONE = frozenset({Reason.REFUSED, Reason.RESET})
 
 
@@ -515,7 +516,7 @@ class ProxyResponse(Response):
         self, send: Send, chunk: bytes, tap: SseUsageTap | None, worker: Worker, ticket: LoadTicket
     ) -> None:
         if self._sse:  # an event a token (vLLM, SGLang): the answer's blocks grow with them
-            ticket.streamed(chunk.count(_SSE_DATA))
+            ticket.streamed(chunk.count(_SSE_DATA) - chunk.count(_SSE_DONE))
         if self._answer_tap is not None and self._answer_tap.feed(worker.id, chunk):
             self._answer_tap = None  # it has seen enough
         if self._watch_errors and error_events(chunk):  # the engine's own, after tokens
