@@ -24,7 +24,7 @@ from bench.fleet import (
     system_cpu_times,
     tree_cpu_seconds,
 )
-from bench.overload import PointResult, ramp_table
+from bench.overload import PointResult, ramp_table, window_goodput
 from bench.replay import MetricsSample, RequestRecord
 from bench.report import (
     LATE_METRIC,
@@ -202,6 +202,33 @@ def test_ramp_table_pools_the_repeats_served_requests() -> None:
     pooled = [0.1] * 99 + [9.0] + [0.2] * 100
     assert row[8] == f"{percentile(pooled, 99):.2f}"
     assert row[9] == f"{sum(pooled) / len(pooled):.3f}"
+
+
+def _sent(sent_s: float, ttft_s: float | None, status: str = "ok") -> RequestRecord:
+    return RequestRecord(0, "s", 0.0, 10, 1, sent_s=sent_s, ttft_s=ttft_s, status=status)
+
+
+def test_the_load_windows_goodput_counts_good_first_tokens_before_its_end() -> None:
+    """Within the SLO and before the window ends: counted. A first token after the window
+    (sent inside it or not), one over the SLO, and a failed request are not."""
+    records = [
+        _sent(1.0, 0.5),
+        _sent(8.0, 1.9),  # first token at 9.9 s
+        _sent(9.0, 1.5),  # first token at 10.5 s: after the window
+        _sent(2.0, 6.0),  # over the SLO
+        _sent(3.0, None, status="http_503"),
+        _sent(12.0, 0.1),
+    ]
+    assert window_goodput(records, slo_s=5.0, window_s=10.0) == pytest.approx(2 / 10)
+
+
+def test_ramp_table_gives_the_load_windows_goodput_beside_the_replays() -> None:
+    runs = [replace(_point(1, [0.1] * 10), window_goodput_rps=w) for w in (0.4, 0.2, 0.3)]
+    header, _, row = ramp_table(runs, slo_s=5.0).splitlines()[:3]
+    assert "in the load window" in header.split(" | ")[11]
+    assert row.split(" | ")[11] == "0.30 (0.20–0.40)"
+    without = ramp_table([_point(1, [0.1])], slo_s=5.0).splitlines()[2]
+    assert without.split(" | ")[11] == "–"
 
 
 def test_ramp_table_counts_requests_over_every_repeat() -> None:
