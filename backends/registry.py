@@ -64,7 +64,8 @@ _FOOTPRINT_REBASE_EXPONENT = 256.0
 """Footprints are rescaled once their common factor reaches 2**256 (floats reach 2**1023)."""
 MAX_DECODE_BLOCKS = 1 << 20
 """The most blocks one request's streamed answer counts as holding where its worker reports
-no KV capacity (16M tokens at 16 a block: more than any engine's cache)."""
+no KV capacity and none is configured (16M tokens at 16 a block: more than any engine's
+cache)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -412,16 +413,15 @@ class LoadTicket:
         """``tokens`` more of its answer came back (a stream's events): the engine holds
         the blocks they fill, as long as the request runs. A long answer grows a block
         every ``block_size`` tokens, and two of them decoding for a minute hold hundreds
-        more than their prompts did. Counted from the stream, at most the capacity the
-        worker reports (or ``MAX_DECODE_BLOCKS``): a worker that streams without end makes
-        only itself look full, and only until the request ends."""
+        more than their prompts did. Counted from the stream, at most the worker's capacity
+        (``WorkerRegistry.answer_cap``): a worker that streams without end makes only itself
+        look full, and only until the request ends."""
         if self._finished or tokens <= 0 or not self._registry.counts_answer_blocks:
             return
         self._decoded += tokens
         size = self._block_size
         grown = -(-(self._prompt + self._decoded) // size) - -(-self._prompt // size)
-        cap = self.worker.scraped.kv_capacity_blocks or MAX_DECODE_BLOCKS
-        grown = min(grown, cap)
+        grown = min(grown, self._registry.answer_cap(self.worker))
         if grown > self._grown:
             self.worker.active_decode_blocks += grown - self._grown
             self._grown = grown
@@ -494,6 +494,13 @@ class WorkerRegistry:
     def counts_answer_blocks(self) -> bool:
         """Streamed answers' blocks count as held (``KvPolicyConfig.answer_blocks``)."""
         return self._scoring.answer_blocks
+
+    def answer_cap(self, worker: Worker) -> int:
+        """The most blocks one streamed answer counts as holding on ``worker``: its KV
+        capacity as the fit takes it (scraped, else ``kv_capacity_blocks``), else
+        ``MAX_DECODE_BLOCKS``."""
+        capacity = worker.scraped.kv_capacity_blocks or self._scoring.kv_capacity_blocks
+        return capacity or MAX_DECODE_BLOCKS
 
     # -- membership -------------------------------------------------------------------
     def add(self, config: WorkerConfig) -> Worker:

@@ -329,6 +329,18 @@ def test_an_answer_that_never_ends_counts_at_most_the_worker_capacity() -> None:
     assert worker.active_decode_blocks == 0
 
 
+def test_where_none_is_scraped_the_configured_capacity_caps_an_answer() -> None:
+    reg = WorkerRegistry(scoring=KvPolicyConfig(kv_capacity_blocks=500))
+    reg.add(WorkerConfig(url="http://w", models=["m"]))
+    (worker,) = list(reg)
+    assert worker.scraped.kv_capacity_blocks is None
+    ticket = reg.begin(worker.id, 16, 1, BS, prompt_tokens=16)
+    ticket.streamed(10**9)
+    assert worker.active_decode_blocks == 1 + 500
+    ticket.finish()
+    assert worker.active_decode_blocks == 0
+
+
 def test_answer_blocks_off_counts_the_prompts_only() -> None:
     reg = WorkerRegistry(scoring=KvPolicyConfig(answer_blocks=False))
     reg.add(WorkerConfig(url="http://w", models=["m"]))
