@@ -234,20 +234,16 @@ class HealthChecker:
         path = worker.adapter.metrics_path
         if path is None:
             return
-        mark = worker.released_blocks  # requests that end from now on: not in this scrape
-        asked = self._registry.now()
+        asked = self._registry.scrape_begins(worker)
         try:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
-            worker.scraped = worker.adapter.parse_load(response.text)
-            worker.scrape_mark = mark
-            if worker.scraped.waiting == 0:
-                worker.unblock(asked)
+            self._registry.scraped(worker, worker.adapter.parse_load(response.text), asked)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)
-            worker.scraped = ScrapedLoad()
+            self._registry.scraped(worker, ScrapedLoad(), asked)
 
     async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
         """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a

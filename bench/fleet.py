@@ -332,16 +332,22 @@ class KvgateSpec:
     tree: Path | None = None
     """Run kvgate from this checkout instead of this one (an older commit, side by side):
     ``python -m router.cli`` started in it imports its packages first."""
+    variant: str | None = None
+    """A variant built in code (``bench.variants``): ``python -m bench.variants NAME``."""
 
 
 def kvgate_serve_argv(
     spec: KvgateSpec, fleet: SimFleet, port: int, model: str = SIM_MODEL
 ) -> list[str]:
     """``kvgate serve`` wired to the fleet's replicas, events and the simulator's tokenizer."""
-    argv = kvgate_argv(
-        "serve", "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
+    flags = [
+        "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
         "--tokenizer", f"{model}={tokenizer_dir()}", "--log-level", "warning",
-    )  # fmt: skip
+    ]  # fmt: skip
+    if spec.variant is not None:
+        argv = [sys.executable, "-m", "bench.variants", spec.variant, *flags]
+    else:
+        argv = kvgate_argv("serve", *flags)
     for url, events, replay in zip(
         fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, strict=True
     ):

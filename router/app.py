@@ -21,8 +21,6 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex
 from index.service import KvIndexService
 from router.accesslog import AccessLog, client_key_id
-from router.admission import AdmissionQueue, gauge_of
-from router.affinity import ResponseAffinity
 from router.config import Settings
 from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
@@ -33,8 +31,10 @@ from router.observe import Observer, start_tracing
 from router.proxy import Proxy
 from router.queue_metrics import QueueMetrics
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
-from router.routing import Router
 from router.upstream import UpstreamPool
+from scheduling.affinity import ResponseAffinity
+from scheduling.config import Tuning
+from scheduling.scheduler import Scheduler
 from scoring.api import Policy
 from scoring.policies import make_policy
 
@@ -64,18 +64,23 @@ def build_gateway(
     block_index: BlockIndex | None = None,
     policy: Policy | None = None,
     metrics_registry: CollectorRegistry | None = None,
+    tuning: Tuning | None = None,
 ) -> Gateway:
-    """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
+    """Assemble the gateway's parts (no I/O happens until ``Gateway.start``). ``tuning``:
+    the scheduler's internal constants (benchmarks and tests; users never set them)."""
     metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
     registry = WorkerRegistry(
-        settings.health,
-        scoring=settings.scoring,
-        explicit_block_size=settings.index.explicit_block_size,
+        settings.health, explicit_block_size=settings.index.explicit_block_size
     )
     for worker in settings.workers:
         registry.add(worker)
     if policy is None:
-        policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
+        policy = make_policy(
+            settings.policy,
+            seed=settings.seed,
+            kv_config=settings.scoring,
+            kv_capacity_blocks=settings.scheduling.kv_capacity_blocks,
+        )
     client = _http_client(settings)
     allowlist = WorkerAllowlist(
         settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
@@ -90,9 +95,27 @@ def build_gateway(
             on_block_size=registry.observe_block_size,
         )
         block_index = index
-    router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
+    keys = [client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"]
+    queue_metrics = QueueMetrics(metrics_registry)
+    queue_metrics.declare(keys)
+    scheduler = Scheduler(
+        registry,
+        policy,
+        block_index,
+        config=settings.scheduling,
+        queue=settings.queue,
+        events=queue_metrics,
+        tuning=tuning,
+        affinity=ResponseAffinity(
+            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
+        ),
+        keys=keys,
+    )
+    queue_metrics.watch(
+        scheduler.queue, lambda: {model for worker in registry for model in worker.models}
+    )
     metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
-    register_worker_gauges(metrics_registry, registry)
+    register_worker_gauges(metrics_registry, registry, scheduler.ledger)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
     upstream = UpstreamPool(
@@ -100,12 +123,12 @@ def build_gateway(
         read_timeout=settings.upstream.read_timeout_s,
         max_idle_per_origin=settings.upstream.max_keepalive,
     )
-    proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
+    proxy = Proxy(upstream, registry, metrics, settings.upstream)
     access = AccessLog(settings.access_log_sample_rate) if settings.access_log else None
     gateway = Gateway(
         settings=settings,
         registry=registry,
-        router=router,
+        scheduler=scheduler,
         proxy=proxy,
         health=health,
         metrics=metrics,
@@ -114,21 +137,9 @@ def build_gateway(
         allowlist=allowlist,
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
-        admission=AdmissionQueue(
-            settings.queue,
-            router,
-            registry,
-            QueueMetrics(metrics_registry),
-            gauge=gauge_of(settings.queue, settings.scoring.kv_capacity_blocks),
-            keys=[client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"],
-            retry_after_s=settings.retry_after_s,
-        ),
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,
-        affinity=ResponseAffinity(
-            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
-        ),
     )
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
@@ -187,16 +198,22 @@ def create_app(
     block_index: BlockIndex | None = None,
     policy: Policy | None = None,
     metrics_registry: CollectorRegistry | None = None,
+    tuning: Tuning | None = None,
 ) -> FastAPI:
     """The kvgate ASGI app; ``app.state.gateway`` holds its parts.
 
     Without ``block_index``, kvgate builds its own ``KvIndexService`` (tokenizers, KV events,
     approximate fallback) when ``settings.kv_index`` is on, and keeps it in step with the
     workers; a given ``block_index`` is used as is (the caller runs it). ``policy``
-    overrides ``settings.policy``; metrics go to ``metrics_registry`` (a fresh one if None).
+    overrides ``settings.policy``; metrics go to ``metrics_registry`` (a fresh one if None);
+    ``tuning``: the scheduler's internal constants (benchmarks and tests).
     """
     gateway = build_gateway(
-        settings, block_index=block_index, policy=policy, metrics_registry=metrics_registry
+        settings,
+        block_index=block_index,
+        policy=policy,
+        metrics_registry=metrics_registry,
+        tuning=tuning,
     )
 
     @asynccontextmanager
@@ -304,14 +321,14 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         spec: Any = _json_or_text(await gateway.read_body(request))
         with backend_errors():
             worker = await gateway.admit_worker(spec)
-        return json_response(worker.describe(), 201)
+        return json_response(gateway.describe_worker(worker), 201)
 
     @app.delete("/admin/workers/{worker_id:path}", tags=["admin"])
     async def remove_worker(request: Request, worker_id: str) -> Response:
         gateway.check_admin(request)
         with backend_errors():
             worker = await gateway.remove_worker(worker_id)
-        return json_response(worker.describe())
+        return json_response(gateway.describe_worker(worker))
 
     @app.post("/debug/route", tags=["admin"])
     async def debug_route(request: Request) -> Response:

@@ -4,7 +4,9 @@ Precedence, highest first: command-line flags, environment (``KVGATE_PORT``, nes
 ``__`` as in ``KVGATE_HEALTH__INTERVAL_S``), the ``--config`` YAML file, defaults.
 Each package owns its section's model: ``workers`` and ``health`` are ``backends.config``'s
 (a worker's compact CLI form is parsed there), ``index`` is ``index.config``'s, ``scoring``
-``scoring.config``'s; the HTTP side (``upstream``, ``client``, the top level) is here.
+``scoring.config``'s, ``scheduling`` and ``queue`` ``scheduling.config``'s; the HTTP side
+(``upstream``, ``client``, the top level) is here. Settings that moved keep their old
+spelling (``MOVED``).
 
 Secrets (client keys, the admin token, engine keys, URL credentials) live in ``SecretStr``
 fields only: they are refused when empty and never echoed in errors.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -34,8 +37,8 @@ from backends.allowlist import parse_allow_rule
 from backends.config import HealthConfig, WorkerConfig, check_secret, redact
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
+from scheduling.config import QueueConfig, SchedulingConfig
 from scoring.config import KvPolicyConfig
-from scoring.dispatch_order import AGING_TOKENS_PER_S, BASE_TOKENS
 from scoring.policies import POLICY_NAMES
 
 _SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
@@ -126,109 +129,50 @@ class ClientConfig(BaseModel):
     )
 
 
-class QueueConfig(BaseModel):
-    """Admission control: the router-side queue (docs/scoring.md, *Admission and the queue*).
+MOVED: Mapping[tuple[str, str], tuple[str, ...]] = MappingProxyType(
+    {
+        ("scoring", "seed"): ("seed",),
+        ("scoring", "kv_capacity_blocks"): ("scheduling", "kv_capacity_blocks"),
+        ("scoring", "max_waiting_requests"): ("scheduling", "max_waiting_requests"),
+        ("scoring", "max_kv_usage"): ("scheduling", "max_kv_usage"),
+        ("queue", "busy_waiting_requests"): ("scheduling", "max_waiting_requests"),
+        ("queue", "busy_pending_prefill_tokens"): ("scheduling", "max_pending_prefill_tokens"),
+        ("queue", "busy_in_flight"): ("scheduling", "max_in_flight"),
+    }
+)
+"""Settings that moved (section, field) -> their place now: the old spelling is still read
+from the config file, the environment and (``router.flags``) the command line."""
 
-    A request waits in kvgate when every eligible worker is busy (at or over one of the
-    ``busy_*`` limits) or its API key or model is at its concurrency limit; it is sent when
-    a worker frees up, to the best worker not busy then. While any worker is free the
-    policy's choice stands. A worker is busy by default with eight full steps of vLLM's
-    default prefill budget (8 x 8192 tokens) sent and not yet prefilled, or as many waiting
-    requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32);
-    and busy for one request when its KV blocks do not fit there (``busy_kv_room``), which
-    holds a request that fits nowhere for its patience at most (``kv_room_patience``, a
-    share of its wait limit); the first such request in the dispatch order keeps other
-    queued requests off the worker it waits for (``kv_room_hold``).
-    """
 
-    enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
-    max_length: int = Field(
-        default=1024, ge=0, description="requests queued at once; more get 429 (queue_full)"
-    )
-    max_wait_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="longest a request waits queued (503 queue_timeout past it); a client's "
-        "own shorter timeout (X-Request-Timeout or X-Stainless-Timeout, seconds) wins",
-    )
-    busy_pending_prefill_tokens: int | None = Field(
-        default=65536,
-        ge=1,
-        description="a worker is busy with this many predicted prompt tokens sent and not "
-        "yet prefilled (none: no limit)",
-    )
-    busy_in_flight: int | None = Field(
-        default=None, ge=1, description="a worker is busy with this many requests in flight"
-    )
-    busy_waiting_requests: int | None = Field(
-        default=32,
-        ge=1,
-        description="a worker is busy when its engine reports this many waiting requests",
-    )
-    busy_kv_usage: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="a worker is busy when its engine reports this KV-cache usage (0..1)",
-    )
-    busy_kv_held: float | None = Field(
-        default=None,
-        gt=0,
-        description="a worker is busy when its requests in flight (sent, unfinished: kvgate's "
-        "prediction, or the scraped usage if more) need this share of its KV capacity",
-    )
-    busy_kv_room: bool = Field(
-        default=True,
-        description="a worker is busy for a request whose new KV blocks do not fit there now "
-        "beside its requests in flight (the kv policy's KV fit): a request that fits nowhere "
-        "waits in kvgate for the first worker with room, up to its kv_room_patience",
-    )
-    kv_room_patience: float = Field(
-        default=0.1,
-        ge=0,
-        le=1,
-        description="busy_kv_room: the share of its wait limit (max_wait_s, or the client's "
-        "shorter timeout) a request waits in kvgate for KV room; then it goes as the policy "
-        "ranked it and waits in that engine's queue (smaller requests that fit cannot keep "
-        "it waiting until its deadline)",
-    )
-    kv_room_hold: bool = Field(
-        default=True,
-        description="busy_kv_room: the request waiting for KV room that comes first in the "
-        "dispatch order holds the policy's first choice for it: no other queued request is "
-        "sent there while it waits, so the room that frees there is its (as an engine's "
-        "first-come-first-served queue would keep it) instead of smaller requests' that "
-        "overtake it",
-    )
-    kv_room_holds: int = Field(
-        default=1,
-        ge=1,
-        description="kv_room_hold: how many workers may be held at once, each by one of the "
-        "first requests waiting for KV room in the dispatch order (never every worker of a "
-        "request that has more than one)",
-    )
-    aging_tokens_per_s: float = Field(
-        default=AGING_TOKENS_PER_S,
-        gt=0,
-        description="dispatch order: each second queued counts as this many prompt tokens "
-        "less work (bounds how long a large prefill can be passed by cheaper requests: a "
-        "32k-token one for half a second at the default)",
-    )
-    base_tokens: int = Field(
-        default=BASE_TOKENS, ge=0, description="dispatch order: work counted for every request"
-    )
-    max_in_flight_per_key: int | None = Field(
-        default=None, ge=1, description="requests one API key may have in flight; more wait"
-    )
-    max_queued_per_key: int | None = Field(
-        default=None, ge=0, description="requests one API key may have queued; more get 429"
-    )
-    max_in_flight_per_model: int | None = Field(
-        default=None, ge=1, description="requests one model may have in flight; more wait"
-    )
-    max_queued_per_model: int | None = Field(
-        default=None, ge=0, description="requests one model may have queued; more get 429"
-    )
+def _moved_settings(data: Any) -> Any:
+    """``data`` (the merged sources, before validation) with moved settings in their new
+    place; one setting given in its old and its new place with two values is an error."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for (section, name), target in MOVED.items():
+        old = data.get(section)
+        if not isinstance(old, dict) or name not in old:
+            continue
+        value = old[name]
+        data[section] = {k: v for k, v in old.items() if k != name}
+        *parents, leaf = target
+        node = data
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                if child is not None:  # a model instance given as is: leave it to validation
+                    raise ValueError(f"{section}.{name} moved to {'.'.join(target)}")
+                child = {}
+            node[part] = child = dict(child)
+            node = child
+        if leaf in node and node[leaf] != value:
+            raise ValueError(
+                f"{section}.{name} (now {'.'.join(target)}) is given twice: "
+                f"{value!r} and {node[leaf]!r}"
+            )
+        node[leaf] = value
+    return data
 
 
 def _split_words(value: Any) -> Any:
@@ -357,6 +301,7 @@ class Settings(BaseSettings):
     client: ClientConfig = Field(default_factory=ClientConfig)
     index_watch: IndexWatchConfig = Field(default_factory=IndexWatchConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
@@ -430,6 +375,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"{worker.url} is listed twice")
             seen.add(worker.url)
         return workers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _moved_settings(data)
 
     @model_validator(mode="after")
     def _tokenizers_into_index(self) -> Settings:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import types
+from argparse import SUPPRESS
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -101,6 +102,25 @@ def _help(flag: _Flag, text: str | None = None) -> str:
     default = flag.info.get_default(call_default_factory=True)
     shown = "" if default in (None, [], {}) else f"default: {default}; "
     return f"{text} ({shown}env {flag.env})".replace("%", "%%")
+
+
+def add_moved_flags(
+    parser: argparse.ArgumentParser,
+    settings_model: type[BaseModel],
+    moved: Mapping[tuple[str, str], tuple[str, ...]],
+) -> None:
+    """Hidden flags for settings that moved: ``--section-name`` still sets the setting at its
+    new place (its help is the new flag's)."""
+    flags = {flag.dest: flag for flag in _fields(settings_model)}
+    for (section, name), target in moved.items():
+        flag = flags[".".join(target)]
+        option = f"--{section}-{name}".replace("_", "-")
+        if _is_bool(flag.info.annotation):
+            parser.add_argument(
+                option, dest=flag.dest, action=argparse.BooleanOptionalAction, help=SUPPRESS
+            )
+        else:
+            parser.add_argument(option, dest=flag.dest, help=SUPPRESS, **_shape(flag.info))
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings_model: type[BaseModel]) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's request handlers: authenticate, parse, route, hand over to the proxy.
+"""The gateway's request handlers: authenticate, parse, schedule, hand over to the proxy.
 
 Admin and debug calls need the admin token; without one they are served only when kvgate
 listens on loopback alone (the demo), else refused. Workers added through the admin API must
@@ -31,8 +31,6 @@ from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
 from index.types import WorkerId
 from router.accesslog import client_key_id
-from router.admission import AdmissionQueue, Grant, client_timeout_s, disconnect_of
-from router.affinity import ResponseAffinity
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
@@ -41,12 +39,10 @@ from router.errors import (
     KvgateError,
     ModelNotFound,
     PayloadTooLarge,
-    PreviousResponseGone,
-    PreviousResponseUnavailable,
-    QueueTimeout,
     RequestTimeout,
     Unauthorized,
     WorkerNotAllowed,
+    from_scheduling,
 )
 from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
@@ -58,12 +54,16 @@ from router.requests import (
     ChatBody,
     CompletionBody,
     ResponsesBody,
+    client_timeout_s,
     decode_json_object,
+    disconnect_of,
     raw_with_usage_requested,
     upstream_target,
     validate,
 )
-from router.routing import Routed, Router
+from scheduling.errors import QueueTimeout, SchedulingError
+from scheduling.grant import Grant
+from scheduling.scheduler import RequestFacts, Scheduler
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -176,7 +176,7 @@ class Gateway:
 
     settings: Settings
     registry: WorkerRegistry
-    router: Router
+    scheduler: Scheduler  # the decision core: ledger, policy, capacity rule, queue
     proxy: Proxy
     health: HealthChecker
     metrics: GatewayMetrics
@@ -187,9 +187,7 @@ class Gateway:
     index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
-    admission: AdmissionQueue | None = None  # the router-side queue (settings.queue)
     request_ids: RequestIds = field(default_factory=RequestIds)
-    affinity: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 3600.0))
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
     observer: Observer = field(default_factory=lambda: Observer(None, None))
@@ -271,14 +269,14 @@ class Gateway:
             stream = bool(parsed.stream)
             call.parsed(parsed.model, len(raw), stream)
             session = request.headers.get("x-session-id") or parsed.user
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 parsed.model,
                 parsed.prompt_input(),
                 session_key=session,
                 max_tokens=parsed.output_limit,
                 spans=call.observation.spans,
             )
-            grant = await self._admit(call, routed, session)
+            grant = await self._schedule(call, facts)
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode, body = UsageMode.BODY, raw
@@ -290,7 +288,7 @@ class Gateway:
                 usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
             else:
                 usage_mode = UsageMode.NONE
-        return self._send(call, routed, grant, body=body, usage_mode=usage_mode)
+        return self._send(call, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: keyed like a chat when kvgate renders its prompt as the
@@ -303,7 +301,7 @@ class Gateway:
             call.parsed(parsed.model, len(raw), bool(parsed.stream))
             prompt, _ = parsed.prompt_input()
             session = request.headers.get("x-session-id") or parsed.user
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 parsed.model,
                 prompt,
                 session_key=session,
@@ -311,30 +309,19 @@ class Gateway:
                 spans=call.observation.spans,
                 only=self._holder(parsed.previous_response_id),
             )
-            grant = await self._admit(call, routed, session)
+            grant = await self._schedule(call, facts)
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
-        return self._send(
-            call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=self.affinity.tap()
-        )
+        tap = self.scheduler.affinity.tap()
+        return self._send(call, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
     def _holder(self, response_id: str | None) -> WorkerId | None:
-        """The worker holding a stored response (None: not one kvgate routed, or forgotten:
-        routed by load, the engine answers for it); its absence is a clear error."""
-        if response_id is None:
-            return None
-        holder = self.affinity.worker_of(response_id)
-        if holder is None:
-            return None
-        worker = self.registry.find(holder)
-        if worker is None:
-            raise PreviousResponseGone(response_id, holder)
-        if not worker.ready:
-            why = "not ready" if worker.healthy else "unhealthy"
-            retry = self.settings.retry_after_s
-            raise PreviousResponseUnavailable(response_id, worker.url, why, retry_after_s=retry)
-        return holder
+        """The worker holding a stored response (``Scheduler.holder``)."""
+        try:
+            return self.scheduler.holder(response_id)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
 
     async def pass_through(self, request: Request) -> Response:
         """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model.
@@ -346,13 +333,13 @@ class Gateway:
             stored, holder = self._stored_response(request.scope["path"])
             call.parsed(stored or self._model_of(request, raw), len(raw), False)
             session = request.headers.get("x-session-id")
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
-            grant = await self._admit(call, routed, session) if request.method == "POST" else None
+            grant = await self._schedule(call, facts, queued=request.method == "POST")
         except KvgateError as exc:
             return self._refuse(exc, call)
-        return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=path)
+        return self._send(call, grant, body=raw, usage_mode=UsageMode.NONE, path=path)
 
     def _begin(self, request: Request) -> _Call:
         """A proxied request arrives: its id, arrival time and observation (access log,
@@ -370,37 +357,38 @@ class Gateway:
         call.observation.client = self.check_client(call.request)
         return await self.read_body(call.request)
 
-    async def _admit(self, call: _Call, routed: Routed, session: str | None) -> Grant | None:
-        """Through the router-side queue (``router/admission.py``), when it is on."""
-        queue = self.admission
-        if queue is None or not queue.config.enabled:
-            return None
+    async def _schedule(self, call: _Call, facts: RequestFacts, *, queued: bool = True) -> Grant:
+        """The scheduler's decision (``Scheduler.schedule``): routed, then through the
+        router-side queue when it is on and ``queued``."""
+        headers = call.request.headers
+        timeout_s = client_timeout_s(headers) if queued else None
         try:
-            grant = await queue.admit(
-                routed,
+            grant = await self.scheduler.schedule(
+                facts,
                 key=call.observation.client,
-                session=session,
-                timeout_s=client_timeout_s(call.request.headers),
+                session=facts.session_key,
+                timeout_s=timeout_s,
                 disconnected=disconnect_of(call.request.receive),
+                queued=queued,
             )
-        except QueueTimeout as exc:
-            call.observation.queued = exc.waited_s
-            raise
+        except SchedulingError as exc:
+            if isinstance(exc, QueueTimeout):
+                call.observation.queued = exc.waited_s
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
         call.observation.queued = grant.waited_s
         return grant
 
     def _send(
         self,
         call: _Call,
-        routed: Routed,
-        grant: Grant | None,
+        grant: Grant,
         *,
         body: bytes,
         usage_mode: UsageMode,
         path: str | None = None,
         answer_tap: AnswerTap | None = None,
     ) -> Response:
-        """Proxy the accepted request (to the worker its queue grant chose, if it waited)."""
+        """Proxy the accepted request to the workers its grant names, in order."""
         request = call.request
         return self.proxy.respond(
             Exchange(
@@ -410,13 +398,12 @@ class Gateway:
                 body=body,
                 headers=forwardable_headers(request.headers.raw),
                 model=call.model,
-                routed=routed if grant is None else grant.routed,
+                grant=grant,
                 stream=call.stream if path is None else True,
                 usage_mode=usage_mode,
                 received_at=call.received_at,
                 observation=call.observation,
                 answer_tap=answer_tap,
-                admission=grant,
             )
         )
 
@@ -460,7 +447,10 @@ class Gateway:
         for card in self.registry.model_cards():
             if card.get("id") == model:
                 return json_response(card)
-        self.router.require_servable(model)  # 404 when nobody serves it
+        try:
+            self.scheduler.router.require_servable(model)  # 404 when nobody serves it
+        except SchedulingError as exc:
+            raise from_scheduling(exc) from exc
         return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
 
     def ready(self) -> Response:
@@ -481,9 +471,13 @@ class Gateway:
     # -- admin --------------------------------------------------------------------------
     def describe_workers(self) -> dict[str, Any]:
         return {
-            "policy": self.router.policy.name,
-            "workers": [w.describe() for w in self.registry],
+            "policy": self.scheduler.policy.name,
+            "workers": [self.describe_worker(w) for w in self.registry],
         }
+
+    def describe_worker(self, worker: Worker) -> dict[str, Any]:
+        """The admin view of a worker: the fleet's facts and what kvgate has in flight there."""
+        return worker.describe() | self.scheduler.ledger.describe(worker.id)
 
     async def admit_worker(self, spec: Any) -> Worker:
         """``POST /admin/workers``: a worker on an allowed host, with allowed ``tcp://``
@@ -524,34 +518,41 @@ class Gateway:
         return worker
 
     async def explain(self, request: Request) -> Response:
-        """``POST /debug/route``: the routing decision for a body, without sending it."""
+        """``POST /debug/route``: the scheduler's decision for a body, without sending it
+        (the queue's view for the client key in X-Api-Key: Bearer is the admin's)."""
         self.check_admin(request)
         data = decode_json_object(await self.read_body(request))
         session = request.headers.get("x-session-id")
+        key = self._key_id(request.headers.get("x-api-key")) or "-"
+        extra: dict[str, Any] = {}
         if "input" in data:  # a Responses API body
             body = validate(ResponsesBody, data)
             prompt, keyed = body.prompt_input()
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 body.model,
                 prompt,
                 session_key=session or body.user,
                 max_tokens=body.output_limit,
                 only=self._holder(body.previous_response_id),
             )
-            return json_response({**self.router.explain(routed), "responses_prompt": keyed})
-        parsed: ChatBody | CompletionBody
-        parsed = validate(ChatBody, data) if "messages" in data else validate(CompletionBody, data)
-        routed = await self.router.decide(
-            parsed.model,
-            parsed.prompt_input(),
-            session_key=session or parsed.user,
-            max_tokens=parsed.output_limit,
-        )
-        explained = self.router.explain(routed)
-        if self.admission is not None:  # for the client key in X-Api-Key (Bearer is admin's)
-            key = self._key_id(request.headers.get("x-api-key")) or "-"
-            explained["admission"] = self.admission.explain(routed, key)
-        return json_response(explained)
+            extra["responses_prompt"] = keyed
+        else:
+            parsed: ChatBody | CompletionBody
+            if "messages" in data:
+                parsed = validate(ChatBody, data)
+            else:
+                parsed = validate(CompletionBody, data)
+            facts = RequestFacts(
+                parsed.model,
+                parsed.prompt_input(),
+                session_key=session or parsed.user,
+                max_tokens=parsed.output_limit,
+            )
+        try:
+            explained = await self.scheduler.explain(facts, key)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
+        return json_response(explained | extra)
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
@@ -594,8 +595,7 @@ class Gateway:
                 self.registry.subscribe(self.index_watch)
             await self.index.settled()
         self.health.start()
-        if self.admission is not None:
-            self.admission.start()
+        self.scheduler.start()
         if self.discovery is not None:
             await self.discovery.start()
 
@@ -605,8 +605,7 @@ class Gateway:
         await self.health.stop()
         if self.index_watch is not None:
             self.registry.unsubscribe(self.index_watch)
-        if self.admission is not None:
-            self.admission.stop()
+        self.scheduler.stop()
         if self.index is not None:
             self.registry.unsubscribe(self.index)
             await self.index.stop()

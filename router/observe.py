@@ -25,9 +25,9 @@ from router.errors import KvgateError
 if TYPE_CHECKING:
     from backends.registry import Worker
     from router.metrics import RouteMetrics
-    from router.routing import Routed
     from router.tracing import RequestSpans, Tracing
     from router.usage import Usage
+    from scheduling.routing import Routed
 
 Headers = list[tuple[bytes, bytes]]
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -146,7 +146,7 @@ class Observation:
         self.attempts = 0
         self.ttft: float | None = None
         self.queued: float | None = None
-        """Seconds waited in kvgate's queue (router/admission.py); None: never queued."""
+        """Seconds waited in kvgate's queue (scheduling/queue.py); None: never queued."""
         self._events = 0
         self._tail = b""
 
@@ -274,7 +274,7 @@ class Observation:
         }
         if routed is not None and worker is not None:
             fields["reason"] = _reason(routed, worker)
-            fields["failover"] = worker.id != routed.decision.chosen
+            fields["failover"] = worker.id != routed.chosen
             fields["predicted_cached_tokens"] = routed.predicted_cached_tokens(worker.id)
         if routed is not None and routed.keys is not None:
             fields["prompt_tokens"] = routed.request.prompt_tokens
@@ -293,8 +293,12 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _reason(routed: Routed, worker: Worker) -> str | None:
+    """The policy's reason for the worker, and the capacity rule's refusal of it, if any."""
+    refusal = routed.refused.get(worker.id)
     for score in routed.decision.scores:
         if score.worker == worker.id:
+            if refusal is not None:
+                return f"{score.reason}; {refusal.text}" if score.reason else refusal.text
             return score.reason or None
     return None
 

@@ -11,8 +11,8 @@ One exchange, step by step (each step a method, so hooks have a defined place)::
       _attempt               one worker: LoadTicket, upstream request, relay
         _relay_body          non-streaming: the whole body, then commit
         _relay_stream        streaming: hold until the first content event, commit, relay
-        AttemptFailed       before the commit: worker marked, the router ranks again
-                             (``Router.reroute``, failed workers excluded), next attempt
+        AttemptFailed        before the commit: worker marked, the scheduler ranks again
+                             (``Grant.reroute``, failed workers excluded), next attempt
       _commit                the client's response starts (status and headers); from here
                              errors go inside the stream (``_fail``)
       _fail                  no attempt succeeded: the last failure as a JSON error
@@ -40,20 +40,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from backends.registry import LoadTicket, Worker, WorkerRegistry
+from backends.registry import Worker, WorkerRegistry
 from index.memo import BoundedMemo
 from index.types import WorkerId
 from router.commit import AttemptFailed, Reason, StreamStart, Verdict, error_events, failure_reason
 from router.config import UpstreamConfig
 from router.errors import (
     KvgateError,
-    NoHealthyWorker,
     UpstreamConnectError,
     UpstreamHTTPError,
     UpstreamResponseTooLarge,
@@ -63,12 +62,11 @@ from router.errors import (
 )
 from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
 from router.observe import Observation
-from router.routing import Routed, Router
 from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
 from router.usage import SseUsageTap, Usage, usage_from_body
-
-if TYPE_CHECKING:
-    from router.admission import Grant
+from scheduling.grant import Grant
+from scheduling.ledger import LoadTicket
+from scheduling.routing import Routed
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -114,13 +112,12 @@ class Exchange:
     body: bytes
     headers: list[tuple[bytes, bytes]]  # client headers safe to forward
     model: str
-    routed: Routed
+    grant: Grant  # where to send it (the scheduler's decision), its share until it ends
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
     answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
-    admission: Grant | None = None  # from the router-side queue: released when it ends
 
 
 class AnswerTap(Protocol):
@@ -162,19 +159,18 @@ def _relay_headers(response: UpstreamResponse) -> list[tuple[bytes, bytes]]:
 
 
 class Proxy:
-    """Shared state of all forwards: the upstream pool, the registry, metrics and limits."""
+    """Shared state of all forwards: the upstream pool, the registry (passive health),
+    metrics and limits."""
 
     def __init__(
         self,
         upstream: UpstreamPool,
         registry: WorkerRegistry,
-        router: Router,
         metrics: GatewayMetrics,
         config: UpstreamConfig,
     ) -> None:
         self.upstream = upstream
         self.registry = registry
-        self.router = router
         self.metrics = metrics
         self.config = config
         self.served_listeners: list[ServedListener] = []
@@ -221,7 +217,8 @@ class ProxyResponse(Response):
         self.raw_headers = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        outcome = _Outcome(self._x.routed, first_choice=self._x.routed.decision.chosen)
+        routed = self._x.grant.routed
+        outcome = _Outcome(routed, first_choice=routed.chosen)
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -239,8 +236,7 @@ class ProxyResponse(Response):
         finally:
             deadline.cancel()
             watcher.cancel()
-            if self._x.admission is not None:
-                self._x.admission.release()
+            self._x.grant.release()
             self._record(outcome)
 
     def _too_late(self, task: asyncio.Task[None]) -> None:
@@ -278,7 +274,7 @@ class ProxyResponse(Response):
         tried: list[WorkerId] = []
         failure: AttemptFailed | None = None
         for attempt in range(attempts):
-            worker = proxy.registry.find(routed.decision.chosen)
+            worker = proxy.registry.find(routed.chosen)
             usable = worker is not None and (worker.healthy or attempt == 0)
             if worker is not None and usable:  # else removed, or marked down meanwhile
                 outcome.routed, outcome.worker = routed, worker
@@ -290,8 +286,8 @@ class ProxyResponse(Response):
                     self._x.observation.attempt_failed(exc.error)
                     if not exc.error.retryable:
                         break
-            tried.append(routed.decision.chosen)
-            next_routed = self._reroute(routed, tried) if attempt + 1 < attempts else None
+            tried.append(routed.chosen)
+            next_routed = self._x.grant.reroute(tried) if attempt + 1 < attempts else None
             if next_routed is None:
                 break
             routed = next_routed
@@ -301,12 +297,6 @@ class ProxyResponse(Response):
         if error is None:  # every ranked worker was removed or marked down meanwhile
             error = UpstreamConnectError("no ranked worker is left", worker="-")
         await self._fail(send, error, outcome)
-
-    def _reroute(self, routed: Routed, tried: list[WorkerId]) -> Routed | None:
-        try:
-            return self._proxy.router.reroute(routed, tried)
-        except NoHealthyWorker:
-            return None
 
     def _count_retry(self, worker: Worker, failure: AttemptFailed) -> None:
         label = self._proxy.worker_label(worker)
@@ -321,18 +311,7 @@ class ProxyResponse(Response):
         proxy, x = self._proxy, self._x
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
-        if x.admission is not None:
-            # the queue's reservation of a worker, counted by the ticket below from now on
-            # (released first: the request's own reservation is no load ahead of it)
-            x.admission.started()
-        ticket = proxy.registry.begin(
-            worker.id,
-            routed.predicted_uncached_tokens(worker.id),
-            routed.load_blocks,
-            routed.request.block_size,
-            routed.request.prompt_tokens,
-            keys=routed.request.block_keys,
-        )
+        ticket = x.grant.begin(worker.id)  # the scheduler's ledger counts it there
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
@@ -350,7 +329,7 @@ class ProxyResponse(Response):
                 raise self._transport_failed(worker, exc) from exc
             if spans is not None:
                 spans.head(response.status_code)
-            proxy.router.record_sent(routed, worker.id)
+            x.grant.sent(worker.id)
             try:
                 await self._relay(worker, response, ticket, send, outcome)
             finally:

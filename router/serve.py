@@ -17,11 +17,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.app import create_app
-from router.config import ConfigError, Settings, load_settings
-from router.flags import add_settings_flags, given_settings
+from router.config import MOVED, ConfigError, Settings, load_settings
+from router.flags import add_moved_flags, add_settings_flags, given_settings
 from router.gateway import Gateway, is_loopback
 from router.logs import configure_logging
 from router.simfleet import SimFleet, SimFleetError
+from scheduling.config import Tuning
 
 log = logging.getLogger("kvgate")
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="YAML settings file")
     add_settings_flags(parser, Settings)
+    add_moved_flags(parser, Settings, MOVED)
     return parser
 
 
@@ -75,9 +77,9 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def run(settings: Settings) -> None:
-    """Serve until interrupted."""
-    app = create_app(settings)
+def run(settings: Settings, tuning: Tuning | None = None) -> None:
+    """Serve until interrupted (``tuning``: the scheduler's internal constants, benchmarks)."""
+    app = create_app(settings, tuning=tuning)
     if settings.admin_token is None and not is_loopback(settings.host):
         log.warning(
             "listening on %s without an admin token: /admin and /debug are disabled "
@@ -87,7 +89,9 @@ def run(settings: Settings) -> None:
     uvicorn.Server(uvicorn_config(app, settings)).run()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, tuning: Tuning | None = None) -> int:
+    """``kvgate serve``; ``tuning``: the scheduler's internal constants (benchmarks build a
+    variant through ``bench.variants``, never a user)."""
     args = build_parser().parse_args(argv)
     overrides: dict[str, Any] = given_settings(args, Settings)
     try:
@@ -96,10 +100,12 @@ def main(argv: list[str]) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     with configure_logging(settings.log_level, settings.log_format):
-        return _serve(settings, args.config, overrides)
+        return _serve(settings, args.config, overrides, tuning)
 
 
-def _serve(settings: Settings, config: str | None, overrides: dict[str, Any]) -> int:
+def _serve(
+    settings: Settings, config: str | None, overrides: dict[str, Any], tuning: Tuning | None
+) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: ours
     # unwinds (stopping the simulated fleet, writing the queued log lines) instead of killing
     # the process with its subprocess left running and its last lines lost.
@@ -108,14 +114,14 @@ def _serve(settings: Settings, config: str | None, overrides: dict[str, Any]) ->
         if not settings.sim:
             if not settings.workers:
                 log.warning("no --worker given: add workers with POST /admin/workers")
-            run(settings)
+            run(settings, tuning)
             return 0
         with SimFleet(
             settings.sim, base_port=settings.sim_port, events_port=settings.sim_events_port
         ) as fleet:
             settings = load_settings(config, fleet.settings_overrides(overrides))
             log.info("routing to %d simulated replicas", settings.sim)
-            run(settings)
+            run(settings, tuning)
     except ConfigError as exc:  # found while building the gateway (e.g. tracing's extra)
         log.error("kvgate serve: %s", exc)
         return 2

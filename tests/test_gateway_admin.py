@@ -136,7 +136,8 @@ async def test_scraped_load_reaches_candidates_and_metrics() -> None:
     engine = FakeEngine(running=3, waiting=2, kv_usage=0.5)
     async with fleet(engine) as f, kvgate(f.urls) as gw:
         await gw.gateway.health.scrape_all()
-        (candidate,) = gw.gateway.registry.candidates("fake-model")
+        registry = gw.gateway.registry
+        (candidate,) = gw.gateway.scheduler.ledger.candidates(registry.ready_for("fake-model"))
         assert candidate.load.scraped_running == 3
         assert candidate.load.scraped_waiting == 2
         assert candidate.load.scraped_kv_usage == 0.5

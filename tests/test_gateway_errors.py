@@ -108,7 +108,7 @@ async def test_upstream_timeout_is_504() -> None:
         assert r.status_code == 504
         assert error_of(r)["code"] == "upstream_timeout"
         assert r.headers["x-kvgate-worker"] == f.urls[0]
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 @pytest.mark.parametrize("status", [400, 422, 500, 503])
@@ -132,7 +132,7 @@ async def test_error_after_stream_started_goes_inside_the_stream() -> None:
         error = json.loads(events[-2])["error"]
         assert error["code"] == "upstream_protocol_error"
         assert events[-1] == "[DONE]"
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 async def test_every_worker_refusing_is_502() -> None:

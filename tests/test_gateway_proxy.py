@@ -92,7 +92,7 @@ async def test_a_streamed_answer_counts_its_blocks_as_held_until_it_ends() -> No
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"tokens": 65, "hold": "before_last_chunk"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
         prompt_blocks = -(-prompt // 16)
         async with gw.client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -110,7 +110,7 @@ async def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"hold": "after_first_chunk"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         async with (
             httpx.AsyncClient(base_url=gw.url) as client,
             client.stream("POST", "/v1/chat/completions", json=body) as r,
@@ -129,7 +129,7 @@ async def test_client_disconnect_before_headers_cancels_upstream() -> None:
     engine = FakeEngine()
     body = {**CHAT, "fake": {"hold": "before_headers"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         async with httpx.AsyncClient(base_url=gw.url) as client:
 
             async def call() -> None:
@@ -197,7 +197,7 @@ async def test_failover_on_refused_connection() -> None:
             assert r.headers["x-kvgate-worker"] == f.urls[1]
         worker_a = gw.gateway.registry.get(f.urls[0])
         assert not worker_a.healthy
-        assert worker_a.in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
         assert (
             gw.metric(
                 "kvgate_upstream_retries_total",

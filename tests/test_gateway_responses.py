@@ -27,7 +27,7 @@ from fakes.simgate import (
 )
 
 from index.types import WorkerId
-from router.affinity import ResponseAffinity
+from scheduling.affinity import ResponseAffinity
 
 pytestmark = pytest.mark.anyio
 

@@ -73,10 +73,11 @@ def stream_errors(gw: Kvgate, worker: str, reason: str) -> float:
 
 
 def assert_load_released(gw: Kvgate) -> None:
-    for worker in gw.gateway.registry:
-        assert worker.in_flight == 0, worker.url
-        assert worker.pending_prefill_tokens == 0, worker.url
-        assert worker.active_decode_blocks == 0, worker.url
+    for worker in gw.gateway.scheduler.ledger:
+        url = worker.worker.url
+        assert worker.in_flight == 0, url
+        assert worker.pending_prefill_tokens == 0, url
+        assert worker.active_decode_blocks == 0, url
 
 
 async def replica_fault(fleet: SimFleet, index: int, **body: object) -> None:
@@ -113,7 +114,8 @@ async def test_a_5xx_is_retried_streaming_and_not() -> None:
         first, second = (r.url for r in fleet.replicas)
         for stream in (True, False):
             await replica_fault(fleet, 0, kind="fail", count=1, status=503)
-            gw.gateway.router.policy = type(gw.gateway.router.policy)()  # round robin: first
+            router = gw.gateway.scheduler.router
+            router.policy = type(router.policy)()  # round robin: first
             r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
             assert r.status_code == 200
             assert r.headers["x-kvgate-worker"] == second
@@ -206,7 +208,7 @@ async def test_client_leaving_while_the_engine_holds_its_stream_cancels_upstream
                 await wait_for(lambda: len(replica.engine.waiting) == 1, what="request queued")
                 group.cancel_scope.cancel()
         await wait_for(lambda: not replica.engine.waiting, what="engine saw the cancel")
-        await wait_for(lambda: gw.gateway.registry.get(fleet.replicas[0].url).in_flight == 0)
+        await wait_for(lambda: gw.sent(fleet.replicas[0].url).in_flight == 0)
         assert_load_released(gw)
         labels = {"worker": fleet.replicas[0].url, "model": MODEL, "status": "499"}
         await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")

@@ -206,7 +206,7 @@ async def test_a_crashed_replica_comes_back_without_its_old_entries() -> None:
         await gw.gateway.health.probe(worker)
         assert worker.healthy
         assert await overlap(gw, owner, CHAT) == 0  # nothing predicted on the empty engine
-        await wait_for(lambda: worker.in_flight == 0)
+        await wait_for(lambda: gw.sent(owner).in_flight == 0)
 
 
 async def _indexed(gw: Kvgate, worker: str, body: dict[str, object]) -> bool:

@@ -152,7 +152,7 @@ async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
         assert events[-1] == "[DONE]"
         assert limit_count(gw, "response_deadline") == 1
         await wait_for(lambda: f.engines[0].cancels == 1, what="the engine sees the cut")
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 async def test_a_non_streamed_response_past_the_deadline_is_504() -> None:
