@@ -95,12 +95,6 @@ class ResponseAffinity:
             return None
         return entry.worker
 
-    def forget(self, response_id: str, key: ClientKeyId) -> None:
-        """``key`` deleted ``response_id``: no longer routed."""
-        entry = self._ids.get(response_id)
-        if entry is not None and entry.key == key:
-            self._drop(response_id)
-
     def tap(self, key: ClientKeyId) -> ResponseIdTap:
         """A tap recording the ids of one answer to ``key``'s request."""
         return ResponseIdTap(self, key)

@@ -178,10 +178,12 @@ def _loopback_host(host: str | None, port: int) -> bool:
     port when that is 80)?"""
     if not host:
         return False
-    name, sep, given = host.rpartition(":")
-    if not sep or name == "[":  # no port (an IPv6 literal keeps its brackets)
-        name, given = host, "80"
-    return name.lower() in _LOOPBACK_NAMES and given == str(port)
+    split = host.rfind("]") + 1 if host.startswith("[") else host.rfind(":")
+    if split <= 0:
+        split = len(host)
+    name, given = host[:split], host[split:]
+    ports = (f":{port}", "") if port == 80 else (f":{port}",)
+    return name.lower() in _LOOPBACK_NAMES and given in ports
 
 
 def _media_type(request: Request) -> str:

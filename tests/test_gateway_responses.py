@@ -210,6 +210,22 @@ def test_the_response_map_is_bounded_in_count_and_age() -> None:
     assert len(affinity) == 1
 
 
+def test_ids_stay_with_their_key_and_each_key_keeps_its_share() -> None:
+    mine, theirs = ClientKeyId("aaaa0000"), ClientKeyId("bbbb1111")
+    affinity = ResponseAffinity(5, 60.0, keys=2)
+    assert affinity.per_key == 3
+    affinity.record("resp_a", WorkerId("w1"), mine)
+    affinity.record("resp_a", WorkerId("w2"), theirs)  # an engine echoing a known id
+    assert affinity.worker_of("resp_a", mine) == "w1"
+    assert affinity.worker_of("resp_a", theirs) is None
+    assert affinity.worker_of("resp_a", None) == "w1"  # the admin's view
+    for i in range(10):
+        affinity.record(f"resp_b{i}", WorkerId("w2"), theirs)
+    assert affinity.worker_of("resp_a", mine) == "w1"  # not evicted by the other key
+    assert [affinity.worker_of(f"resp_b{i}", theirs) for i in (6, 7, 8, 9)] == [None] + ["w2"] * 3
+    assert len(affinity) == 4
+
+
 @pytest.mark.parametrize(
     "chunks",
     [
