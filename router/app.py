@@ -28,6 +28,7 @@ from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
 from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
 from router.observe import Observer, start_tracing
+from router.passthrough import ROOT_PATHS, PassThroughPaths
 from router.proxy import Proxy
 from router.queue_metrics import QueueMetrics
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
@@ -107,7 +108,9 @@ def build_gateway(
         events=queue_metrics,
         tuning=tuning,
         affinity=ResponseAffinity(
-            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
+            settings.responses.affinity_max_ids,
+            settings.responses.affinity_ttl_s,
+            keys=len(settings.api_keys),
         ),
         keys=keys,
     )
@@ -140,6 +143,7 @@ def build_gateway(
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,
+        pass_paths=PassThroughPaths(settings.pass_through_paths),
     )
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
@@ -294,6 +298,15 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
     async def pass_through(request: Request, path: str) -> Response:
         return await gateway.pass_through(request)
 
+    for root in ROOT_PATHS:  # vLLM's rerank and score outside /v1
+        app.add_api_route(
+            root,
+            gateway.pass_through,
+            methods=["POST"],
+            tags=["openai"],
+            summary="vLLM's " + root.strip("/") + ", passed through to a worker serving the model",
+        )
+
 
 def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/health", tags=["ops"])
@@ -318,7 +331,7 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/admin/workers", tags=["admin"])
     async def add_worker(request: Request) -> Response:
         gateway.check_admin(request)
-        spec: Any = _json_or_text(await gateway.read_body(request))
+        spec: Any = decode_json(await gateway.read_body(request))
         with backend_errors():
             worker = await gateway.admit_worker(spec)
         return json_response(gateway.describe_worker(worker), 201)
@@ -338,11 +351,3 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     async def debug_index(request: Request) -> Response:
         gateway.check_admin(request)
         return json_response(gateway.index_stats())
-
-
-def _json_or_text(raw: bytes) -> Any:
-    """An admin body: a JSON worker object or string, or the bare CLI form as text."""
-    text = raw.strip()
-    if text[:1] not in (b"{", b'"'):
-        return text.decode("utf-8", "replace")
-    return decode_json(text)

@@ -37,6 +37,7 @@ from backends.allowlist import parse_allow_rule
 from backends.config import HealthConfig, WorkerConfig, check_secret, redact
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
+from router.passthrough import check_extra_path
 from scheduling.config import QueueConfig, SchedulingConfig
 from scoring.config import KvPolicyConfig
 from scoring.policies import POLICY_NAMES
@@ -240,6 +241,12 @@ class Settings(BaseSettings):
         "endpoints may be on: CIDRs and host patterns; none given: loopback and the hosts "
         "of configured and discovered workers",
     )
+    pass_through_paths: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="engine paths passed through besides embeddings, rerank, score and "
+        "responses by id (e.g. /v1/load_lora_adapter: any client key could then load "
+        "adapters); others get 404",
+    )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
         default=True, description="request usage upstream on streams to measure engine cache hits"
@@ -273,8 +280,13 @@ class Settings(BaseSettings):
         default=None,
         ge=0,
         le=1,
-        description="share of new traces recorded (a client's traceparent decision is "
-        "followed); none: OTEL_TRACES_SAMPLER decides (default: every trace)",
+        description="share of requests traced; a client's traceparent decides only with "
+        "--trace-trust-parent; none: OTEL_TRACES_SAMPLER decides (default: every trace)",
+    )
+    trace_trust_parent: bool = Field(
+        default=False,
+        description="with --trace-sample-rate, follow the sampled flag of the client's "
+        "traceparent (when every client is a trusted service whose traces you want whole)",
     )
     sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
     sim_port: int = Field(
@@ -306,10 +318,19 @@ class Settings(BaseSettings):
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 
-    @field_validator("workers", "api_keys", "worker_allow", mode="before")
+    @field_validator("workers", "api_keys", "worker_allow", "pass_through_paths", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_words(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _no_blank_key_list(cls, value: Any) -> Any:
+        """An empty ``KVGATE_API_KEYS`` (a Secret made from an empty file) is an error, not
+        "no client keys": leave the variable out for an open gateway."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("the client API keys are empty: set real keys, or leave them out")
+        return value
 
     @field_validator("api_keys")
     @classmethod
@@ -329,6 +350,13 @@ class Settings(BaseSettings):
         for rule in rules:
             parse_allow_rule(rule)  # a ValueError naming the problem
         return rules
+
+    @field_validator("pass_through_paths")
+    @classmethod
+    def _valid_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            check_extra_path(path)  # a ValueError naming the problem
+        return paths
 
     @field_validator("discover", mode="before")
     @classmethod

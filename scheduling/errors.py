@@ -46,6 +46,16 @@ class ClientGone(SchedulingError):
     """The client went away while its request was queued."""
 
 
+class ResponseUnknown(SchedulingError):
+    """A stored response this client key did not create through kvgate, or one forgotten
+    (``param``: the request field that named it)."""
+
+    def __init__(self, response_id: str, param: str) -> None:
+        super().__init__(f"{response_id} is not a response kvgate holds for this client")
+        self.response_id = response_id
+        self.param = param
+
+
 class ResponseHolderGone(SchedulingError):
     """The worker that produced a stored response has left the fleet."""
 

@@ -22,10 +22,10 @@ from typing import Any
 from backends.registry import WorkerRegistry
 from index.api import BlockIndex, PromptInput
 from index.types import WorkerId
-from scheduling.affinity import ResponseAffinity
+from scheduling.affinity import ClientKeyId, ResponseAffinity
 from scheduling.capacity import PartsTable
 from scheduling.config import QueueConfig, SchedulingConfig, Tuning
-from scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable
+from scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable, ResponseUnknown
 from scheduling.grant import Grant
 from scheduling.ledger import Ledger
 from scheduling.queue import AdmissionQueue, QueueEvents
@@ -91,7 +91,7 @@ class Scheduler:
             keys=keys,
             clock=clock,
         )
-        self.affinity = affinity or ResponseAffinity(100_000, 3600.0)
+        self.affinity = affinity if affinity is not None else ResponseAffinity(100_000, 3600.0)
 
     @property
     def policy(self) -> Policy:
@@ -165,14 +165,25 @@ class Scheduler:
         return explained
 
     # -- stored responses ------------------------------------------------------------------
-    def holder(self, response_id: str | None) -> WorkerId | None:
-        """The worker holding a stored response (None: not one kvgate routed, or forgotten:
-        routed by load, the engine answers for it); ``ResponseHolderGone`` when it left,
+    def holder(
+        self,
+        response_id: str | None,
+        key: ClientKeyId | None,
+        *,
+        param: str = "previous_response_id",
+        strict: bool = False,
+    ) -> WorkerId | None:
+        """The worker holding a stored response of client ``key`` (None for ``key``: any
+        key's, the admin's view). None: not one kvgate routed, or forgotten (routed by load,
+        the engine answers for it), unless ``strict`` (clients told apart by their keys):
+        then ``ResponseUnknown``. ``ResponseHolderGone`` when its worker left,
         ``ResponseHolderUnavailable`` when it cannot take a request now."""
         if response_id is None:
             return None
-        holder = self.affinity.worker_of(response_id)
+        holder = self.affinity.worker_of(response_id, key)
         if holder is None:
+            if key is not None and strict:
+                raise ResponseUnknown(response_id, param)
             return None
         worker = self.registry.find(holder)
         if worker is None:

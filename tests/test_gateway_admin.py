@@ -81,8 +81,8 @@ async def test_add_and_remove_workers_at_run_time() -> None:
         assert (
             await gw.client.delete(f"/admin/workers/{quote(f.urls[0], safe='')}")
         ).status_code == 404
-        r = await gw.client.post("/admin/workers", content=f"{f.urls[0]},models=fake-model")
-        assert r.status_code == 201  # the CLI form works too
+        r = await gw.client.post("/admin/workers", json=f"{f.urls[0]},models=fake-model")
+        assert r.status_code == 201  # the CLI form works too (a JSON string)
         listed = (await gw.client.get("/admin/workers")).json()["workers"]
         assert sorted(w["url"] for w in listed) == sorted(f.urls)
 
