@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import pytest
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 
 from backends.config import WorkerConfig
@@ -261,10 +261,10 @@ async def test_background_loop_follows_dns_and_stops() -> None:
         assert list(fleet.workers) == ["http://10.0.0.1:8000"]  # known before start returns
         assert sample(registry, "kvgate_discovery_up") == 1
         dns.answer = ["10.0.0.9"]
-        await wait_for(lambda: list(fleet.workers) == ["http://10.0.0.9:8000"])
+        await wait_until(lambda: list(fleet.workers) == ["http://10.0.0.9:8000"])
         dns.answer = None
         calls = dns.calls
-        await wait_for(lambda: dns.calls >= calls + 3)
+        await wait_until(lambda: dns.calls >= calls + 3)
         assert list(fleet.workers) == ["http://10.0.0.9:8000"]
     assert not discovery.running
     assert sample(registry, "kvgate_discovery_up") == 0
@@ -290,9 +290,9 @@ async def test_failing_callback_stops_loop_visibly(caplog: pytest.LogCaptureFixt
     await discovery.start()
     try:
         dns.answer = ["10.0.0.1", "10.0.0.2"]
-        await wait_for(lambda: not discovery.running)
+        await wait_until(lambda: not discovery.running)
         assert sample(registry, "kvgate_discovery_up") == 0
-        await wait_for(lambda: "callback failed" in caplog.text)
+        await wait_until(lambda: "callback failed" in caplog.text)
         assert [w.address for w in discovery.workers] == ["10.0.0.1"]  # 10.0.0.2 not recorded
     finally:
         await discovery.stop()

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from fakes.gateway import Kvgate, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
 from backends.engines import SGLANG, VLLM
@@ -89,7 +89,7 @@ async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() 
         sent = asyncio.ensure_future(
             gw.client.post("/v1/completions", json={**body, "stream": True})
         )
-        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        await wait_until(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
         await gw.gateway.health.scrape_all()  # the request decoding: its 41 blocks held
         scraped = worker.worker.scraped.kv_usage
         assert scraped is not None and scraped >= 40 / 64
@@ -118,11 +118,11 @@ async def test_a_request_sent_without_room_blocks_its_worker_until_the_engine_ad
         first = asyncio.ensure_future(
             gw.client.post("/v1/completions", json={**running, "stream": True})
         )
-        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        await wait_until(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
         assert worker.blocked_requests == 0  # it had room
         waiting = {"model": MODEL, "prompt": " ".join(["other words"] * 78), "max_tokens": 20}
         second = asyncio.ensure_future(gw.client.post("/v1/completions", json=waiting))
-        await wait_for(lambda: worker.in_flight == 2)
+        await wait_until(lambda: worker.in_flight == 2)
         assert worker.blocked_requests == 1
         text = (await gw.client.get("/metrics")).text
         assert f'kvgate_worker_blocked_requests{{worker="{worker.worker.url}"}} 1.0' in text

@@ -8,7 +8,7 @@ from urllib.parse import quote
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
 from index.api import PromptInput, PromptKeys
 from index.types import BlockKey, PrefixMatch, WorkerId
@@ -110,11 +110,11 @@ async def test_periodic_probes_run_on_their_own() -> None:
     engine.waiting = 4
     async with fleet(engine) as f, kvgate(f.urls, health=health) as gw:
         worker = gw.gateway.registry.get(f.urls[0])
-        await wait_for(lambda: worker.scraped.waiting == 4, what="periodic scrape")
+        await wait_until(lambda: worker.scraped.waiting == 4, what="periodic scrape")
         engine.healthy = False
-        await wait_for(lambda: not worker.healthy, what="periodic probe to mark it down")
+        await wait_until(lambda: not worker.healthy, what="periodic probe to mark it down")
         engine.healthy = True
-        await wait_for(lambda: worker.healthy, what="periodic probe to recover it")
+        await wait_until(lambda: worker.healthy, what="periodic probe to recover it")
 
 
 async def test_passive_marking_on_server_errors() -> None:

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import unresponsive_port, wait_for
+from fakes.server import unresponsive_port
+from fakes.wait import wait_until
 
 from backends import errors as backend
 from backends.process import free_port
@@ -238,4 +239,4 @@ async def test_client_leaving_mid_body_is_counted_499() -> None:
         writer.close()
         await writer.wait_closed()
         labels = {"worker": "none", "model": "none", "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
+        await wait_until(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")

@@ -10,7 +10,7 @@ import openai
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -96,13 +96,13 @@ async def test_a_streamed_answer_counts_its_blocks_as_held_until_it_ends() -> No
         prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
         prompt_blocks = -(-prompt // 16)
         async with gw.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            await wait_for(lambda: engine.holding == 1, what="64 tokens streamed")
+            await wait_until(lambda: engine.holding == 1, what="64 tokens streamed")
             held = prompt_blocks + 4
-            await wait_for(lambda: worker.active_decode_blocks == held, what="the answer held")
+            await wait_until(lambda: worker.active_decode_blocks == held, what="the answer held")
             engine.release.set()
             events = sse_data((await r.aread()).decode())
         assert len(events) == 65 + 1  # every token, then [DONE]
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
         assert worker.active_decode_blocks == 0
 
 
@@ -118,11 +118,13 @@ async def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
             await anext(r.aiter_raw())
             assert worker.in_flight == 1
         # leaving the block closed the client connection mid-stream
-        await wait_for(engine.cancel_seen.is_set, what="engine to see the cancel")
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(engine.cancel_seen.is_set, what="engine to see the cancel")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
         assert worker.pending_prefill_tokens == 0 and worker.active_decode_blocks == 0
         labels = {"worker": f.urls[0], "model": "fake-model", "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499 counted")
+        await wait_until(
+            lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499 counted"
+        )
 
 
 async def test_client_disconnect_before_headers_cancels_upstream() -> None:
@@ -137,10 +139,10 @@ async def test_client_disconnect_before_headers_cancels_upstream() -> None:
 
             async with anyio.create_task_group() as group:
                 group.start_soon(call)
-                await wait_for(lambda: engine.holding == 1, what="engine holding")
+                await wait_until(lambda: engine.holding == 1, what="engine holding")
                 group.cancel_scope.cancel()  # the client gives up: its connection closes
-        await wait_for(engine.cancel_seen.is_set, what="engine to see the cancel")
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(engine.cancel_seen.is_set, what="engine to see the cancel")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
 
 
 async def test_openai_sdk_streaming_and_not() -> None:

@@ -16,9 +16,8 @@ import anyio
 import httpx
 import pytest
 from fakes.gateway import Kvgate, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
-from test_sim_support import wait_for as sim_wait_for
 
 from backends.sim.fleet import SimFleet
 from backends.sim.tokenizer import tokenizer_dir
@@ -141,7 +140,7 @@ async def test_a_replica_crashing_while_requests_wait_loses_none() -> None:
         async with anyio.create_task_group() as group:
             for i in range(4):  # round robin: requests 0 and 2 go to the paused replica
                 group.start_soon(call, i % 2 == 0)
-            await wait_for(lambda: len(replica.engine.waiting) == 2, what="2 queued requests")
+            await wait_until(lambda: len(replica.engine.waiting) == 2, what="2 queued requests")
             await replica_fault(fleet, 0, kind="crash", downtime_s=30)
         assert [r.status_code for r in results] == [200] * 4
         assert all(r.headers["x-kvgate-worker"] == second for r in results)
@@ -159,7 +158,7 @@ async def test_no_first_token_in_time_is_retried() -> None:
         assert r.status_code == 200
         assert r.headers["x-kvgate-worker"] == second
         assert retries(gw, first, "timeout") == 1
-        await wait_for(lambda: not fleet.replica(0).engine.waiting, what="abandoned request gone")
+        await wait_until(lambda: not fleet.replica(0).engine.waiting, what="abandoned request gone")
         assert_load_released(gw)
 
 
@@ -205,13 +204,13 @@ async def test_client_leaving_while_the_engine_holds_its_stream_cancels_upstream
 
             async with anyio.create_task_group() as group:
                 group.start_soon(call)
-                await wait_for(lambda: len(replica.engine.waiting) == 1, what="request queued")
+                await wait_until(lambda: len(replica.engine.waiting) == 1, what="request queued")
                 group.cancel_scope.cancel()
-        await wait_for(lambda: not replica.engine.waiting, what="engine saw the cancel")
-        await wait_for(lambda: gw.sent(fleet.replicas[0].url).in_flight == 0)
+        await wait_until(lambda: not replica.engine.waiting, what="engine saw the cancel")
+        await wait_until(lambda: gw.sent(fleet.replicas[0].url).in_flight == 0)
         assert_load_released(gw)
         labels = {"worker": fleet.replicas[0].url, "model": MODEL, "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
+        await wait_until(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
 
 
 async def test_a_retry_is_ranked_again_without_the_failed_worker() -> None:
@@ -226,7 +225,7 @@ async def test_a_retry_is_ranked_again_without_the_failed_worker() -> None:
             explained = (await gw.client.post("/debug/route", json=CHAT)).json()
             return int(next(w for w in explained["workers"] if w["chosen"])["overlap_tokens"])
 
-        await sim_wait_for(predicted, what="the prefix indexed")
+        await wait_until(predicted, what="the prefix indexed")
         await replica_fault(fleet, index, kind="abort", count=1)
         r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         assert r.status_code == 200

@@ -26,7 +26,8 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.otlp import CLIENT, ERROR, SERVER, OtlpReceiver, Received
-from fakes.server import RunningServer, serve, wait_for
+from fakes.server import RunningServer, serve
+from fakes.wait import wait_until
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
@@ -65,7 +66,7 @@ def answered(gw: Kvgate) -> float:
 
 async def flush(gw: Kvgate, requests: int) -> None:
     """Wait until ``requests`` requests ended (their spans too), then export everything."""
-    await wait_for(lambda: answered(gw) >= requests, 10, f"{requests} requests to end")
+    await wait_until(lambda: answered(gw) >= requests, 10, f"{requests} requests to end")
     tracing = gw.gateway.observer.tracing
     assert tracing is not None
     assert await asyncio.to_thread(tracing.force_flush, 10.0)
@@ -290,7 +291,7 @@ async def test_a_collector_down_costs_no_request_and_stopping_is_bounded() -> No
             response = await gw.client.post("/v1/completions", json=body, headers=headers)
             assert response.status_code == 200
             assert engine.seen[-1].headers["traceparent"].startswith(f"00-{TRACE}-")
-        await wait_for(lambda: answered(gw) >= 3, 10, "3 requests to end")
+        await wait_until(lambda: answered(gw) >= 3, 10, "3 requests to end")
         tracing = gw.gateway.observer.tracing
         assert tracing is not None
         assert await asyncio.to_thread(tracing.shutdown, 0.5)  # the queued spans, abandoned

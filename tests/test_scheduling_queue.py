@@ -17,7 +17,7 @@ import httpx
 import pytest
 from fakes.gateway import Kvgate, kvgate
 from fakes.rawhttp import request_bytes
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
 from backends.sim.tokenizer import tokenizer_dir
@@ -85,11 +85,11 @@ def _send(gw: Kvgate, body: dict[str, Any], **headers: str) -> asyncio.Task[http
 
 
 async def _in_flight(gw: Kvgate, n: int) -> None:
-    await wait_for(lambda: sum(_flights(gw)) == n, what="in flight")
+    await wait_until(lambda: sum(_flights(gw)) == n, what="in flight")
 
 
 async def _queued(gw: Kvgate, n: int) -> None:
-    await wait_for(lambda: len(_queue(gw)) == n, what=f"{n} queued")
+    await wait_until(lambda: len(_queue(gw)) == n, what=f"{n} queued")
 
 
 @asynccontextmanager
@@ -511,7 +511,7 @@ async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> N
             # ends, so it is free for the queue, but it holds its blocks while it decodes
             await fault(clients[home], kind="slow", factor=5e4)
             await fault(clients[home], kind="clear", fault="pause")
-            await wait_for(lambda: bool(_queue(gw).holds()), what="a dispatch pass held")
+            await wait_until(lambda: bool(_queue(gw).holds()), what="a dispatch pass held")
             assert len(_queue(gw)) == 1  # not sent where it lacks room
             other = 1 - home
             assert _flights(gw)[home] == 1

@@ -15,7 +15,7 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, parse_response, request_bytes
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
 from backends import health
 
@@ -122,7 +122,7 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
     async with fleet(FakeEngine()) as f, kvgate(f.urls, client=client) as gw:
         port = port_of(gw.url)
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        await wait_for(lambda: gw.gateway.listener.connections == 2, what="2 connections")
+        await wait_until(lambda: gw.gateway.listener.connections == 2, what="2 connections")
         refused = await exchange(
             port, request_bytes("POST", "/v1/chat/completions", body=CHAT_BYTES)
         )
@@ -133,7 +133,7 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
         assert limit_count(gw, "connections") == 1
         for _, writer in held:
             writer.close()
-        await wait_for(lambda: gw.gateway.listener.connections == 0, what="connections closed")
+        await wait_until(lambda: gw.gateway.listener.connections == 0, what="connections closed")
         ok = await exchange(port, request_bytes("POST", "/v1/chat/completions", body=CHAT_BYTES))
         assert ok.status == 200
 
@@ -151,7 +151,7 @@ async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
         assert json.loads(events[-2])["error"]["code"] == "upstream_timeout"
         assert events[-1] == "[DONE]"
         assert limit_count(gw, "response_deadline") == 1
-        await wait_for(lambda: f.engines[0].cancels == 1, what="the engine sees the cut")
+        await wait_until(lambda: f.engines[0].cancels == 1, what="the engine sees the cut")
         assert gw.sent(f.urls[0]).in_flight == 0
 
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -68,24 +68,6 @@ def shared_tokenizer() -> SimTokenizer:
 
 def sim_fleet(config: SimConfig) -> SimFleet:
     return SimFleet(config, tokenizer=shared_tokenizer())
-
-
-async def wait_for(
-    predicate: Callable[[], bool] | Callable[[], Awaitable[bool]],
-    limit_s: float = 10.0,
-    what: str = "condition",
-) -> None:
-    """Poll ``predicate`` until true; fail after ``limit_s`` seconds (never a fixed sleep)."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 async def sse_lines(reply: httpx.Response) -> AsyncIterator[str]:
