@@ -169,6 +169,17 @@ class RequestTimeout(KvgateError):
         super().__init__(message, headers={"connection": "close"})
 
 
+class RequestHeadTooLarge(KvgateError):
+    """A request head past the listener's bounds: too many bytes or header lines (431), or
+    a request target too long (414). The connection is closed."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, status: int, code: str) -> None:
+        super().__init__(message, code=code, headers={"connection": "close"})
+        self.status = status
+
+
 class TooManyConnections(KvgateError):
     """Every client connection slot is taken (503 + Retry-After; connection closed)."""
 

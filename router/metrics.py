@@ -26,11 +26,14 @@ _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are k
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
 LIMITS = (
     "header_timeout",  # a client took too long to send a request head (408)
+    "request_head",  # a request head over its bytes or header lines (431)
+    "request_url",  # a request target over its bytes (414)
     "body_timeout",  # ... or its body (408)
     "request_bytes",  # a request body over max_body_bytes (413)
     "connections",  # a request on a connection beyond client.max_connections (503)
     "response_deadline",  # an exchange with engines over upstream.response_timeout_s (504)
     "upstream_response_bytes",  # a non-streamed answer over upstream.max_response_bytes (502)
+    "upstream_head",  # an engine's response head over its bytes or header lines (retried)
 )
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
