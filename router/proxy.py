@@ -199,6 +199,8 @@ class Proxy:
     def mark_failed(self, worker: Worker, reason: str, detail: str) -> None:
         """Passive health: a refused or broken connection marks the worker down at once;
         other failures count towards the failure threshold."""
+        if reason == Reason.HEAD_TOO_LARGE:
+            self.metrics.limit_exceeded("upstream_head")
         self.registry.record_failure(worker, detail, immediate=reason in _WORKER_GONE)
 
 

@@ -15,6 +15,7 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, parse_response, request_bytes
+from fakes.rawworker import raw_worker, write_until_closed
 from fakes.server import wait_for
 
 from backends import health
@@ -202,6 +203,66 @@ async def test_heads_within_the_bounds_are_served_pipelined_and_kept_alive() -> 
         finally:
             writer.close()
         assert limit_count(gw, "request_head") == limit_count(gw, "request_url") == 0
+
+
+# -- engines' response heads --------------------------------------------------------------
+_HOSTILE_LIMIT = 32 * 1024 * 1024  # bytes a hostile worker writes at most (the test's bound)
+
+
+async def endless_lines(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    await write_until_closed(writer, b"x-h: " + b"v" * 90 + b"\r\n", _HOSTILE_LIMIT)
+
+
+async def endless_value(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-h: ")
+    await write_until_closed(writer, b"v" * 65536, _HOSTILE_LIMIT)
+
+
+async def endless_trailer(writer: asyncio.StreamWriter) -> None:
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked"
+        b"\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\nx-t: "
+    )
+    await write_until_closed(writer, b"v" * 65536, _HOSTILE_LIMIT)
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"),
+    [
+        (endless_lines, False),
+        (endless_lines, True),
+        (endless_value, True),
+        (endless_trailer, False),
+    ],
+    ids=["lines", "lines-stream", "value-stream", "trailer"],
+)
+async def test_an_engine_head_past_its_bounds_fails_the_attempt(answer: Any, stream: bool) -> None:
+    """A worker's endless head or trailer fails that attempt once past its bound (before:
+    kept whole until the worker stopped), retried on another worker, with its reason."""
+    async with (
+        raw_worker(answer) as hostile,
+        fleet(FakeEngine()) as f,
+        kvgate([hostile.url, *f.urls]) as gw,  # round robin: the hostile worker first
+    ):
+        r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status_code == 200
+        assert r.headers["x-kvgate-worker"] == f.urls[0]
+        assert hostile.posts == 1
+        labels = {"worker": hostile.url, "reason": "head_too_large"}
+        assert gw.metric("kvgate_upstream_retries_total", labels) == 1
+        assert limit_count(gw, "upstream_head") == 1
+        assert "response head is too large" in str(gw.gateway.registry.get(hostile.url).last_error)
+
+
+async def test_an_engine_head_past_its_bounds_alone_is_a_502() -> None:
+    async with raw_worker(endless_lines) as hostile, kvgate([hostile.url]) as gw:
+        r = await gw.client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 502
+        error = r.json()["error"]
+        assert error["code"] == "upstream_protocol_error"
+        assert "response head is too large" in error["message"]
 
 
 async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
