@@ -238,11 +238,19 @@ def failure_reason(exc: httpx.HTTPError) -> str:
     return Reason.RESET
 
 
+FOLLOWS_REQUEST = frozenset({Reason.HTTP_5XX, Reason.ERROR_EVENT})
+"""Failures a request can cause on any engine (a prompt that makes engines answer 500):
+their health failure is charged to the worker only once another worker answered the same
+request, and two workers failing alike end the failover (``router.proxy``)."""
+
+
 class AttemptFailed(Exception):
     """One attempt failed before the commit point; ``error`` is what the client gets if no
-    other attempt succeeds."""
+    other attempt succeeds. ``charge``: the health failure not charged yet (a reason in
+    ``FOLLOWS_REQUEST``), for the worker's ``last_error``."""
 
-    def __init__(self, error: KvgateError, reason: str) -> None:
+    def __init__(self, error: KvgateError, reason: str, *, charge: str | None = None) -> None:
         super().__init__(reason)
         self.error = error
         self.reason = reason
+        self.charge = charge

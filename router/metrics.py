@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
 from index.memo import BoundedMemo
-from router.commit import RETRY_REASONS, STREAM_ERROR_REASONS
+from router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
@@ -87,6 +87,16 @@ class GatewayMetrics:
             ["worker", "reason"],
             registry=registry,
         )
+        self.request_faults = Counter(
+            "kvgate_upstream_request_faults",
+            "Requests two workers failed alike before the first token (a 5xx, an error "
+            "event): taken as the request's fault, not retried further and charged to no "
+            "worker's health, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in FOLLOWS_REQUEST:
+            self.request_faults.labels(reason)
         self.stream_errors = Counter(
             "kvgate_stream_errors",
             "Streams that ended with an error event after their first token (the client must "
