@@ -48,6 +48,8 @@ TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 """Headers in which a client states its own timeout, in seconds (the OpenAI SDKs send the
 second): a queued request waits no longer than that."""
 _MAX_HEADER_CHARS = 32
+MAX_ZERO_SERIES_MODELS = 32
+"""Served models whose queue-length series every known key has at 0 (``queued_by``)."""
 
 
 def client_timeout_s(headers: Mapping[str, str]) -> float | None:
@@ -601,12 +603,15 @@ class AdmissionQueue:
         return self._bytes
 
     def queued_by(self) -> Iterator[tuple[str, str, int]]:
-        """(key, model, queued requests): every known key with every served model (0 when
-        none is queued), and any other pair with some queued."""
+        """(key, model, queued requests): every known key with the first
+        ``MAX_ZERO_SERIES_MODELS`` served models by name (0 when none is queued: a fleet
+        serving thousands of adapters does not multiply the series), and any pair with
+        some queued."""
         pairs = Counter((e.key, e.model) for e in self._entries.values())
-        models = {model for worker in self._registry for model in worker.models}
+        served = {model for worker in self._registry for model in worker.models}
+        zeros = sorted(served)[:MAX_ZERO_SERIES_MODELS]
         for key in self.keys:
-            for model in models:
+            for model in zeros:
                 pairs[(key, model)] += 0
         for (key, model), n in pairs.items():
             yield key, model, n

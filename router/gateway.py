@@ -585,7 +585,7 @@ class Gateway:
     def _declare_series(self, worker: Worker) -> None:
         """Start the worker's labelled series at zero (its index series start when the index
         subscribes to its events)."""
-        self.metrics.declare_worker(worker.url, worker.models)
+        self.metrics.declare_worker(worker.url, [*worker.base_models(), *sorted(worker.models)])
         if self.health_metrics is not None:
             self.health_metrics.declare(worker.url)
 
