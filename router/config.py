@@ -144,7 +144,21 @@ class QueueConfig(BaseModel):
 
     enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
     max_length: int = Field(
-        default=1024, ge=0, description="requests queued at once; more get 429 (queue_full)"
+        default=1024,
+        ge=0,
+        description="requests queued at once; more get 429 (queue_full). Shared fairly "
+        "between API keys: when it is full, a request of a key holding fewer queued requests "
+        "than another key takes the place of that key's newest one (which gets 429), so one "
+        "key cannot keep the others out; a key alone (one key, or none configured) may use "
+        "all of it",
+    )
+    max_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="request body bytes queued at once (a queued request holds its body and "
+        "its block keys: two to three times the body in memory); more get 429 "
+        "(queue_bytes_full), shared between keys as max_length is. Raise it with kvgate's "
+        "memory limit",
     )
     max_wait_s: float = Field(
         default=30.0,
@@ -290,6 +304,13 @@ class Settings(BaseSettings):
         default=None,
         description="token protecting /admin and /debug (Bearer); none: those answer only "
         "when kvgate listens on loopback alone",
+    )
+    metrics_auth: bool = Field(
+        default=False,
+        description="guard /metrics as /admin and /debug are: the admin token (Bearer; "
+        "Prometheus: authorization.credentials_file), or without one, served only while "
+        "kvgate listens on loopback alone. The page names workers, models and client key ids: "
+        "turn it on when untrusted clients reach kvgate's port",
     )
     worker_allow: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

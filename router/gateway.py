@@ -330,18 +330,19 @@ class Gateway:
                 max_tokens=parsed.output_limit,
                 spans=call.observation.spans,
             )
-            grant = await self._admit(call, routed, session)
+            usage_mode, body = UsageMode.BODY, raw
+            if stream:
+                asked = parsed.stream_options is not None and parsed.stream_options.include_usage
+                if asked:
+                    usage_mode = UsageMode.TAP
+                elif self.settings.capture_usage:
+                    usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
+                else:
+                    usage_mode = UsageMode.NONE
+            del raw, data, parsed  # a queued request holds its body to send, not its JSON too
+            grant = await self._admit(call, routed, session, len(body))
         except KvgateError as exc:
             return self._refuse(exc, call)
-        usage_mode, body = UsageMode.BODY, raw
-        if stream:
-            asked = parsed.stream_options is not None and parsed.stream_options.include_usage
-            if asked:
-                usage_mode = UsageMode.TAP
-            elif self.settings.capture_usage:
-                usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
-            else:
-                usage_mode = UsageMode.NONE
         return self._send(call, routed, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
@@ -371,7 +372,8 @@ class Gateway:
                 spans=call.observation.spans,
                 only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
             )
-            grant = await self._admit(call, routed, session)
+            del parsed, prompt  # a queued request holds its body, not its JSON too
+            grant = await self._admit(call, routed, session, len(raw))
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
@@ -417,7 +419,8 @@ class Gateway:
             routed = await self.router.decide(
                 call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
-            grant = await self._admit(call, routed, session) if request.method == "POST" else None
+            post = request.method == "POST"
+            grant = await self._admit(call, routed, session, len(raw)) if post else None
         except KvgateError as exc:
             return self._refuse(exc, call)
         return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=target)
@@ -450,8 +453,11 @@ class Gateway:
         call.observation.client = self.check_client(call.request)
         return await self.read_body(call.request)
 
-    async def _admit(self, call: _Call, routed: Routed, session: str | None) -> Grant | None:
-        """Through the router-side queue (``router/admission.py``), when it is on."""
+    async def _admit(
+        self, call: _Call, routed: Routed, session: str | None, size: int
+    ) -> Grant | None:
+        """Through the router-side queue (``router/admission.py``), when it is on; ``size``:
+        the bytes of the body it holds while queued."""
         queue = self.admission
         if queue is None or not queue.config.enabled:
             return None
@@ -462,6 +468,7 @@ class Gateway:
                 session=session,
                 timeout_s=client_timeout_s(call.request.headers),
                 disconnected=disconnect_of(call.request.receive),
+                size=size,
             )
         except QueueTimeout as exc:
             call.observation.queued = exc.waited_s
@@ -664,7 +671,7 @@ class Gateway:
     def _declare_series(self, worker: Worker) -> None:
         """Start the worker's labelled series at zero (its index series start when the index
         subscribes to its events)."""
-        self.metrics.declare_worker(worker.url, worker.models)
+        self.metrics.declare_worker(worker.url, [*worker.base_models(), *sorted(worker.models)])
         if self.health_metrics is not None:
             self.health_metrics.declare(worker.url)
 
