@@ -372,12 +372,13 @@ class Gateway:
                 spans=call.observation.spans,
                 only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
             )
+            stored = parsed.store is not False  # store=false: its id is not recorded
             del parsed, prompt  # a queued request holds its body, not its JSON too
             grant = await self._admit(call, routed, session, len(raw))
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
-        tap = self.affinity.tap(key) if parsed.store is not False else None  # not stored
+        tap = self.affinity.tap(key) if stored else None
         return self._send(call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
     def _holder(
