@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -26,7 +26,13 @@ from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
 from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
-from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
+from router.metrics import (
+    GatewayMetrics,
+    GatewayRegistry,
+    MetricsPage,
+    kvgate_version,
+    register_worker_gauges,
+)
 from router.observe import Observer, start_tracing
 from router.passthrough import ROOT_PATHS, PassThroughPaths
 from router.proxy import Proxy
@@ -69,7 +75,7 @@ def build_gateway(
 ) -> Gateway:
     """Assemble the gateway's parts (no I/O happens until ``Gateway.start``). ``tuning``:
     the scheduler's internal constants (benchmarks and tests; users never set them)."""
-    metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+    metrics_registry = metrics_registry if metrics_registry is not None else GatewayRegistry()
     registry = WorkerRegistry(
         settings.health, explicit_block_size=settings.index.explicit_block_size
     )
@@ -118,7 +124,7 @@ def build_gateway(
         scheduler.queue, lambda: {model for worker in registry for model in worker.models}
     )
     metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
-    register_worker_gauges(metrics_registry, registry, scheduler.ledger)
+    register_worker_gauges(metrics_registry, registry, scheduler.ledger, metrics)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
     upstream = UpstreamPool(
@@ -317,9 +323,13 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
     async def ready() -> Response:
         return gateway.ready()
 
+    page = MetricsPage(gateway.metrics_registry)
+
     @app.get("/metrics", tags=["ops"])
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        if gateway.settings.metrics_auth:
+            gateway.check_admin(request)
+        return Response(await page.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:

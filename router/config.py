@@ -235,6 +235,13 @@ class Settings(BaseSettings):
         description="token protecting /admin and /debug (Bearer); none: those answer only "
         "when kvgate listens on loopback alone",
     )
+    metrics_auth: bool = Field(
+        default=False,
+        description="guard /metrics as /admin and /debug are: the admin token (Bearer; "
+        "Prometheus: authorization.credentials_file), or without one, served only while "
+        "kvgate listens on loopback alone. The page names workers, models and client key ids: "
+        "turn it on when untrusted clients reach kvgate's port",
+    )
     worker_allow: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="hosts workers added at run time (POST /admin/workers) and their event "

@@ -12,6 +12,7 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     │   ├── AdminRefused             403 (an admin call with an Origin or a foreign Host)
     │   └── WorkerNotAllowed         403 (a run-time worker outside --worker-allow)
     ├── RequestTimeout               408 (head or body too slow; connection closed)
+    ├── RequestHeadTooLarge          431 (head bytes or lines), 414 (target); closed
     ├── NotFound                     404 (and 405 for a known path, another method)
     │   ├── ModelNotFound            404
     │   ├── PreviousResponseGone     404 (the worker holding a previous_response_id left)
@@ -29,7 +30,8 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── PreviousResponseUnavailable  503 + Retry-After (its worker is down or not ready)
     ├── UpstreamError                502 upstream_error <- httpx.HTTPError
     │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
-    │   ├── UpstreamProtocolError    502 (retryable before the first token)
+    │   ├── UpstreamProtocolError    502 (retryable before the first token; also a
+    │   │                                response head past its bounds)
     │   ├── UpstreamStreamError      502 (an error event before the first token, retryable)
     │   ├── UpstreamTimeout          504 (retryable before the first token)
     │   └── UpstreamResponseTooLarge 502
@@ -62,6 +64,7 @@ import httpx
 import msgspec
 
 from backends import errors as backend
+from router.upstream import ResponseHeadTooLarge
 from scheduling import errors as scheduling
 
 _json_encode = msgspec.json.Encoder().encode
@@ -182,6 +185,17 @@ class RequestTimeout(KvgateError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"connection": "close"})
+
+
+class RequestHeadTooLarge(KvgateError):
+    """A request head past the listener's bounds: too many bytes or header lines (431), or
+    a request target too long (414). The connection is closed."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, status: int, code: str) -> None:
+        super().__init__(message, code=code, headers={"connection": "close"})
+        self.status = status
 
 
 class TooManyConnections(KvgateError):
@@ -448,6 +462,10 @@ class UpstreamHTTPError(KvgateError):
 def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
     """Map an httpx failure talking to ``worker`` to the most specific ``UpstreamError``."""
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ResponseHeadTooLarge):
+        return UpstreamProtocolError(
+            "the engine's response head is too large", worker=worker, detail=detail
+        )
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
         return UpstreamConnectError("cannot connect to the engine", worker=worker, detail=detail)
     if isinstance(exc, httpx.TimeoutException):

@@ -76,6 +76,7 @@ from router.requests import (
 from scheduling.affinity import ClientKeyId
 from scheduling.errors import QueueTimeout, SchedulingError
 from scheduling.grant import Grant
+from scheduling.routing import Routed
 from scheduling.scheduler import RequestFacts, Scheduler
 
 log = logging.getLogger("kvgate.gateway")
@@ -321,25 +322,28 @@ class Gateway:
             stream = bool(parsed.stream)
             call.parsed(parsed.model, len(raw), stream)
             session = self._session(call, parsed.user)
-            facts = RequestFacts(
-                parsed.model,
-                parsed.prompt_input(),
-                session_key=session,
-                max_tokens=parsed.output_limit,
-                spans=call.observation.spans,
+            routed = await self._route(
+                RequestFacts(
+                    parsed.model,
+                    parsed.prompt_input(),
+                    session_key=session,
+                    max_tokens=parsed.output_limit,
+                    spans=call.observation.spans,
+                )
             )
-            grant = await self._schedule(call, facts)
+            usage_mode, body = UsageMode.BODY, raw
+            if stream:
+                asked = parsed.stream_options is not None and parsed.stream_options.include_usage
+                if asked:
+                    usage_mode = UsageMode.TAP
+                elif self.settings.capture_usage:
+                    usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
+                else:
+                    usage_mode = UsageMode.NONE
+            del raw, data, parsed  # a queued request holds its body to send, not its JSON too
+            grant = await self._admit(call, routed, len(body))
         except KvgateError as exc:
             return self._refuse(exc, call)
-        usage_mode, body = UsageMode.BODY, raw
-        if stream:
-            asked = parsed.stream_options is not None and parsed.stream_options.include_usage
-            if asked:
-                usage_mode = UsageMode.TAP
-            elif self.settings.capture_usage:
-                usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
-            else:
-                usage_mode = UsageMode.NONE
         return self._send(call, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
@@ -361,20 +365,23 @@ class Gateway:
             prompt, _ = parsed.prompt_input()
             session = self._session(call, parsed.user)
             key = ClientKeyId(call.observation.client)
-            facts = RequestFacts(
-                parsed.model,
-                prompt,
-                session_key=session,
-                max_tokens=parsed.output_limit,
-                spans=call.observation.spans,
-                only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+            routed = await self._route(
+                RequestFacts(
+                    parsed.model,
+                    prompt,
+                    session_key=session,
+                    max_tokens=parsed.output_limit,
+                    spans=call.observation.spans,
+                    only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+                )
             )
-            grant = await self._schedule(call, facts)
+            stored = parsed.store is not False  # store=false: its id is not recorded
+            del data, parsed, prompt  # a queued request holds its body, not its JSON too
+            grant = await self._admit(call, routed, len(raw))
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
-        affinity = self.scheduler.affinity
-        tap = affinity.tap(key) if parsed.store is not False else None  # not stored
+        tap = self.scheduler.affinity.tap(key) if stored else None
         return self._send(call, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
     def _holder(
@@ -404,7 +411,8 @@ class Gateway:
             facts = RequestFacts(
                 call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
-            grant = await self._schedule(call, facts, queued=request.method == "POST")
+            routed = await self._route(facts)
+            grant = await self._admit(call, routed, len(raw), queued=request.method == "POST")
         except KvgateError as exc:
             return self._refuse(exc, call)
         return self._send(call, grant, body=raw, usage_mode=UsageMode.NONE, path=target)
@@ -437,19 +445,30 @@ class Gateway:
         call.observation.client = self.check_client(call.request)
         return await self.read_body(call.request)
 
-    async def _schedule(self, call: _Call, facts: RequestFacts, *, queued: bool = True) -> Grant:
-        """The scheduler's decision (``Scheduler.schedule``): routed, then through the
-        router-side queue when it is on and ``queued``."""
+    async def _route(self, facts: RequestFacts) -> Routed:
+        """The scheduler's routing decision (``Scheduler.route``: keys, matches, the
+        policy's ranking, the capacity rule)."""
+        try:
+            return await self.scheduler.route(facts)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
+
+    async def _admit(self, call: _Call, routed: Routed, size: int, *, queued: bool = True) -> Grant:
+        """``routed`` through the router-side queue (``Scheduler.admit``) when it is on and
+        ``queued``, else at once; ``size``: the bytes of the body it holds while queued. The
+        two halves of ``Scheduler.schedule``, apart so that the handler drops the request's
+        JSON before it may wait."""
         headers = call.request.headers
         timeout_s = client_timeout_s(headers) if queued else None
         try:
-            grant = await self.scheduler.schedule(
-                facts,
+            grant = await self.scheduler.admit(
+                routed,
                 key=call.observation.client,
-                session=facts.session_key,
+                session=routed.request.session_key,
                 timeout_s=timeout_s,
                 disconnected=disconnect_of(call.request.receive),
                 queued=queued,
+                size=size,
             )
         except SchedulingError as exc:
             if isinstance(exc, QueueTimeout):
@@ -665,7 +684,7 @@ class Gateway:
     def _declare_series(self, worker: Worker) -> None:
         """Start the worker's labelled series at zero (its index series start when the index
         subscribes to its events)."""
-        self.metrics.declare_worker(worker.url, worker.models)
+        self.metrics.declare_worker(worker.url, [*worker.base_models(), *sorted(worker.models)])
         if self.health_metrics is not None:
             self.health_metrics.declare(worker.url)
 

@@ -87,8 +87,14 @@ class _QueueCollector(Collector):
         )
         for key, n in self._queue.in_flight_by_key().items():
             flying.add_metric([key], n)
+        held = GaugeMetricFamily(
+            "kvgate_queue_bytes",
+            "Body bytes of the requests waiting in the router-side queue (queue.max_bytes)",
+        )
+        held.add_metric([], self._queue.queued_bytes)
         yield length
         yield flying
+        yield held
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())

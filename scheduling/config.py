@@ -85,8 +85,18 @@ class QueueConfig(BaseModel):
     max_length: int = Field(
         default=1024,
         ge=0,
-        description="requests queued at once; more get 429 (queue_full). Size it to the "
-        "burst you would rather delay than refuse",
+        description="requests queued at once; more get 429 (queue_full). Shared between API "
+        "keys: when it is full, a key holding fewer queued requests takes the place of the "
+        "newest one of the key holding most (that one gets 429 queue_share); a key alone may "
+        "use all of it. Size it to the burst you would rather delay than refuse",
+    )
+    max_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="request body bytes queued at once (a queued request holds its body and "
+        "its block keys: two to three times the body in memory); more get 429 "
+        "(queue_bytes_full), shared between keys as max_length is. Raise it with kvgate's "
+        "memory limit",
     )
     max_wait_s: float = Field(
         default=30.0,

@@ -3,9 +3,11 @@
 ``AdmissionQueue.admit`` lets a routed request through at once when the capacity rule
 admits it somewhere (``Routed.admitted``), its API key and model are under their concurrency
 limits and nothing of its model is queued ahead of it. Otherwise it waits here, not in an
-engine's queue, bounded in number (``QueueFull``) and in time (``QueueTimeout``); when a
-worker frees up it is routed again (fresh prices, fresh capacity) and sent to the first
-worker admitting it then::
+engine's queue, bounded in number and in body bytes (``QueueFull``) and in time
+(``QueueTimeout``); when a worker frees up it is routed again (fresh prices, fresh
+capacity) and sent to the first worker admitting it then. The bounds are shared between API
+keys: a full queue gives the newest request of the key holding most to a key holding less
+(``_make_room``), so one key cannot keep the others out, and a key alone may use all of it::
 
     routed ──admit──▶ admitted, limits ok, none queued ──▶ Grant (sent now)
                    └▶ queued entry ── a worker frees up (ledger.watch) ──▶ dispatch pass:
@@ -46,6 +48,8 @@ from scheduling.routing import Routed, Router
 
 REJECTIONS = (
     "queue_full",  # the whole queue is full
+    "queue_bytes_full",  # the queue's body bytes are at queue.max_bytes
+    "key_share",  # its place went to a key holding fewer queued requests (or bytes)
     "key_queue_full",  # the key's share of the queue is full
     "model_queue_full",  # the model's share of the queue is full
     "deadline",  # waited until its deadline
@@ -54,6 +58,8 @@ REJECTIONS = (
 )
 ROOM_HOLDS = 1
 """Workers held at once for requests waiting for KV room (never every worker of one)."""
+MAX_ZERO_SERIES_MODELS = 32
+"""Served models whose queue-length series every known key has at 0 (``queued_by``)."""
 
 
 class QueueEvents(Protocol):
@@ -74,6 +80,7 @@ class _Entry:
     key: str
     routed: Routed
     future: asyncio.Future[Grant]
+    size: int  # the bytes of the body it holds
     room_timer: asyncio.TimerHandle | None = None  # ends its wait for KV room
 
     @property
@@ -92,6 +99,7 @@ class _Counts:
 
     queued_key: Counter[str] = field(default_factory=Counter)
     queued_model: Counter[str] = field(default_factory=Counter)
+    queued_bytes: Counter[str] = field(default_factory=Counter)  # body bytes, per key
     flight_key: Counter[str] = field(default_factory=Counter)
     flight_model: Counter[str] = field(default_factory=Counter)
 
@@ -101,9 +109,13 @@ class _Counts:
         if counter[name] <= 0:
             del counter[name]
 
-    def queued(self, key: str, model: str, delta: int) -> None:
+    def queued(self, key: str, model: str, delta: int, size: int) -> None:
+        """``delta`` (1 or -1) requests of ``size`` body bytes queued."""
         self._move(self.queued_key, key, delta)
         self._move(self.queued_model, model, delta)
+        self.queued_bytes[key] += delta * size
+        if self.queued_key[key] == 0:
+            del self.queued_bytes[key]
 
     def flying(self, key: str, model: str, delta: int) -> None:
         self._move(self.flight_key, key, delta)
@@ -134,6 +146,7 @@ class AdmissionQueue:
         self._tuning = tuning or Tuning()
         self._clock = clock
         self._entries: dict[int, _Entry] = {}
+        self._bytes = 0  # body bytes of the queued requests
         self._counts = _Counts()
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,14 +176,17 @@ class AdmissionQueue:
         session: str | None,
         timeout_s: float | None,
         disconnected: Callable[[], Awaitable[None]],
+        size: int = 0,
     ) -> Grant:
         """Let ``routed`` through now or once a worker admits it (the grant's ``routed`` is
-        the decision then). ``QueueFull``, ``QueueTimeout``, ``ClientGone`` (the client went
-        while queued: ``disconnected`` returned), or a routing error at dispatch."""
+        the decision then); ``size``: the bytes of the body it holds while queued.
+        ``QueueFull``, ``QueueTimeout``, ``ClientGone`` (the client went while queued:
+        ``disconnected`` returned), or a routing error at dispatch."""
         model = routed.request.model
         if routed.admitted and self._may_pass(key, model):
             return self._grant(routed, key, reservation=None, waited_s=None)
         self._check_room(key, model)
+        self._make_room(key, size)
         limit = (
             self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
         )
@@ -182,11 +198,13 @@ class AdmissionQueue:
             key=key,
             routed=routed,
             future=loop.create_future(),
+            size=size,
         )
         patience = limit * self._tuning.room_patience
         entry.room_timer = loop.call_later(patience, self._out_of_patience, entry)
         self._entries[entry.seq] = entry
-        self._counts.queued(key, model, 1)
+        self._bytes += size
+        self._counts.queued(key, model, 1, size)
         self._events.entered(key)
         self._wake()
         return await self._wait(entry, limit, disconnected)
@@ -236,9 +254,9 @@ class AdmissionQueue:
         )
 
     def _check_room(self, key: str, model: str) -> None:
+        """The key's and the model's own limits (``max_queued_per_*``), when set."""
         cfg, counts = self.config, self._counts
         checks = (
-            ("queue_full", len(self._entries), cfg.max_length, "the queue"),
             ("key_queue_full", counts.queued_key[key], cfg.max_queued_per_key, f"key {key}'s"),
             (
                 "model_queue_full",
@@ -255,6 +273,54 @@ class AdmissionQueue:
                     f"({limit} requests); retry later"
                 )
                 raise QueueFull(message, code=code)
+
+    def _make_room(self, key: str, size: int) -> None:
+        """Room for one more request of ``key`` holding ``size`` body bytes, within
+        ``max_length`` and ``max_bytes``. A full queue gives the newest request of the key
+        holding most (requests, or bytes when those are short) to ``key`` when that key
+        still holds more than ``key`` would (it gets ``QueueFull`` queue_share); else this
+        request gets ``QueueFull``. So one key's requests cannot keep another key's out,
+        and a key alone may fill the queue."""
+        cfg = self.config
+        by_count = False
+        for _ in range(len(self._entries) + 1):  # bounded: each round takes one entry out
+            by_count = len(self._entries) >= cfg.max_length
+            if not by_count and self._bytes + size <= cfg.max_bytes:
+                return
+            victim = self._victim(key, size, by_count) if size <= cfg.max_bytes else None
+            if victim is None:
+                break
+            self._evict(victim)
+        if by_count:
+            self._refuse_room(key, "queue_full", f"the queue is full ({cfg.max_length} requests)")
+        self._refuse_room(
+            key, "queue_bytes_full", f"the queue's bodies would pass {cfg.max_bytes} bytes"
+        )
+
+    def _victim(self, key: str, size: int, by_count: bool) -> _Entry | None:
+        """The newest request of the key holding most of the queue (``by_count``: requests,
+        else body bytes), if that key holds more than ``key`` would with one more."""
+        held = self._counts.queued_key if by_count else self._counts.queued_bytes
+        heaviest = max(held, key=held.__getitem__, default=None)
+        if heaviest is None:
+            return None
+        fair = held[heaviest] >= held[key] + 2 if by_count else held[heaviest] > held[key] + size
+        if not fair:
+            return None
+        return next((e for e in reversed(self._entries.values()) if e.key == heaviest), None)
+
+    def _evict(self, entry: _Entry) -> None:
+        self._remove(entry)
+        self._events.rejected(entry.key, "key_share")
+        message = (
+            f"every worker is busy and the queue is full; key {entry.key} holds the largest "
+            "share of it, and this request gave its place to another key's; retry later"
+        )
+        entry.future.set_exception(QueueFull(message, code="queue_share"))
+
+    def _refuse_room(self, key: str, code: str, why: str) -> None:
+        self._events.rejected(key, code)
+        raise QueueFull(f"every worker is busy and {why}; retry later", code=code)
 
     # -- grants -----------------------------------------------------------------------------
     def _grant(
@@ -395,18 +461,27 @@ class AdmissionQueue:
             entry.room_timer.cancel()
             entry.room_timer = None
         if self._entries.pop(entry.seq, None) is not None:
-            self._counts.queued(entry.key, entry.model, -1)
+            self._bytes -= entry.size
+            self._counts.queued(entry.key, entry.model, -1, entry.size)
 
     # -- views --------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
-    def queued_by(self, models: set[str]) -> Iterator[tuple[str, str, int]]:
-        """(key, model, queued requests): every known key with every one of ``models`` (0
-        when none is queued), and any other pair with some queued."""
+    @property
+    def queued_bytes(self) -> int:
+        """Body bytes of the queued requests."""
+        return self._bytes
+
+    def queued_by(self, served: set[str]) -> Iterator[tuple[str, str, int]]:
+        """(key, model, queued requests): every known key with the first
+        ``MAX_ZERO_SERIES_MODELS`` of the ``served`` models by name (0 when none is queued: a
+        fleet serving thousands of adapters does not multiply the series), and any pair with
+        some queued."""
         pairs = Counter((e.key, e.model) for e in self._entries.values())
+        zeros = sorted(served)[:MAX_ZERO_SERIES_MODELS]
         for key in self.keys:
-            for model in models:
+            for model in zeros:
                 pairs[(key, model)] += 0
         for (key, model), n in pairs.items():
             yield key, model, n

@@ -127,10 +127,13 @@ class Scheduler:
         timeout_s: float | None,
         disconnected: Callable[[], Awaitable[None]],
         queued: bool = True,
+        size: int = 0,
     ) -> Grant:
         """Decide for ``facts``: route, then admit now or queue until a worker admits it
-        (``queued`` False, or the queue off: sent at once, as ranked)."""
+        (``queued`` False, or the queue off: sent at once, as ranked; ``size``: the bytes
+        the request holds while queued)."""
         routed = await self.route(facts)
+        del facts  # a queued request holds its keys, not its prompt
         return await self.admit(
             routed,
             key=key,
@@ -138,6 +141,7 @@ class Scheduler:
             timeout_s=timeout_s,
             disconnected=disconnected,
             queued=queued,
+            size=size,
         )
 
     async def admit(
@@ -149,12 +153,18 @@ class Scheduler:
         timeout_s: float | None,
         disconnected: Callable[[], Awaitable[None]],
         queued: bool = True,
+        size: int = 0,
     ) -> Grant:
         """``routed`` through the queue (when it is on and ``queued``), else at once."""
         if not (queued and self.queue.config.enabled):
             return Grant(routed, router=self.router, ledger=self.ledger, key=key)
         return await self.queue.admit(
-            routed, key=key, session=session, timeout_s=timeout_s, disconnected=disconnected
+            routed,
+            key=key,
+            session=session,
+            timeout_s=timeout_s,
+            disconnected=disconnected,
+            size=size,
         )
 
     async def explain(self, facts: RequestFacts, key: str) -> dict[str, Any]:
