@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 # sub-command -> (module exposing ``main(argv: list[str]) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -18,8 +19,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed kvgate's version ("unknown" when run from a tree never installed)."""
+    try:
+        return metadata.version("kvgate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _usage() -> str:
-    lines = ["usage: kvgate COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: kvgate [--version] COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines.append("\n`kvgate COMMAND --help` documents each command.")
     return "\n".join(lines)
@@ -30,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in {"-h", "--help", "help"}:
         print(_usage())
         return 0 if args else 2
+    if args[0] in {"-V", "--version"}:
+        print(f"kvgate {version()}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"kvgate: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -59,9 +59,17 @@ class ResponsesConfig(BaseModel):
 class UpstreamConfig(BaseModel):
     """How kvgate talks to engines."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect timeout")
+    connect_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="TCP connect timeout to an engine: lower it to fail over sooner from a host "
+        "that does not answer",
+    )
     read_timeout_s: float = Field(
-        default=600.0, gt=0, description="longest wait for the response or the next streamed chunk"
+        default=600.0,
+        gt=0,
+        description="longest wait for an engine's answer or its next streamed chunk: raise it "
+        "for engines that queue requests for longer",
     )
     max_connections: int = Field(
         default=1024,
@@ -72,13 +80,17 @@ class UpstreamConfig(BaseModel):
         default=256, ge=0, description="idle keep-alive connections kept per engine"
     )
     max_failover: int = Field(
-        default=2, ge=0, description="further workers tried when one fails before answering"
+        default=2,
+        ge=0,
+        description="further workers tried when one fails before the first token; 0: never "
+        "retry elsewhere",
     )
     response_timeout_s: float = Field(
         default=3600.0,
         gt=0,
         description="longest one request's whole exchange with engines may take, streamed or "
-        "not (504 before the answer starts, an error event inside a stream after)",
+        "not (504 before the answer starts, an error event inside a stream after): bounds a "
+        "stuck stream",
     )
     max_response_bytes: int = Field(
         default=64 * 1024 * 1024,
@@ -126,7 +138,8 @@ class ClientConfig(BaseModel):
     max_connections: int = Field(
         default=4096,
         ge=1,
-        description="client connections served at once; requests on any further one get 503",
+        description="client connections served at once (requests on any further one get "
+        "503): size it to your file-descriptor limit and expected clients",
     )
 
 
@@ -209,8 +222,12 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
-    host: str = Field(default="127.0.0.1", description="bind address")
-    port: int = Field(default=8000, ge=0, le=65535, description="bind port")
+    host: str = Field(
+        default="127.0.0.1",
+        description="address to listen on: 0.0.0.0 (or a pod IP) to serve beyond this machine "
+        "(then /admin and /debug need --admin-token)",
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     workers: Annotated[list[WorkerConfig], NoDecode] = Field(
         default_factory=list, description="engine replicas (see --worker)"
     )
@@ -218,22 +235,32 @@ class Settings(BaseSettings):
         default_factory=list,
         description="DNS discovery of engine replicas (see --discover, docs/deploy.md)",
     )
-    policy: str = Field(default="kv", description=f"routing policy: {' | '.join(POLICY_NAMES)}")
-    seed: int | None = Field(default=None, description="seed of randomised policies")
+    policy: str = Field(
+        default="kv",
+        description="routing policy: kv (cache-aware), or a cache-unaware baseline to compare "
+        f"against: {' | '.join(POLICY_NAMES)}",
+    )
+    seed: int | None = Field(
+        default=None,
+        description="seed of the random choices (scoring temperature above 0, the random "
+        "policy): set it for runs you can repeat",
+    )
     tokenizers: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description="tokenizer dir per model ('*': every model); flag form PATH or MODEL=PATH",
     )
     max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, ge=1, description="request body limit (413)"
+        default=32 * 1024 * 1024,
+        ge=1,
+        description="largest request body (413 beyond): raise it for prompts past 32 MiB of JSON",
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="client API keys (Bearer); none: no client auth"
     )
     admin_token: SecretStr | None = Field(
         default=None,
-        description="token protecting /admin and /debug (Bearer); none: those answer only "
-        "when kvgate listens on loopback alone",
+        description="token that opens /admin and /debug (Bearer): set it to use them when "
+        "kvgate listens beyond loopback (without one they answer on loopback alone)",
     )
     metrics_auth: bool = Field(
         default=False,
@@ -256,26 +283,32 @@ class Settings(BaseSettings):
     )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
-        default=True, description="request usage upstream on streams to measure engine cache hits"
+        default=True,
+        description="ask engines for usage on streams whose client did not (and hide it from "
+        "the client) to measure their cache hits; turn it off for engines that refuse "
+        "stream_options",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        default="info", description="log level"
+        default="info",
+        description="log level; debug logs every routing decision with its terms",
     )
     log_format: Literal["text", "json", "logfmt"] = Field(
         default="text",
         description="format of every log line (kvgate's, uvicorn's, the access log), "
-        "written to stdout; json: one object per line (docs/observability.md)",
+        "written to stdout: json (one object per line) or logfmt for a log pipeline "
+        "(docs/observability.md)",
     )
     access_log: bool = Field(
         default=True,
-        description="one line per /v1 request on the kvgate.access logger (info level)",
+        description="one line per /v1 request on the kvgate.access logger (worker, cache hit, "
+        "TTFT, queue wait); turn it off to save log volume",
     )
     access_log_sample_rate: float = Field(
         default=1.0,
         ge=0,
         le=1,
-        description="share of successful (2xx) requests given an access-log line; every "
-        "other status is always logged",
+        description="share of successful (2xx) requests given an access-log line (every "
+        "other status always is): lower it at high request rates",
     )
     otlp_traces_endpoint: str | None = Field(
         default=None,
@@ -295,25 +328,35 @@ class Settings(BaseSettings):
         description="with --trace-sample-rate, follow the sampled flag of the client's "
         "traceparent (when every client is a trusted service whose traces you want whole)",
     )
-    sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
+    sim: int = Field(
+        default=0,
+        ge=0,
+        description="start N simulated replicas and route to them: a demo, or a test bed "
+        "without GPUs",
+    )
     sim_port: int = Field(
-        default=9001, ge=1, le=65535, description="--sim: HTTP port of replica 0 (+i)"
+        default=9001,
+        ge=1,
+        le=65535,
+        description="--sim: HTTP port of replica 0 (+i); move it when those ports are taken",
     )
     sim_events_port: int = Field(
         default=5557,
         ge=1,
         le=65535,
-        description="--sim: KV-event PUB port of replica 0 (+2i), replay on the next port",
+        description="--sim: KV-event PUB port of replica 0 (+2i), replay on the next port; "
+        "move it when those ports are taken",
     )
     shutdown_timeout_s: int = Field(
         default=30,
         ge=1,
-        description="after SIGTERM, seconds in-flight requests may take before they are cut",
+        description="after SIGTERM, seconds in-flight requests may take before they are cut: "
+        "match your orchestrator's grace period",
     )
     kv_index: bool = Field(
         default=True,
-        description="keep the KV block index (tokenize prompts, follow engine KV events); "
-        "off: no cache prediction (baseline policies only need load)",
+        description="keep the KV block index (tokenize prompts, follow the engines' KV "
+        "events); turn it off when only a baseline policy is used (they need load only)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)

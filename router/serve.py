@@ -31,6 +31,8 @@ Run the kvgate gateway: an OpenAI-compatible router in front of vLLM / SGLang re
 
 Settings come from (highest precedence first) these flags, KVGATE_* environment variables
 (nested with __, e.g. KVGATE_HEALTH__INTERVAL_S=1), the --config YAML file, and defaults.
+The options most users need come first; --help-all also lists the settings read only from
+the config file and the environment.
 """
 
 _EXAMPLES = """\
@@ -49,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML settings file")
-    add_settings_flags(parser, Settings)
+    first = parser.add_argument_group()
+    first.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML settings file: every setting, those without a flag too (--help-all)",
+    )
+    add_settings_flags(parser, Settings, first)
     add_moved_flags(parser, Settings, MOVED)
     return parser
 
