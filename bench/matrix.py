@@ -415,7 +415,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routers",
         default=",".join(ROUTERS),
-        help="comma list of routers: kv, kv_seconds (kv, the cost in seconds), kv_baseline, "
+        help="comma list of routers: kv, its variants (bench compare's kv_*: kv_noqueue, "
+        "kv_plain, kv_nofit, ...), kv_baseline, "
         f"{', '.join(PEER_ROUTERS)}",
     )
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")
