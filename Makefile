@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt build-constraints.txt $(wildcard index/csrc/*.c index/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet -c build-constraints.txt pip
-	$(BIN)/pip install --quiet -c constraints.txt --build-constraint build-constraints.txt -e '.[dev,bench,otel]'
+	$(BIN)/pip install --quiet -c constraints.txt --build-constraint build-constraints.txt -e '.[dev,bench,otel,epp]'
 	touch $(STAMP)
 
 ## demo: 4 simulated replicas + kvgate on http://127.0.0.1:8000 (Ctrl-C to stop)
@@ -36,7 +36,7 @@ typecheck: $(STAMP)
 ## lock: re-pin every dependency after a change to pyproject.toml
 lock:
 	rm -rf .lockvenv && $(PY) -m venv .lockvenv
-	.lockvenv/bin/pip install --quiet -e '.[dev,bench,otel]'
+	.lockvenv/bin/pip install --quiet -e '.[dev,bench,otel,epp]'
 	.lockvenv/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
 	rm -rf .lockvenv
 
