@@ -95,6 +95,15 @@ class Exchange:
             for worker in self._placement.order:
                 proxy.mark_failed(worker, _FALLBACK, f"the proxy answered {status} for it")
 
+    def client_headers(self) -> list[tuple[str, str]]:
+        """What ``serve`` tells a client of its answer: the worker, and the cached tokens
+        kvgate predicted there."""
+        predicted = self._placement.routed.predicted_cached_tokens(self._worker.id)
+        return [
+            ("x-kvgate-worker", self._worker.url),
+            ("x-kvgate-predicted-cached-tokens", str(predicted)),
+        ]
+
     def _moved(self, endpoint: str) -> None:
         """Envoy served from a fallback: the ones before it failed; the load moves there."""
         order = self._placement.order

@@ -334,10 +334,10 @@ class EppStream:
         status = int(status_text) if status_text.isdigit() and len(status_text) == 3 else None
         served = wire.served_endpoint(message)
         exchange.served(served, status)
-        echo = []
+        told = exchange.client_headers()
         if self._service.settings.conformance_headers:
-            echo.append((wire.TEST_SERVED, served or ""))
-        return wire.headers_continue(request=False, set_headers=echo)
+            told.append((wire.TEST_SERVED, served or ""))
+        return wire.headers_continue(request=False, set_headers=told)
 
 
 @dataclass(frozen=True, slots=True)
