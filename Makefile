@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck lock bench-quick clean
+.PHONY: demo demo-envoy test test-fast lint typecheck lock bench-quick clean
 
 # The native core (index/csrc/) is compiled by the editable install: rebuild when it changes.
 # build-constraints.txt pins pip and the build backend (setuptools) the install uses.
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml setup.py constraints.txt build-constraints.txt $(wildca
 ## demo: 4 simulated replicas + kvgate on http://127.0.0.1:8000 (Ctrl-C to stop)
 demo: $(STAMP)
 	$(BIN)/kvgate serve --sim 4
+
+## demo-envoy: 4 simulated replicas, kvgate epp and a real Envoy on http://127.0.0.1:8080
+demo-envoy: $(STAMP)
+	$(BIN)/python -m bench.envoy demo
 
 ## test: lint, type-check, unit + integration tests (real vLLM replicas included)
 test: $(STAMP) lint typecheck
