@@ -305,3 +305,28 @@ async def test_silent_and_never_ending_requests_time_out_with_a_408() -> None:
         assert status == 408
         assert epp.metric("kvgate_epp_streams_total", {"outcome": "timeout"}) == 2
         await answered_normally(epp)
+
+
+async def test_client_keys_are_checked_and_never_reach_the_engine_whose_own_key_is_sent() -> None:
+    async with (
+        sim_fleets(fleet_config(2)) as (fleet,),
+        epp_server(
+            worker_specs(fleet, api_key="engine-secret"), api_keys=["client-secret-1"]
+        ) as epp,
+        channel(epp.grpc_port) as ch,
+    ):
+        peer = Peer(ch)
+        await peer.send(request_headers())
+        status, error, headers = await refusal(peer)
+        assert status == 401 and error["type"] == "authentication_error"
+        assert headers["www-authenticate"] == "Bearer"
+        peer = Peer(ch)
+        await peer.send(request_headers(extra={"authorization": "Bearer client-secret-1"}))
+        await peer.send(request_body(chat_body("with my key")))
+        answer = await peer.receive()
+        picked(answer)
+        mutation = answer.request_headers.response.header_mutation
+        assert set_headers(answer)["authorization"] == "Bearer engine-secret"
+        assert "x-api-key" in mutation.remove_headers
+        peer.cancel()
+        await until(epp.idle)

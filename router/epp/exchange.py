@@ -20,7 +20,7 @@ from router.affinity import ResponseIdTap
 from router.commit import Reason, StreamStart, Verdict, error_events
 from router.epp.placement import Placement
 from router.epp.request import Parsed
-from router.epp.wire import endpoint_of
+from router.epp.wire import Rewrite, endpoint_of
 from router.gateway import Gateway
 from router.observe import Observation
 from router.proxy import UsageMode
@@ -40,7 +40,7 @@ class Exchange:
     __slots__ = (
         "_answer_tap", "_body", "_ended", "_gateway", "_measured", "_observation", "_parsed",
         "_placement", "_received_at", "_sent_at", "_start", "_status", "_tap", "_ticket",
-        "_usage", "_worker",
+        "_trace", "_usage", "_worker",
     )  # fmt: skip
 
     def __init__(
@@ -68,7 +68,7 @@ class Exchange:
         mode = parsed.usage
         sse_usage = parsed.stream and mode in (UsageMode.TAP, UsageMode.HIDE)
         self._tap = SseUsageTap(hide=mode is UsageMode.HIDE) if sse_usage else None
-        observation.attempt(self._worker.url, [])
+        self._trace = observation.attempt(self._worker.url, [])  # tracing: its traceparent
         gateway.metrics.overhead.observe(time.perf_counter() - self._received_at)
         self._sent_at = time.monotonic()
         self._ticket: LoadTicket = placement.begin(self._worker)
@@ -94,6 +94,22 @@ class Exchange:
         else:  # Envoy's own 5xx: none of the listed endpoints answered
             for worker in self._placement.order:
                 proxy.mark_failed(worker, _FALLBACK, f"the proxy answered {status} for it")
+
+    def upstream_headers(self, *, body_changed: bool) -> Rewrite:
+        """The request's header changes on its way to the engine, as ``serve`` makes them:
+        the client's credentials dropped (kvgate's client keys are not the engine's), the
+        chosen engine's own (``api_key`` / ``basic_auth`` of its ``--worker``) set; the trace
+        context of kvgate's span; a stale ``content-length`` dropped."""
+        sets = [(k.decode(), v.decode()) for k, v in self._trace]
+        removed = ["x-api-key"]
+        authorization = self._worker.config.authorization()
+        if authorization is not None:
+            sets.append(("authorization", authorization))
+        else:
+            removed.append("authorization")
+        if body_changed:
+            removed.append("content-length")
+        return Rewrite(tuple(sets), tuple(removed))
 
     def client_headers(self) -> list[tuple[str, str]]:
         """What ``serve`` tells a client of its answer: the worker, and the cached tokens

@@ -237,6 +237,7 @@ class EppStream:
         messages = list(
             _pick_messages(
                 endpoints,
+                exchange.upstream_headers(body_changed=parsed.body is not None),
                 sent,
                 changed=parsed.body is not None,
                 request_mode=request_mode,
@@ -392,6 +393,7 @@ class _Reader:
 
 def _pick_messages(
     endpoints: list[str],
+    rewrite: wire.Rewrite,
     body: bytes,
     *,
     changed: bool,
@@ -402,9 +404,9 @@ def _pick_messages(
     """The answers that send the request on to ``endpoints`` (the body, when kvgate holds
     it, sent back with them)."""
     if request_mode == wire.BUFFERED and had_body:
-        yield wire.pick_with_body(endpoints, body if changed else None)
+        yield wire.pick_with_body(endpoints, rewrite, body if changed else None)
     else:
-        yield wire.pick_headers(endpoints, body_changed=changed)
+        yield wire.pick_headers(endpoints, rewrite)
         if had_body and request_mode == wire.FULL_DUPLEX:
             yield from wire.streamed_bodies(body, request=True, end=not trailers)
     if trailers:

@@ -12,6 +12,7 @@ at a fixed size, never followed to its end.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,42 +130,42 @@ def _mutation(set_headers: Iterable[tuple[str, str]], remove: Sequence[str] = ()
     return pb.HeaderMutation(set_headers=_header_options(set_headers), remove_headers=list(remove))
 
 
-def pick_headers(
-    endpoints: Sequence[str], extra: Iterable[tuple[str, str]] = (), *, body_changed: bool
-) -> Message:
-    """The answer to the request's headers: ``x-gateway-destination-endpoint`` and the
-    ``envoy.lb`` dynamic metadata, the same list in both (chosen first, then fallbacks);
-    a body sent back changed loses its stale ``content-length``."""
+def _pick_common(endpoints: Sequence[str], rewrite: Rewrite) -> tuple[Message, Message]:
     value = ",".join(endpoints)
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
-    common = pb.CommonResponse(
-        header_mutation=_mutation(
-            [(DESTINATION, value), *extra], ("content-length",) if body_changed else ()
-        )
-    )
+    sets = [(DESTINATION, value), *rewrite.set_headers]
+    common = pb.CommonResponse(header_mutation=_mutation(sets, rewrite.remove_headers))
+    return common, metadata
+
+
+def pick_headers(endpoints: Sequence[str], rewrite: Rewrite) -> Message:
+    """The answer to the request's headers: ``x-gateway-destination-endpoint`` and the
+    ``envoy.lb`` dynamic metadata, the same list in both (chosen first, then fallbacks),
+    with the request's other header changes."""
+    common, metadata = _pick_common(endpoints, rewrite)
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
     )
 
 
-def pick_with_body(
-    endpoints: Sequence[str], body: bytes | None, extra: Iterable[tuple[str, str]] = ()
-) -> Message:
-    """Buffered mode: the pick rides on the answer to the (whole) body."""
-    value = ",".join(endpoints)
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
-    common = pb.CommonResponse(
-        header_mutation=_mutation(
-            [(DESTINATION, value), *extra], ("content-length",) if body is not None else ()
-        )
-    )
+def pick_with_body(endpoints: Sequence[str], rewrite: Rewrite, body: bytes | None) -> Message:
+    """Buffered mode: the pick rides on the answer to the (whole) body (replaced by
+    ``body`` when given)."""
+    common, metadata = _pick_common(endpoints, rewrite)
     if body is not None:
         common.body_mutation.body = body
     return pb.ProcessingResponse(
         request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """Header changes on the request as it goes upstream."""
+
+    set_headers: tuple[tuple[str, str], ...] = ()
+    remove_headers: tuple[str, ...] = ()
 
 
 def streamed_bodies(body: bytes, *, request: bool, end: bool) -> Iterator[Message]:
