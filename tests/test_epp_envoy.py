@@ -5,6 +5,7 @@ load accounting when a client goes away."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,28 @@ async def test_models_are_listed_by_kvgate_through_envoy(tmp_path: Path) -> None
         assert [card["id"] for card in listed.json()["data"]] == [MODEL]
         one = await stack.client.get(f"/v1/models/{MODEL}")
         assert one.status_code == 200 and one.json()["id"] == MODEL
+
+
+async def test_a_queued_request_holds_its_stream_open_until_dispatched(tmp_path: Path) -> None:
+    queue = {"max_in_flight_per_key": 1}
+    async with (
+        sim_fleets(slow(2)) as (fleet,),
+        envoy_stack(fleet, tmp_path, queue=queue) as stack,
+    ):
+        first = turn([], "a story of some length", max_tokens=200, stream=True)
+        async with stack.client.stream("POST", "/v1/chat/completions", json=first) as held:
+            chunks = held.aiter_bytes()
+            await anext(chunks)
+            waiting = asyncio.create_task(
+                stack.client.post("/v1/chat/completions", json=turn([], "after you"))
+            )
+            admission = stack.epp.gateway.admission
+            await until(lambda: len(admission) == 1, what="the second request queued")
+            assert not waiting.done()
+            async for _ in chunks:  # the first answer ends: its share of the key goes back
+                pass
+        second = await waiting
+        assert second.status_code == 200, second.text
+        labels = {"key": "-"}
+        await until(lambda: stack.epp.metric("kvgate_queue_wait_seconds_count", labels) == 1)
+        await until(stack.epp.idle, what="both requests released")
