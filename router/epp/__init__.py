@@ -16,5 +16,6 @@ one first, then fallbacks); Envoy carries the bytes. Modules:
 | ``request`` | what a request's head and body say: its kind, model, prompt, usage mode |
 | ``placement`` | the one door to the decision code (routing + admission) |
 | ``exchange`` | one placed request's load, metrics and access-log line until it ends |
-| ``wire`` | ext_proc protobuf messages in and out |
+| ``wire`` | ext_proc messages in and out: reading them, building the answers |
+| ``messages`` | the ext_proc protobuf messages, declared in code (Envoy's field numbers) |
 """

@@ -15,19 +15,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from backends.registry import WorkerRegistry
 from index.api import EngineWorker
 from index.types import WorkerId
-from router.epp import wire
+from router.epp import messages, wire
 from router.epp.stream import EppService, EppStream
 
 log = logging.getLogger("kvgate.epp")
 
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_PROC_SERVICE = messages.SERVICE
 LIVENESS = "liveness"
 READINESS = "readiness"
 _FOLLOWS_READINESS = ("", READINESS, EXT_PROC_SERVICE)
@@ -36,11 +35,20 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _SLACK_BYTES = 1 << 16  # a message's framing beside the largest body it may carry
 
 
-class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExternalProcessor:
     """``Process``: one stream per HTTP request (``router.epp.stream``)."""
 
     def __init__(self, service: EppService) -> None:
         self._service = service
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service, for ``Server.add_generic_rpc_handlers``."""
+        process = grpc.stream_stream_rpc_method_handler(
+            self.Process,
+            request_deserializer=messages.ProcessingRequest.FromString,
+            response_serializer=messages.ProcessingResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process})
 
     async def Process(
         self,
@@ -113,9 +121,7 @@ class GrpcSide:
             ],
             maximum_concurrent_rpcs=settings.client.max_connections,
         )
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self._service), server
-        )
+        server.add_generic_rpc_handlers((ExternalProcessor(self._service).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(self.address)
         await self.health.set(LIVENESS, _SERVING)

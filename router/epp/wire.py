@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from router.epp import messages as pb
 from router.errors import KvgateError
 
 LB_NAMESPACE = "envoy.lb"
@@ -37,12 +35,12 @@ MAX_VALUE = 64 * 1024  # characters of one header or metadata value
 BODY_PIECE = 62_000  # bytes of body per message sent back (Envoy takes up to 64 KiB)
 
 BodyMode = int
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
-STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
-NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+FULL_DUPLEX = pb.FULL_DUPLEX_STREAMED
+BUFFERED = pb.BUFFERED
+STREAMED = pb.STREAMED
+NO_BODY = pb.NONE
 
-Message = Any  # a generated protobuf message (xds-protos ships no type stubs)
+Message = Any  # a message of router.epp.messages (classes built at run time)
 
 
 def endpoint_of(url: str) -> str:
@@ -121,8 +119,7 @@ def body_modes(message: Message) -> tuple[BodyMode, BodyMode] | None:
 
 def _header_options(headers: Iterable[tuple[str, str]]) -> list[Message]:
     return [
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
-        for k, v in headers
+        pb.HeaderValueOption(header=pb.HeaderValue(key=k, raw_value=v.encode())) for k, v in headers
     ]
 
 

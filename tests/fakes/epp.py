@@ -13,8 +13,6 @@ from typing import Any
 
 import grpc
 import httpx
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from backends.process import free_port
 from backends.sim.fleet import SimFleet
@@ -24,6 +22,7 @@ from fakes.gateway import quiet_health
 from fakes.server import serve
 from fakes.simgate import MODEL, worker_specs
 from router.config import load_settings
+from router.epp import messages as pb
 from router.epp.app import create_epp_app
 from router.epp.config import EppSettings
 from router.epp.wire import endpoint_of
@@ -132,10 +131,8 @@ def openai_error(reply: httpx.Response) -> dict[str, Any]:
 
 
 def header_map(headers: dict[str, str]) -> Any:
-    from envoy.config.core.v3 import base_pb2  # noqa: PLC0415
-
-    return base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    return pb.HeaderMap(
+        headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
     )
 
 
@@ -148,10 +145,8 @@ def request_headers(
     metadata: dict[str, Any] | None = None,
 ) -> Any:
     """The first message of a stream, as Envoy sends it in full-duplex streamed mode."""
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: PLC0415
-
     headers = {":method": method, ":path": path, ":authority": "gw", **(extra or {})}
-    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    mode = pb.FULL_DUPLEX_STREAMED
     message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
@@ -183,7 +178,12 @@ class Peer:
     """One ext_proc stream to kvgate, driven message by message."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._call = pb_grpc.ExternalProcessorStub(channel).Process()
+        process = channel.stream_stream(
+            pb.PROCESS_METHOD,
+            request_serializer=pb.ProcessingRequest.SerializeToString,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+        self._call = process()
 
     async def send(self, message: Any) -> None:
         await self._call.write(message)
