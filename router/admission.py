@@ -3,9 +3,12 @@
 ``AdmissionQueue.admit`` lets a routed request through at once, as the policy ranked it,
 when some worker it may go to is not busy (``scoring.busy.BusyGauge``), its API key and
 model are under their concurrency limits and nothing of its model is queued ahead of it.
-Otherwise it waits here, not in an engine's queue, bounded in number (429 ``QueueFull``)
-and in time (503 ``QueueTimeout``); dispatched, it goes to the best worker not busy then
-(one the policy did not set aside; ``free_first``):
+Otherwise it waits here, not in an engine's queue, bounded in number and in body bytes
+(429 ``QueueFull``) and in time (503 ``QueueTimeout``); dispatched, it goes to the best
+worker not busy then (one the policy did not set aside; ``free_first``). The bounds are
+shared between API keys: a full queue gives the newest request of the key holding most to a
+key holding less (``_make_room``), so one key cannot keep the others out, and a key alone
+may use all of it:
 
     routed ──admit──▶ free worker, limits ok, none queued ──▶ Grant (sent now)
                    └▶ queued entry ── a worker frees up (registry.watch_load) ──▶ dispatch pass:
@@ -45,6 +48,8 @@ TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 """Headers in which a client states its own timeout, in seconds (the OpenAI SDKs send the
 second): a queued request waits no longer than that."""
 _MAX_HEADER_CHARS = 32
+MAX_ZERO_SERIES_MODELS = 32
+"""Served models whose queue-length series every known key has at 0 (``queued_by``)."""
 
 
 def client_timeout_s(headers: Mapping[str, str]) -> float | None:
@@ -139,6 +144,7 @@ class _Entry:
     key: str
     routed: Routed
     future: asyncio.Future[Grant]
+    size: int  # the bytes of the body it holds
     room_timer: asyncio.TimerHandle | None = None  # busy_kv_room: ends its wait for KV room
 
     @property
@@ -157,6 +163,7 @@ class _Counts:
 
     queued_key: Counter[str] = field(default_factory=Counter)
     queued_model: Counter[str] = field(default_factory=Counter)
+    queued_bytes: Counter[str] = field(default_factory=Counter)  # body bytes, per key
     flight_key: Counter[str] = field(default_factory=Counter)
     flight_model: Counter[str] = field(default_factory=Counter)
 
@@ -166,9 +173,13 @@ class _Counts:
         if counter[name] <= 0:
             del counter[name]
 
-    def queued(self, key: str, model: str, delta: int) -> None:
+    def queued(self, key: str, model: str, delta: int, size: int) -> None:
+        """``delta`` (1 or -1) requests of ``size`` body bytes queued."""
         self._move(self.queued_key, key, delta)
         self._move(self.queued_model, model, delta)
+        self.queued_bytes[key] += delta * size
+        if self.queued_key[key] == 0:
+            del self.queued_bytes[key]
 
     def flying(self, key: str, model: str, delta: int) -> None:
         self._move(self.flight_key, key, delta)
@@ -265,6 +276,7 @@ class AdmissionQueue:
         self._clock = clock
         self._order = OrderConfig(config.aging_tokens_per_s, config.base_tokens)
         self._entries: dict[int, _Entry] = {}
+        self._bytes = 0  # body bytes of the queued requests
         self._counts = _Counts()
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -297,15 +309,18 @@ class AdmissionQueue:
         session: str | None,
         timeout_s: float | None,
         disconnected: Callable[[], Awaitable[None]],
+        size: int = 0,
     ) -> Grant:
         """Let ``routed`` through now or once a worker frees up (the grant's ``routed`` is
-        the decision then). ``QueueFull``, ``QueueTimeout``, ``ClientClosed`` (the client
-        went while queued: ``disconnected`` returned), or a routing error at dispatch."""
+        the decision then); ``size``: the bytes of the body it holds while queued.
+        ``QueueFull``, ``QueueTimeout``, ``ClientClosed`` (the client went while queued:
+        ``disconnected`` returned), or a routing error at dispatch."""
         model = routed.request.model
         if self._may_pass(key, model) and any_free(routed, self.gauge, self.config.busy_kv_room):
             # the policy's choice stands (busy or not): the queue acts only when all are busy
             return self._grant(routed, key, reservation=None, waited_s=None)
         self._check_room(key, model)
+        self._make_room(key, size)
         limit = (
             self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
         )
@@ -317,12 +332,14 @@ class AdmissionQueue:
             key=key,
             routed=routed,
             future=loop.create_future(),
+            size=size,
         )
         if self.config.busy_kv_room:
             patience = limit * self.config.kv_room_patience
             entry.room_timer = loop.call_later(patience, self._out_of_patience, entry)
         self._entries[entry.seq] = entry
-        self._counts.queued(key, model, 1)
+        self._bytes += size
+        self._counts.queued(key, model, 1, size)
         self._metrics.entered(key)
         self._wake()
         return await self._wait(entry, limit, disconnected)
@@ -373,9 +390,9 @@ class AdmissionQueue:
         )
 
     def _check_room(self, key: str, model: str) -> None:
+        """The key's and the model's own limits (``max_queued_per_*``), when set."""
         cfg, counts = self.config, self._counts
         checks = (
-            ("queue_full", len(self._entries), cfg.max_length, "the queue"),
             ("key_queue_full", counts.queued_key[key], cfg.max_queued_per_key, f"key {key}'s"),
             (
                 "model_queue_full",
@@ -392,6 +409,55 @@ class AdmissionQueue:
                     f"({limit} requests); retry later"
                 )
                 raise QueueFull(message, code=code, retry_after_s=self._retry_after_s)
+
+    def _make_room(self, key: str, size: int) -> None:
+        """Room for one more request of ``key`` holding ``size`` body bytes, within
+        ``max_length`` and ``max_bytes``. A full queue gives the newest request of the key
+        holding most (requests, or bytes when those are short) to ``key`` when that key
+        still holds more than ``key`` would (it gets 429 ``queue_share``); else this
+        request gets 429. So one key's requests cannot keep another key's out, and a key
+        alone may fill the queue."""
+        cfg = self.config
+        for _ in range(len(self._entries) + 1):  # bounded: each round takes one entry out
+            by_count = len(self._entries) >= cfg.max_length
+            if not by_count and self._bytes + size <= cfg.max_bytes:
+                return
+            victim = self._victim(key, size, by_count) if size <= cfg.max_bytes else None
+            if victim is None:
+                break
+            self._evict(victim)
+        if by_count:
+            self._refuse_room(key, "queue_full", f"the queue is full ({cfg.max_length} requests)")
+        self._refuse_room(
+            key, "queue_bytes_full", f"the queue's bodies would pass {cfg.max_bytes} bytes"
+        )
+
+    def _victim(self, key: str, size: int, by_count: bool) -> _Entry | None:
+        """The newest request of the key holding most of the queue (``by_count``: requests,
+        else body bytes), if that key holds more than ``key`` would with one more."""
+        held = self._counts.queued_key if by_count else self._counts.queued_bytes
+        heaviest = max(held, key=held.__getitem__, default=None)
+        if heaviest is None:
+            return None
+        fair = held[heaviest] >= held[key] + 2 if by_count else held[heaviest] > held[key] + size
+        if not fair:
+            return None
+        return next((e for e in reversed(self._entries.values()) if e.key == heaviest), None)
+
+    def _evict(self, entry: _Entry) -> None:
+        self._remove(entry)
+        self._metrics.rejected(entry.key, "key_share")
+        message = (
+            f"every worker is busy and the queue is full; key {entry.key} holds the largest "
+            "share of it, and this request gave its place to another key's; retry later"
+        )
+        error = QueueFull(message, code="queue_share", retry_after_s=self._retry_after_s)
+        entry.future.set_exception(error)
+
+    def _refuse_room(self, key: str, code: str, why: str) -> None:
+        self._metrics.rejected(key, code)
+        message = f"every worker is busy and {why}; retry later"
+        raise QueueFull(message, code=code, retry_after_s=self._retry_after_s)
 
     # -- grants -----------------------------------------------------------------------------
     def _grant(
@@ -524,19 +590,28 @@ class AdmissionQueue:
             entry.room_timer.cancel()
             entry.room_timer = None
         if self._entries.pop(entry.seq, None) is not None:
-            self._counts.queued(entry.key, entry.model, -1)
+            self._bytes -= entry.size
+            self._counts.queued(entry.key, entry.model, -1, entry.size)
 
     # -- views --------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def queued_bytes(self) -> int:
+        """Body bytes of the queued requests."""
+        return self._bytes
+
     def queued_by(self) -> Iterator[tuple[str, str, int]]:
-        """(key, model, queued requests): every known key with every served model (0 when
-        none is queued), and any other pair with some queued."""
+        """(key, model, queued requests): every known key with the first
+        ``MAX_ZERO_SERIES_MODELS`` served models by name (0 when none is queued: a fleet
+        serving thousands of adapters does not multiply the series), and any pair with
+        some queued."""
         pairs = Counter((e.key, e.model) for e in self._entries.values())
-        models = {model for worker in self._registry for model in worker.models}
+        served = {model for worker in self._registry for model in worker.models}
+        zeros = sorted(served)[:MAX_ZERO_SERIES_MODELS]
         for key in self.keys:
-            for model in models:
+            for model in zeros:
                 pairs[(key, model)] += 0
         for (key, model), n in pairs.items():
             yield key, model, n

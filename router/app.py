@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -28,8 +28,15 @@ from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
 from router.gateway import Gateway, error_response, json_response
 from router.index_watch import IndexWatch, IndexWatchMetrics
 from router.listener import ListenerLimits
-from router.metrics import GatewayMetrics, kvgate_version, register_worker_gauges
+from router.metrics import (
+    GatewayMetrics,
+    GatewayRegistry,
+    MetricsPage,
+    kvgate_version,
+    register_worker_gauges,
+)
 from router.observe import Observer, start_tracing
+from router.passthrough import ROOT_PATHS, PassThroughPaths
 from router.proxy import Proxy
 from router.queue_metrics import QueueMetrics
 from router.requests import ChatBody, CompletionBody, check_path, decode_json
@@ -66,7 +73,7 @@ def build_gateway(
     metrics_registry: CollectorRegistry | None = None,
 ) -> Gateway:
     """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
-    metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+    metrics_registry = metrics_registry if metrics_registry is not None else GatewayRegistry()
     registry = WorkerRegistry(
         settings.health,
         scoring=settings.scoring,
@@ -92,7 +99,7 @@ def build_gateway(
         block_index = index
     router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
     metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
-    register_worker_gauges(metrics_registry, registry)
+    register_worker_gauges(metrics_registry, registry, metrics)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
     upstream = UpstreamPool(
@@ -127,8 +134,11 @@ def build_gateway(
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,
         affinity=ResponseAffinity(
-            settings.responses.affinity_max_ids, settings.responses.affinity_ttl_s
+            settings.responses.affinity_max_ids,
+            settings.responses.affinity_ttl_s,
+            keys=len(settings.api_keys),
         ),
+        pass_paths=PassThroughPaths(settings.pass_through_paths),
     )
     if index is not None:
         watch_metrics = IndexWatchMetrics(metrics_registry)
@@ -277,6 +287,15 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
     async def pass_through(request: Request, path: str) -> Response:
         return await gateway.pass_through(request)
 
+    for root in ROOT_PATHS:  # vLLM's rerank and score outside /v1
+        app.add_api_route(
+            root,
+            gateway.pass_through,
+            methods=["POST"],
+            tags=["openai"],
+            summary="vLLM's " + root.strip("/") + ", passed through to a worker serving the model",
+        )
+
 
 def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/health", tags=["ops"])
@@ -287,9 +306,13 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
     async def ready() -> Response:
         return gateway.ready()
 
+    page = MetricsPage(gateway.metrics_registry)
+
     @app.get("/metrics", tags=["ops"])
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        if gateway.settings.metrics_auth:
+            gateway.check_admin(request)
+        return Response(await page.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -301,7 +324,7 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/admin/workers", tags=["admin"])
     async def add_worker(request: Request) -> Response:
         gateway.check_admin(request)
-        spec: Any = _json_or_text(await gateway.read_body(request))
+        spec: Any = decode_json(await gateway.read_body(request))
         with backend_errors():
             worker = await gateway.admit_worker(spec)
         return json_response(worker.describe(), 201)
@@ -321,11 +344,3 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     async def debug_index(request: Request) -> Response:
         gateway.check_admin(request)
         return json_response(gateway.index_stats())
-
-
-def _json_or_text(raw: bytes) -> Any:
-    """An admin body: a JSON worker object or string, or the bare CLI form as text."""
-    text = raw.strip()
-    if text[:1] not in (b"{", b'"'):
-        return text.decode("utf-8", "replace")
-    return decode_json(text)

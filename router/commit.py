@@ -38,6 +38,7 @@ import httpx
 import msgspec
 
 from router.errors import KvgateError
+from router.upstream import ResponseHeadTooLarge
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
@@ -207,6 +208,7 @@ class Reason:
     ENGINE_ERROR = "engine_error"  # ... after tokens (relayed as the engine sent it)
     DEADLINE = "deadline"  # upstream.response_timeout_s passed
     TOO_LARGE = "too_large"  # a non-streamed answer over upstream.max_response_bytes
+    HEAD_TOO_LARGE = "head_too_large"  # a response head (or trailer) past its bounds
 
 
 RETRY_REASONS = (
@@ -216,6 +218,7 @@ RETRY_REASONS = (
     Reason.TIMEOUT,
     Reason.HTTP_5XX,
     Reason.ERROR_EVENT,
+    Reason.HEAD_TOO_LARGE,
 )
 """The reasons an attempt is retried for (``kvgate_upstream_retries_total{reason}``)."""
 STREAM_ERROR_REASONS = (Reason.RESET, Reason.TIMEOUT, Reason.DEADLINE, Reason.ENGINE_ERROR)
@@ -224,6 +227,8 @@ STREAM_ERROR_REASONS = (Reason.RESET, Reason.TIMEOUT, Reason.DEADLINE, Reason.EN
 
 def failure_reason(exc: httpx.HTTPError) -> str:
     """The ``Reason`` of a transport failure talking to an engine."""
+    if isinstance(exc, ResponseHeadTooLarge):
+        return Reason.HEAD_TOO_LARGE
     if isinstance(exc, httpx.ConnectTimeout):
         return Reason.CONNECT_TIMEOUT
     if isinstance(exc, httpx.ConnectError):
@@ -233,11 +238,19 @@ def failure_reason(exc: httpx.HTTPError) -> str:
     return Reason.RESET
 
 
+FOLLOWS_REQUEST = frozenset({Reason.HTTP_5XX, Reason.ERROR_EVENT})
+"""Failures a request can cause on any engine (a prompt that makes engines answer 500):
+their health failure is charged to the worker only once another worker answered the same
+request, and two workers failing alike end the failover (``router.proxy``)."""
+
+
 class AttemptFailed(Exception):
     """One attempt failed before the commit point; ``error`` is what the client gets if no
-    other attempt succeeds."""
+    other attempt succeeds. ``charge``: the health failure not charged yet (a reason in
+    ``FOLLOWS_REQUEST``), for the worker's ``last_error``."""
 
-    def __init__(self, error: KvgateError, reason: str) -> None:
+    def __init__(self, error: KvgateError, reason: str, *, charge: str | None = None) -> None:
         super().__init__(reason)
         self.error = error
         self.reason = reason
+        self.charge = charge

@@ -34,6 +34,7 @@ from backends.allowlist import parse_allow_rule
 from backends.config import HealthConfig, WorkerConfig, check_secret, redact
 from backends.discovery import parse_discovery_url
 from index.config import IndexConfig
+from router.passthrough import check_extra_path
 from scoring.config import KvPolicyConfig
 from scoring.dispatch_order import AGING_TOKENS_PER_S, BASE_TOKENS
 from scoring.policies import POLICY_NAMES
@@ -143,7 +144,21 @@ class QueueConfig(BaseModel):
 
     enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
     max_length: int = Field(
-        default=1024, ge=0, description="requests queued at once; more get 429 (queue_full)"
+        default=1024,
+        ge=0,
+        description="requests queued at once; more get 429 (queue_full). Shared fairly "
+        "between API keys: when it is full, a request of a key holding fewer queued requests "
+        "than another key takes the place of that key's newest one (which gets 429), so one "
+        "key cannot keep the others out; a key alone (one key, or none configured) may use "
+        "all of it",
+    )
+    max_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="request body bytes queued at once (a queued request holds its body and "
+        "its block keys: two to three times the body in memory); more get 429 "
+        "(queue_bytes_full), shared between keys as max_length is. Raise it with kvgate's "
+        "memory limit",
     )
     max_wait_s: float = Field(
         default=30.0,
@@ -290,11 +305,24 @@ class Settings(BaseSettings):
         description="token protecting /admin and /debug (Bearer); none: those answer only "
         "when kvgate listens on loopback alone",
     )
+    metrics_auth: bool = Field(
+        default=False,
+        description="guard /metrics as /admin and /debug are: the admin token (Bearer; "
+        "Prometheus: authorization.credentials_file), or without one, served only while "
+        "kvgate listens on loopback alone. The page names workers, models and client key ids: "
+        "turn it on when untrusted clients reach kvgate's port",
+    )
     worker_allow: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="hosts workers added at run time (POST /admin/workers) and their event "
         "endpoints may be on: CIDRs and host patterns; none given: loopback and the hosts "
         "of configured and discovered workers",
+    )
+    pass_through_paths: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="engine paths passed through besides embeddings, rerank, score and "
+        "responses by id (e.g. /v1/load_lora_adapter: any client key could then load "
+        "adapters); others get 404",
     )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
@@ -329,8 +357,13 @@ class Settings(BaseSettings):
         default=None,
         ge=0,
         le=1,
-        description="share of new traces recorded (a client's traceparent decision is "
-        "followed); none: OTEL_TRACES_SAMPLER decides (default: every trace)",
+        description="share of requests traced; a client's traceparent decides only with "
+        "--trace-trust-parent; none: OTEL_TRACES_SAMPLER decides (default: every trace)",
+    )
+    trace_trust_parent: bool = Field(
+        default=False,
+        description="with --trace-sample-rate, follow the sampled flag of the client's "
+        "traceparent (when every client is a trusted service whose traces you want whole)",
     )
     sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
     sim_port: int = Field(
@@ -361,10 +394,19 @@ class Settings(BaseSettings):
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
 
-    @field_validator("workers", "api_keys", "worker_allow", mode="before")
+    @field_validator("workers", "api_keys", "worker_allow", "pass_through_paths", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_words(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _no_blank_key_list(cls, value: Any) -> Any:
+        """An empty ``KVGATE_API_KEYS`` (a Secret made from an empty file) is an error, not
+        "no client keys": leave the variable out for an open gateway."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("the client API keys are empty: set real keys, or leave them out")
+        return value
 
     @field_validator("api_keys")
     @classmethod
@@ -384,6 +426,13 @@ class Settings(BaseSettings):
         for rule in rules:
             parse_allow_rule(rule)  # a ValueError naming the problem
         return rules
+
+    @field_validator("pass_through_paths")
+    @classmethod
+    def _valid_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            check_extra_path(path)  # a ValueError naming the problem
+        return paths
 
     @field_validator("discover", mode="before")
     @classmethod

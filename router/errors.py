@@ -9,14 +9,19 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── Unauthorized                 401 authentication_error (WWW-Authenticate: Bearer)
     ├── Forbidden                    403 permission_error
     │   ├── AdminDisabled            403 (no admin token, kvgate listens beyond loopback)
+    │   ├── AdminRefused             403 (an admin call with an Origin or a foreign Host)
     │   └── WorkerNotAllowed         403 (a run-time worker outside --worker-allow)
     ├── RequestTimeout               408 (head or body too slow; connection closed)
+    ├── RequestHeadTooLarge          431 (head bytes or lines), 414 (target); closed
     ├── NotFound                     404 (and 405 for a known path, another method)
     │   ├── ModelNotFound            404
     │   ├── PreviousResponseGone     404 (the worker holding a previous_response_id left)
+    │   ├── ResponseNotFound         404 (a response id not this client key's)
+    │   ├── PathNotPassedThrough     404 (a /v1 path outside the pass-through allowlist)
     │   └── WorkerNotFound           404 <- backends.errors.WorkerNotFound
     ├── WorkerExists                 409 <- backends.errors.WorkerExists
     ├── PayloadTooLarge              413
+    ├── UnsupportedMediaType         415 (an admin body that is not application/json)
     ├── ClientClosed                 499 (nobody reads it: the client is gone)
     ├── QueueFull                    429 + Retry-After (the queue, or a key's or model's share)
     ├── QueueTimeout                 503 + Retry-After (waited queued past the deadline)
@@ -25,7 +30,8 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
     ├── PreviousResponseUnavailable  503 + Retry-After (its worker is down or not ready)
     ├── UpstreamError                502 upstream_error <- httpx.HTTPError
     │   ├── UpstreamConnectError     502 (retryable: nothing reached the engine)
-    │   ├── UpstreamProtocolError    502 (retryable before the first token)
+    │   ├── UpstreamProtocolError    502 (retryable before the first token; also a
+    │   │                                response head past its bounds)
     │   ├── UpstreamStreamError      502 (an error event before the first token, retryable)
     │   ├── UpstreamTimeout          504 (retryable before the first token)
     │   └── UpstreamResponseTooLarge 502
@@ -56,6 +62,7 @@ import httpx
 import msgspec
 
 from backends import errors as backend
+from router.upstream import ResponseHeadTooLarge
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -145,6 +152,14 @@ class AdminDisabled(Forbidden):
         )
 
 
+class AdminRefused(Forbidden):
+    """An admin or debug call a browser may have sent (an ``Origin`` header), or one naming
+    a foreign ``Host`` while the admin API is open on loopback (DNS rebinding)."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message, code=code)
+
+
 class WorkerNotAllowed(Forbidden):
     """A worker added at run time is on a host outside ``--worker-allow``."""
 
@@ -167,6 +182,17 @@ class RequestTimeout(KvgateError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"connection": "close"})
+
+
+class RequestHeadTooLarge(KvgateError):
+    """A request head past the listener's bounds: too many bytes or header lines (431), or
+    a request target too long (414). The connection is closed."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, status: int, code: str) -> None:
+        super().__init__(message, code=code, headers={"connection": "close"})
+        self.status = status
 
 
 class TooManyConnections(KvgateError):
@@ -223,6 +249,32 @@ class PreviousResponseGone(NotFound):
         )
 
 
+class ResponseNotFound(NotFound):
+    """A stored response this client key did not create through kvgate, or one kvgate no
+    longer remembers (``param``: ``response_id`` or ``previous_response_id``)."""
+
+    def __init__(self, response_id: str, *, param: str) -> None:
+        code = "previous_response_not_found" if param == "previous_response_id" else None
+        super().__init__(
+            f"Response with id '{response_id}' not found.",
+            param=param,
+            code=code or "response_not_found",
+        )
+
+
+class PathNotPassedThrough(NotFound):
+    """A ``/v1`` path kvgate does not pass to engines (``--pass-through-path`` opts one in)."""
+
+    code = "not_found"
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(
+            f"{method} {path} is not served by kvgate (engine paths other than embeddings, "
+            "rerank, score and responses by id are passed through only when the operator "
+            "allows them: --pass-through-path)"
+        )
+
+
 class WorkerNotFound(NotFound):
     code = "worker_not_found"
 
@@ -246,6 +298,15 @@ class PayloadTooLarge(KvgateError):
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body exceeds the limit of {limit} bytes")
+
+
+class UnsupportedMediaType(KvgateError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+    def __init__(self, expected: str) -> None:
+        super().__init__(f"the request body must be sent as Content-Type: {expected}")
 
 
 class NoHealthyWorker(KvgateError):
@@ -398,6 +459,10 @@ class UpstreamHTTPError(KvgateError):
 def from_httpx(exc: httpx.HTTPError, *, worker: str) -> UpstreamError:
     """Map an httpx failure talking to ``worker`` to the most specific ``UpstreamError``."""
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ResponseHeadTooLarge):
+        return UpstreamProtocolError(
+            "the engine's response head is too large", worker=worker, detail=detail
+        )
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
         return UpstreamConnectError("cannot connect to the engine", worker=worker, detail=detail)
     if isinstance(exc, httpx.TimeoutException):

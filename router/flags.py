@@ -36,6 +36,12 @@ _REPEATABLE: Mapping[str, tuple[str, str, str]] = MappingProxyType(
             "(*.svc.cluster.local); '*' allows any; none given: loopback and the hosts of "
             "configured and discovered workers (repeatable)",
         ),
+        "pass_through_paths": (
+            "--pass-through-path",
+            "PATH",
+            "an engine path passed through besides embeddings, rerank, score and responses "
+            "by id, e.g. /v1/load_lora_adapter (any client key may then use it; repeatable)",
+        ),
         "discover": (
             "--discover",
             "URL",

@@ -1,8 +1,15 @@
 """The gateway's request handlers: authenticate, parse, route, hand over to the proxy.
 
 Admin and debug calls need the admin token; without one they are served only when kvgate
-listens on loopback alone (the demo), else refused. Workers added through the admin API must
-be on hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` only).
+listens on loopback alone (the demo), else refused, and then only to a request naming a
+loopback ``Host`` with kvgate's port (no DNS rebinding). They are never a browser's: a request
+carrying ``Origin`` is refused, and a body must be ``application/json`` (a cross-origin form
+or ``text/plain`` POST needs no preflight). Workers added through the admin API must be on
+hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` only).
+
+Tenants: with client keys, the Responses API's stored responses are bound to the key whose
+request created them (``router.affinity``), and session keys (``x-session-id``, ``user``)
+are namespaced by the client key's id. Without client keys every client is one tenant.
 """
 
 from __future__ import annotations
@@ -32,26 +39,31 @@ from index.api import WorkerListener
 from index.types import WorkerId
 from router.accesslog import client_key_id
 from router.admission import AdmissionQueue, Grant, client_timeout_s, disconnect_of
-from router.affinity import ResponseAffinity
+from router.affinity import ClientKeyId, ResponseAffinity
 from router.config import Settings, validation_problems
 from router.errors import (
     AdminDisabled,
+    AdminRefused,
     ClientClosed,
     InvalidRequest,
     KvgateError,
     ModelNotFound,
+    PathNotPassedThrough,
     PayloadTooLarge,
     PreviousResponseGone,
     PreviousResponseUnavailable,
     QueueTimeout,
     RequestTimeout,
+    ResponseNotFound,
     Unauthorized,
+    UnsupportedMediaType,
     WorkerNotAllowed,
 )
 from router.index_watch import IndexWatch
 from router.listener import ListenerLimits, timed_out_body
 from router.metrics import GatewayMetrics, forget_series
 from router.observe import Observation, Observer
+from router.passthrough import PassThroughPaths
 from router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
 from router.requests import (
     AnyModelBody,
@@ -59,6 +71,7 @@ from router.requests import (
     CompletionBody,
     ResponsesBody,
     decode_json_object,
+    normalised_path,
     raw_with_usage_requested,
     upstream_target,
     validate,
@@ -69,6 +82,8 @@ log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
 _MAX_REQUEST_ID = 128
 _RESPONSES = "/v1/responses/"
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+_BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 class IndexLifecycle(WorkerListener, Protocol):
@@ -158,6 +173,23 @@ class _Call:
         self.observation.parsed(model, body_bytes, stream=stream)
 
 
+def _loopback_host(host: str | None, port: int) -> bool:
+    """Is a ``Host`` header ``localhost``, ``127.0.0.1`` or ``[::1]`` with ``port`` (or no
+    port when that is 80)?"""
+    if not host:
+        return False
+    split = host.rfind("]") + 1 if host.startswith("[") else host.rfind(":")
+    if split <= 0:
+        split = len(host)
+    name, given = host[:split], host[split:]
+    ports = (f":{port}", "") if port == 80 else (f":{port}",)
+    return name.lower() in _LOOPBACK_NAMES and given in ports
+
+
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
 def is_loopback(host: str | None) -> bool:
     """Is ``host`` (an address or ``localhost``) on the loopback interface only?"""
     if host is None:
@@ -194,6 +226,7 @@ class Gateway:
     worker_series: list[object] = field(default_factory=list)
     observer: Observer = field(default_factory=lambda: Observer(None, None))
     health_metrics: HealthMetrics | None = None  # per-worker series declared on add
+    pass_paths: PassThroughPaths = field(default_factory=PassThroughPaths)
     _client_keys: list[tuple[bytes, str]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -220,17 +253,36 @@ class Gateway:
         found = [key_id for key, key_id in self._client_keys if hmac.compare_digest(encoded, key)]
         return found[0] if found else None
 
+    @property
+    def tenants(self) -> bool:
+        """Are clients told apart (client keys configured)? Without keys, one tenant."""
+        return bool(self._client_keys)
+
     def check_admin(self, request: Request) -> None:
-        """The admin token, or (none set) a loopback-only listener; else 401 / 403."""
+        """The admin token, or (none set) a loopback-only listener reached by a loopback
+        ``Host``; never a browser's request (``Origin``), a body only as JSON; else 401 /
+        403 / 415."""
+        if "origin" in request.headers:
+            raise AdminRefused(
+                "the admin API does not serve browsers: requests carrying Origin are refused",
+                code="origin_refused",
+            )
         token = self.settings.admin_token
         if token is None:
             server = request.scope.get("server")
             local = server[0] if server else None
             if not (is_loopback(self.settings.host) and is_loopback(local)):
                 raise AdminDisabled
-            return
-        if not _secret_matches(_bearer(request), [token.get_secret_value()]):
+            if not _loopback_host(request.headers.get("host"), server[1] if server else 0):
+                raise AdminRefused(
+                    "without an admin token the admin API answers only requests to "
+                    "localhost, 127.0.0.1 or [::1] with kvgate's port (Host)",
+                    code="host_refused",
+                )
+        elif not _secret_matches(_bearer(request), [token.get_secret_value()]):
             raise Unauthorized("missing or invalid admin token", code="invalid_admin_token")
+        if request.method in _BODY_METHODS and _media_type(request) != "application/json":
+            raise UnsupportedMediaType("application/json")
 
     async def read_body(self, request: Request) -> bytes:
         """The whole body, within ``max_body_bytes`` (413); a body the listener cut for
@@ -270,7 +322,7 @@ class Gateway:
             parsed = validate(body_type, data)
             stream = bool(parsed.stream)
             call.parsed(parsed.model, len(raw), stream)
-            session = request.headers.get("x-session-id") or parsed.user
+            session = self._session(call, parsed.user)
             routed = await self.router.decide(
                 parsed.model,
                 parsed.prompt_input(),
@@ -278,18 +330,19 @@ class Gateway:
                 max_tokens=parsed.output_limit,
                 spans=call.observation.spans,
             )
-            grant = await self._admit(call, routed, session)
+            usage_mode, body = UsageMode.BODY, raw
+            if stream:
+                asked = parsed.stream_options is not None and parsed.stream_options.include_usage
+                if asked:
+                    usage_mode = UsageMode.TAP
+                elif self.settings.capture_usage:
+                    usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
+                else:
+                    usage_mode = UsageMode.NONE
+            del raw, data, parsed  # a queued request holds its body to send, not its JSON too
+            grant = await self._admit(call, routed, session, len(body))
         except KvgateError as exc:
             return self._refuse(exc, call)
-        usage_mode, body = UsageMode.BODY, raw
-        if stream:
-            asked = parsed.stream_options is not None and parsed.stream_options.include_usage
-            if asked:
-                usage_mode = UsageMode.TAP
-            elif self.settings.capture_usage:
-                usage_mode, body = UsageMode.HIDE, raw_with_usage_requested(raw, data)
-            else:
-                usage_mode = UsageMode.NONE
         return self._send(call, routed, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
@@ -299,33 +352,48 @@ class Gateway:
         call = self._begin(request)
         try:
             raw = await self._read_client(call)
-            parsed = validate(ResponsesBody, decode_json_object(raw))
+            data = decode_json_object(raw)
+            if "request_id" in data:  # vLLM makes it the response id: one client could
+                raise InvalidRequest(  # take over another's id
+                    "request_id: kvgate does not take a client-chosen request_id on "
+                    "/v1/responses (the engine would use it as the response id); leave it out",
+                    param="request_id",
+                )
+            parsed = validate(ResponsesBody, data)
             call.parsed(parsed.model, len(raw), bool(parsed.stream))
             prompt, _ = parsed.prompt_input()
-            session = request.headers.get("x-session-id") or parsed.user
+            session = self._session(call, parsed.user)
+            key = ClientKeyId(call.observation.client)
             routed = await self.router.decide(
                 parsed.model,
                 prompt,
                 session_key=session,
                 max_tokens=parsed.output_limit,
                 spans=call.observation.spans,
-                only=self._holder(parsed.previous_response_id),
+                only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
             )
-            grant = await self._admit(call, routed, session)
+            stored = parsed.store is not False  # store=false: its id is not recorded
+            del parsed, prompt  # a queued request holds its body, not its JSON too
+            grant = await self._admit(call, routed, session, len(raw))
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
-        return self._send(
-            call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=self.affinity.tap()
-        )
+        tap = self.affinity.tap(key) if stored else None
+        return self._send(call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
-    def _holder(self, response_id: str | None) -> WorkerId | None:
-        """The worker holding a stored response (None: not one kvgate routed, or forgotten:
-        routed by load, the engine answers for it); its absence is a clear error."""
+    def _holder(
+        self, response_id: str | None, key: ClientKeyId | None, param: str
+    ) -> WorkerId | None:
+        """The worker holding a stored response of client ``key`` (None: the admin's view,
+        any key's). With client keys an id kvgate does not hold for ``key`` is a 404;
+        without, it is routed by load and the engine answers for it. A holder that left or
+        is down is a clear error."""
         if response_id is None:
             return None
-        holder = self.affinity.worker_of(response_id)
+        holder = self.affinity.worker_of(response_id, key)
         if holder is None:
+            if key is not None and self.tenants:
+                raise ResponseNotFound(response_id, param=param)
             return None
         worker = self.registry.find(holder)
         if worker is None:
@@ -341,18 +409,34 @@ class Gateway:
         A POST (work for the engine, e.g. embeddings) goes through the router-side queue."""
         call = self._begin(request)
         try:
-            path = upstream_target(request.scope["path"], request.scope.get("query_string", b""))
+            path = normalised_path(request.scope["path"])
+            if not self.pass_paths.permits(request.method, path):
+                raise PathNotPassedThrough(request.method, path)
+            target = upstream_target(path, request.scope.get("query_string", b""))
             raw = await self._read_client(call)
-            stored, holder = self._stored_response(request.scope["path"])
+            stored, holder = self._stored_response(path, ClientKeyId(call.observation.client))
             call.parsed(stored or self._model_of(request, raw), len(raw), False)
-            session = request.headers.get("x-session-id")
+            session = self._session(call, None)
             routed = await self.router.decide(
                 call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
-            grant = await self._admit(call, routed, session) if request.method == "POST" else None
+            post = request.method == "POST"
+            grant = await self._admit(call, routed, session, len(raw)) if post else None
         except KvgateError as exc:
             return self._refuse(exc, call)
-        return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=path)
+        return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=target)
+
+    def _session(self, call: _Call, user: str | None) -> str | None:
+        """The request's session key (``x-session-id``, else the body's ``user``), in its
+        client key's namespace: one tenant cannot steer another's affinity or queue order."""
+        return self._namespaced(
+            call.observation.client, call.request.headers.get("x-session-id") or user
+        )
+
+    def _namespaced(self, key: str, session: str | None) -> str | None:
+        if session is None or not self.tenants:
+            return session
+        return f"{key}:{session}"
 
     def _begin(self, request: Request) -> _Call:
         """A proxied request arrives: its id, arrival time and observation (access log,
@@ -370,8 +454,11 @@ class Gateway:
         call.observation.client = self.check_client(call.request)
         return await self.read_body(call.request)
 
-    async def _admit(self, call: _Call, routed: Routed, session: str | None) -> Grant | None:
-        """Through the router-side queue (``router/admission.py``), when it is on."""
+    async def _admit(
+        self, call: _Call, routed: Routed, session: str | None, size: int
+    ) -> Grant | None:
+        """Through the router-side queue (``router/admission.py``), when it is on; ``size``:
+        the bytes of the body it holds while queued."""
         queue = self.admission
         if queue is None or not queue.config.enabled:
             return None
@@ -382,6 +469,7 @@ class Gateway:
                 session=session,
                 timeout_s=client_timeout_s(call.request.headers),
                 disconnected=disconnect_of(call.request.receive),
+                size=size,
             )
         except QueueTimeout as exc:
             call.observation.queued = exc.waited_s
@@ -420,11 +508,13 @@ class Gateway:
             )
         )
 
-    def _stored_response(self, path: str) -> tuple[str | None, WorkerId | None]:
-        """``/v1/responses/{id}[/...]`` of a response kvgate routed: to the worker holding it
-        (a model it serves, and its id); anything else: (None, None)."""
+    def _stored_response(self, path: str, key: ClientKeyId) -> tuple[str | None, WorkerId | None]:
+        """``/v1/responses/{id}[/...]`` of a response kvgate routed for ``key``: to the
+        worker holding it (a model it serves, and its id); anything else: (None, None)."""
+        if not path.startswith(_RESPONSES):
+            return None, None
         response_id = path.removeprefix(_RESPONSES).partition("/")[0]
-        holder = self._holder(response_id) if path.startswith(_RESPONSES) else None
+        holder = self._holder(response_id, key, "response_id")
         models = self.registry.get(holder).models if holder is not None else None
         if holder is None or not models:
             return None, None
@@ -464,8 +554,9 @@ class Gateway:
         return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
 
     def ready(self) -> Response:
-        """Ready with one ready worker (healthy, engine facts agreeing); the workers kept out
-        by what their engines declare are listed with why."""
+        """Ready with one ready worker (healthy, engine facts agreeing); how many workers
+        their engines' facts keep out, per fact (which ones and why: ``/debug/index``, an
+        admin path: this one is open)."""
         ready = self.registry.ready_count()
         body: dict[str, Any] = {
             "ready": ready > 0,
@@ -473,9 +564,12 @@ class Gateway:
             "healthy_workers": self.registry.healthy_count(),
             "workers": len(self.registry),
         }
-        problems = self.registry.problems()
-        if problems:
-            body["not_ready"] = problems
+        kept_out: dict[str, int] = {}
+        for facts in self.registry.problems().values():
+            for fact in facts:
+                kept_out[fact] = kept_out.get(fact, 0) + 1
+        if kept_out:
+            body["not_ready"] = kept_out
         return json_response(body, 200 if ready else 503)
 
     # -- admin --------------------------------------------------------------------------
@@ -527,6 +621,7 @@ class Gateway:
         """``POST /debug/route``: the routing decision for a body, without sending it."""
         self.check_admin(request)
         data = decode_json_object(await self.read_body(request))
+        key = self._key_id(request.headers.get("x-api-key")) or "-"  # Bearer is admin's
         session = request.headers.get("x-session-id")
         if "input" in data:  # a Responses API body
             body = validate(ResponsesBody, data)
@@ -534,9 +629,9 @@ class Gateway:
             routed = await self.router.decide(
                 body.model,
                 prompt,
-                session_key=session or body.user,
+                session_key=self._namespaced(key, session or body.user),
                 max_tokens=body.output_limit,
-                only=self._holder(body.previous_response_id),
+                only=self._holder(body.previous_response_id, None, "previous_response_id"),
             )
             return json_response({**self.router.explain(routed), "responses_prompt": keyed})
         parsed: ChatBody | CompletionBody
@@ -544,12 +639,11 @@ class Gateway:
         routed = await self.router.decide(
             parsed.model,
             parsed.prompt_input(),
-            session_key=session or parsed.user,
+            session_key=self._namespaced(key, session or parsed.user),
             max_tokens=parsed.output_limit,
         )
         explained = self.router.explain(routed)
-        if self.admission is not None:  # for the client key in X-Api-Key (Bearer is admin's)
-            key = self._key_id(request.headers.get("x-api-key")) or "-"
+        if self.admission is not None:  # for the client key in X-Api-Key
             explained["admission"] = self.admission.explain(routed, key)
         return json_response(explained)
 
@@ -578,7 +672,7 @@ class Gateway:
     def _declare_series(self, worker: Worker) -> None:
         """Start the worker's labelled series at zero (its index series start when the index
         subscribes to its events)."""
-        self.metrics.declare_worker(worker.url, worker.models)
+        self.metrics.declare_worker(worker.url, [*worker.base_models(), *sorted(worker.models)])
         if self.health_metrics is not None:
             self.health_metrics.declare(worker.url)
 

@@ -10,6 +10,11 @@
   (``timeout_keep_alive``).
 * Connection cap: a request on a connection opened beyond ``client.max_connections`` gets
   503 + Retry-After and the connection is closed.
+* Head bounds. A request head (request line and header lines) may hold ``MAX_HEAD_BYTES``
+  and ``MAX_HEADERS`` header lines (431 past either), its request target ``MAX_URL_BYTES``
+  (414); the connection is then closed. The parser is fed at most the head's remaining
+  budget at a time, so a head past its bound is refused before more of it is kept, and the
+  target's pieces are joined once (not appended one to the other).
 * A request the HTTP parser refuses gets an OpenAI-style 400 instead of plain text.
 
 Timers are armed only while a connection holds an incomplete request after reading what
@@ -26,11 +31,27 @@ from typing import Any, Literal
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.config import ClientConfig
-from router.errors import InvalidRequest, KvgateError, RequestTimeout, TooManyConnections
+from router.errors import (
+    InvalidRequest,
+    KvgateError,
+    RequestHeadTooLarge,
+    RequestTimeout,
+    TooManyConnections,
+)
 from router.metrics import GatewayMetrics
 
 Phase = Literal["header", "body"]
 _BODY_TIMED_OUT = "kvgate.body_timed_out"  # scope key set when the listener cut a body
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Bytes of one request head (request line, header lines, blank lines before it): 431 past
+it. Room for large bearer tokens, cookies and trace context; nginx allows 32 KiB."""
+MAX_HEADERS = 100
+"""Header lines of one request head: 431 past it (Apache's default)."""
+MAX_URL_BYTES = 8 * 1024
+"""Bytes of one request target (path and query): 414 past it (nginx's and Apache's)."""
+_HEAD_CODE = "request_header_fields_too_large"
+_LINGER_S = 2.0  # after an error answer, how long the rest of what a client sends is dropped
 
 
 def timed_out_body(scope: MutableMapping[str, Any]) -> bool:
@@ -85,8 +106,13 @@ class ListenerLimits:
         await send({"type": "http.response.body", "body": body})
 
 
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop parsing a head past its bounds."""
+
+
 class GuardedProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` plus read timeouts, the connection cap and JSON 400s."""
+    """``HttpToolsProtocol`` plus read timeouts, head bounds, the connection cap and JSON
+    400s."""
 
     _limits: ListenerLimits  # set by ``ListenerLimits.protocol``
 
@@ -96,6 +122,14 @@ class GuardedProtocol(HttpToolsProtocol):
         self._timer_phase: Phase | None = None
         self._head_started = False
         self._counted = False
+        self._head_bytes = 0  # of the head being read (fed while reading a head)
+        self._headers = 0
+        self._url: list[bytes] = []
+        self._url_bytes = 0
+        self._refusal: RequestHeadTooLarge | None = None  # why a callback stopped the parser
+        self._refused = False  # an error was answered: the connection is closing (the
+        # transport closes itself when the client closes its side: eof_received)
+        self._linger: asyncio.TimerHandle | None = None
 
     # -- connection -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -112,26 +146,99 @@ class GuardedProtocol(HttpToolsProtocol):
             self._counted = False
             self._limits.connections -= 1
         self._cancel()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if not self.transport.is_closing():
-            self._watch(self._incomplete())
+        if self._refused:
+            return  # answered and closing: what the client still sends is dropped
+        view = memoryview(data)
+        while view:
+            if not self._reading_head():
+                piece, view = view, view[len(view) :]
+            else:  # at most what is left of the head's budget, then look again
+                budget = MAX_HEAD_BYTES - self._head_bytes
+                piece, view = view[:budget], view[budget:]
+                self._head_bytes += len(piece)
+            super().data_received(piece)  # type: ignore[arg-type]  # the parser takes buffers
+            if self._refused or self.transport.is_closing():
+                return
+            if self._reading_head() and self._head_bytes >= MAX_HEAD_BYTES:
+                message = f"the request head exceeds {MAX_HEAD_BYTES} bytes"
+                self._refuse_head("request_head", message, 431, _HEAD_CODE)
+                return
+        self._watch(self._incomplete())
+
+    def _reading_head(self) -> bool:
+        """Are the next bytes (part of) a request head? (Not a body being read.)"""
+        cycle = self.cycle
+        return self._head_started or cycle is None or not cycle.more_body
 
     # -- parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_started = True
+        self._headers = 0
+        self._url = []
+        self._url_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url_bytes += len(url)
+        if self._url_bytes > MAX_URL_BYTES:
+            message = f"the request target exceeds {MAX_URL_BYTES} bytes"
+            self._stop("request_url", message, 414, "uri_too_long")
+        self._url.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers += 1
+        if self._headers > MAX_HEADERS:
+            message = f"the request head has more than {MAX_HEADERS} header lines"
+            self._stop("request_head", message, 431, _HEAD_CODE)
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._head_started = False
+        self._head_bytes = 0
+        self.url = b"".join(self._url)
+        self._url = []
         super().on_headers_complete()
 
     def send_400_response(self, msg: str) -> None:
-        error = InvalidRequest(f"malformed HTTP request: {msg}", code="invalid_http")
+        error: KvgateError = InvalidRequest(f"malformed HTTP request: {msg}", code="invalid_http")
+        if self._refusal is not None:  # a callback stopped the parser: a bound was passed
+            error = self._refusal
+        self._answer_and_close(error)
+
+    # -- head bounds ----------------------------------------------------------------------
+    def _stop(self, limit: str, message: str, status: int, code: str) -> None:
+        """Refuse the head from a parser callback (``send_400_response`` answers)."""
+        self._limits.metrics.limit_exceeded(limit)
+        self._refusal = RequestHeadTooLarge(message, status=status, code=code)
+        raise _HeadRefused(message)
+
+    def _refuse_head(self, limit: str, message: str, status: int, code: str) -> None:
+        self._limits.metrics.limit_exceeded(limit)
+        self._answer_and_close(RequestHeadTooLarge(message, status=status, code=code))
+
+    def _answer_and_close(self, error: KvgateError) -> None:
+        """Answer ``error`` and close. The write side closes at once; what the client still
+        sends is read and dropped until it closes its side, for ``_LINGER_S`` at most (a
+        close with unread bytes would reset the connection, and the client could lose the
+        answer). A head refused behind an answer in progress (pipelined) gets none: the
+        connection closes once that answer is out."""
+        self._refused = True
+        self._cancel()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+            return
         self.transport.write(raw_error_response(error))
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger = self.loop.call_later(_LINGER_S, self.transport.close)
 
     # -- read timeouts --------------------------------------------------------------------
     def _incomplete(self) -> Phase | None:

@@ -17,11 +17,16 @@ lost (told on stderr), never the thread. uvicorn is run
 with ``log_config=None`` (``router.serve.uvicorn_config``) so its loggers reach the same
 handler.
 
-A warning a client can make uvicorn repeat at will (``Invalid HTTP request received.``,
-once per malformed request, on ``uvicorn.error``) is let through once per
-``REPEAT_WINDOW_S`` per logger and message (``RepeatLimit``); the next one let through says
-how many were held back. Errors, and every other logger (kvgate's own included), are never
-held back.
+A warning a client can make a library repeat at will (uvicorn's ``Invalid HTTP request
+received.``, once per malformed request; OpenTelemetry's about a malformed ``traceparent`` or
+``tracestate``, once per such request) is let through once per ``REPEAT_WINDOW_S`` per logger
+and message (``RepeatLimit``); the next one let through says how many were held back. Errors,
+and every other logger (kvgate's own included), are never held back.
+
+One record is one line in every format: whatever ``str.splitlines()`` would split on (CR, LF,
+VT, FF, the file/group/record separators, NEL U+0085, U+2028, U+2029) is escaped in the
+message and the fields (``\\n``, ``\\u2028``, ...), so text a client sent (a model name, a
+path) cannot forge a second line. The text format's traceback keeps its own line feeds.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import copy
 import logging
 import math
 import queue
+import re
 import sys
 import threading
 import time
@@ -49,10 +55,26 @@ _QUEUE_RECORDS = 10_000  # records waiting for the writer thread before new ones
 _DRAIN_S = 0.05  # how often the writer thread writes what is queued
 _CHATTY = ("httpx", "httpcore")  # one line per health probe otherwise
 REPEAT_WINDOW_S = 10.0  # a repeatable warning of a server library: at most one line per window
-_REPEATABLE = ("uvicorn.error",)  # the loggers whose warnings a client can repeat at will
+# the loggers whose warnings a client can repeat at will (OpenTelemetry's: traceparent and
+# tracestate parsing, opentelemetry.trace.propagation.tracecontext and opentelemetry.trace.span)
+_REPEATABLE = ("uvicorn.error", "opentelemetry.trace")
 REPEAT_KEYS = 256  # distinct (logger, message) pairs remembered
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _encode = msgspec.json.Encoder().encode
+_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # str.splitlines()'s
+_BREAKS_BUT_LF = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return _ESCAPES.get(char) or f"\\u{ord(char):04x}"
+
+
+def one_line(text: str, breaks: re.Pattern[str] = _BREAKS) -> str:
+    """``text`` with every line break escaped (``\\n``, ``\\u2028``: JSON's escapes, valid
+    inside a JSON string too)."""
+    return text if breaks.search(text) is None else breaks.sub(_escape, text)
 
 
 def record_fields(record: logging.LogRecord) -> dict[str, Any] | None:
@@ -76,7 +98,7 @@ def _logfmt_value(value: Any) -> str:
 
 def logfmt(pairs: dict[str, Any]) -> str:
     """``key=value`` pairs; values with spaces, quotes or ``=`` quoted; None left out."""
-    return " ".join(f"{k}={_logfmt_value(v)}" for k, v in pairs.items() if v is not None)
+    return one_line(" ".join(f"{k}={_logfmt_value(v)}" for k, v in pairs.items() if v is not None))
 
 
 def _line(formatter: logging.Formatter, record: logging.LogRecord) -> dict[str, Any]:
@@ -100,7 +122,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return _encode(_line(self, record)).decode()
+        return one_line(_encode(_line(self, record)).decode())  # NEL, U+2028/9 left raw
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -117,9 +139,13 @@ class TextFormatter(logging.Formatter):
         super().__init__(_TEXT_FORMAT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
+        line = one_line(super().formatMessage(record))
         fields = record_fields(record)
         return f"{line} {logfmt(fields)}" if fields else line
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, then the traceback's own lines (only their line feeds kept)."""
+        return one_line(super().format(record), _BREAKS_BUT_LF)
 
 
 def _exception_text(formatter: logging.Formatter, record: logging.LogRecord) -> str:

@@ -3,34 +3,50 @@
 Per-worker gauges (in-flight, health, predicted and scraped load) are read from the
 ``WorkerRegistry`` at scrape time by a collector, so the request path never updates them.
 Labelled series of a removed worker are dropped (``forget_worker``): adding and removing
-workers does not grow /metrics.
+workers does not grow /metrics. The series per (worker, model) are bounded too: each worker
+label carries at most ``MAX_MODEL_LABELS`` models of its own (its base models first), the
+rest share ``model="_other"`` (``kvgate_worker_models_unlabelled`` counts them), so a worker
+listing thousands of adapters does not make the page thousands of times longer.
+
+``MetricsPage`` renders /metrics off the event loop, one render shared by the scrapes that
+arrive while it runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import platform
 from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from backends.registry import WorkerRegistry
 from index.memo import BoundedMemo
-from router.commit import RETRY_REASONS, STREAM_ERROR_REASONS
+from router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
+MAX_MODEL_LABELS = 32
+"""Models with series of their own per worker label (about 75 lines each); the others share
+``OTHER_MODELS``."""
+OTHER_MODELS = "_other"
 REMOVED = "removed"  # the worker label of requests that end after their worker was removed
 LIMITS = (
     "header_timeout",  # a client took too long to send a request head (408)
+    "request_head",  # a request head over its bytes or header lines (431)
+    "request_url",  # a request target over its bytes (414)
     "body_timeout",  # ... or its body (408)
     "request_bytes",  # a request body over max_body_bytes (413)
     "connections",  # a request on a connection beyond client.max_connections (503)
     "response_deadline",  # an exchange with engines over upstream.response_timeout_s (504)
     "upstream_response_bytes",  # a non-streamed answer over upstream.max_response_bytes (502)
+    "upstream_head",  # an engine's response head over its bytes or header lines (retried)
 )
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -84,6 +100,16 @@ class GatewayMetrics:
             ["worker", "reason"],
             registry=registry,
         )
+        self.request_faults = Counter(
+            "kvgate_upstream_request_faults",
+            "Requests two workers failed alike before the first token (a 5xx, an error "
+            "event): taken as the request's fault, not retried further and charged to no "
+            "worker's health, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in FOLLOWS_REQUEST:
+            self.request_faults.labels(reason)
         self.stream_errors = Counter(
             "kvgate_stream_errors",
             "Streams that ended with an error event after their first token (the client must "
@@ -158,12 +184,14 @@ class GatewayMetrics:
         )
 
         self._routes: BoundedMemo[tuple[str, str], RouteMetrics] = BoundedMemo(_MAX_CACHED_ROUTES)
+        # per worker label (workers, "none", "removed"), the models with series of their own
+        self._labelled: dict[str, set[str]] = {}
 
     def declare_worker(self, worker: str, models: Iterable[str]) -> None:
-        """Start ``worker``'s series at zero for each model it serves (a dashboard shows 0,
-        not "no data", before its first request); its retries and stream errors by reason
-        too."""
-        for model in models:
+        """Start ``worker``'s series at zero for each model it serves, in the order given,
+        up to ``MAX_MODEL_LABELS`` (a dashboard shows 0, not "no data", before its first
+        request); its retries and stream errors by reason too."""
+        for model in itertools.islice(dict.fromkeys(models), MAX_MODEL_LABELS):
             self.route(worker, model).declare()
         for reason in RETRY_REASONS:
             self.retries.labels(worker, reason)
@@ -177,14 +205,32 @@ class GatewayMetrics:
     def forget_worker(self, worker: str) -> None:
         """Drop every series labelled with ``worker`` (it was removed)."""
         self._routes.forget_where(lambda key: key[0] == worker)
+        self._labelled.pop(worker, None)
         forget_series(vars(self).values(), worker)
 
     def route(self, worker: str, model: str) -> RouteMetrics:
-        """The labelled children of one (worker, model) pair, looked up once and kept."""
+        """The labelled children of one (worker, model) pair, looked up once and kept (the
+        model's own, or ``OTHER_MODELS``' past the worker's ``MAX_MODEL_LABELS``)."""
         found = self._routes.get((worker, model))
         if found is None:
-            found = self._routes.put((worker, model), RouteMetrics(self, worker, model))
+            label = self._model_label(worker, model)
+            shared = self._routes.get((worker, label)) if label != model else None
+            found = shared if shared is not None else RouteMetrics(self, worker, label)
+            self._routes.put((worker, model), found)
         return found
+
+    def _model_label(self, worker: str, model: str) -> str:
+        labelled = self._labelled.setdefault(worker, set())
+        if model not in labelled:
+            if len(labelled) >= MAX_MODEL_LABELS:
+                return OTHER_MODELS
+            labelled.add(model)
+        return model
+
+    def unlabelled(self, worker: str, models: Iterable[str]) -> int:
+        """How many of ``models`` have no series of their own under ``worker``."""
+        labelled = self._labelled.get(worker, set())
+        return sum(1 for model in models if model not in labelled)
 
 
 class RouteMetrics:
@@ -236,8 +282,9 @@ class RouteMetrics:
 class WorkerStateCollector(Collector):
     """Per-worker gauges read from the registry when Prometheus scrapes."""
 
-    def __init__(self, workers: WorkerRegistry) -> None:
+    def __init__(self, workers: WorkerRegistry, metrics: GatewayMetrics) -> None:
         self._workers = workers
+        self._metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gauges = {
@@ -272,6 +319,7 @@ class WorkerStateCollector(Collector):
                 gauges["kv_usage"].add_metric(labels, w.scraped.kv_usage)
             gauges["mismatch"].add_metric([w.url, "block_size"], float("block_size" in w.problems))
             gauges["models"].add_metric(labels, len(w.models))
+            gauges["unlabelled"].add_metric(labels, self._metrics.unlabelled(w.url, w.models))
         yield from gauges.values()
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
@@ -308,6 +356,12 @@ _WORKER_GAUGES = (
         "kvgate_worker_models",
         "Models the worker serves (base models and adapters), from its /v1/models",
     ),
+    (
+        "unlabelled",
+        "kvgate_worker_models_unlabelled",
+        f"Models of the worker without series of their own: past {MAX_MODEL_LABELS} a "
+        f'worker\'s requests share model="{OTHER_MODELS}"',
+    ),
 )
 """Per-worker gauges of the registry's state: (key, metric name, help)."""
 
@@ -341,6 +395,75 @@ _MODEL_GAUGES = (
 """The learned TTFT model of each worker and its running calibration error."""
 
 
+class GatewayRegistry(CollectorRegistry):
+    """The gateway's metrics registry: its collectors in the order registered, to tell
+    prometheus_client's own metric objects (thread-safe, collected in the render thread)
+    from the collectors that read the event loop's state at scrape time (every other one:
+    per-worker gauges, the queue, the index; collected on the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._collectors: list[Collector] = []  # one per metric family: registered at start
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        self._collectors.append(collector)
+
+    def unregister(self, collector: Collector) -> None:
+        super().unregister(collector)
+        self._collectors.remove(collector)
+
+    def snapshot(self) -> _Snapshot:
+        """On the event loop: what the loop-state collectors report now, and the metric
+        objects to collect in the render thread."""
+        return _Snapshot(
+            [c if isinstance(c, MetricWrapperBase) else list(c.collect()) for c in self._collectors]
+        )
+
+
+class _Snapshot:
+    """Metric families gathered on the event loop, and metric objects collected later."""
+
+    def __init__(self, parts: list[Collector | list[Metric]]) -> None:
+        self._parts = parts
+
+    def collect(self) -> Iterator[Metric]:
+        for part in self._parts:
+            yield from (part if isinstance(part, list) else part.collect())
+
+
+class MetricsPage:
+    """The /metrics page, rendered off the event loop: the collectors reading the loop's
+    state run on it (``GatewayRegistry.snapshot``: a few milliseconds, the series being
+    bounded; any other registry is collected whole on it), the formatting and
+    prometheus_client's own metrics in a worker thread. One render at a time: the scrapes
+    arriving while a page is rendered get that page, so however many scrape, the loop's
+    part runs at most once per render, and no page is older than its scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._rendering: asyncio.Future[bytes] | None = None
+
+    async def render(self) -> bytes:
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(self._render())
+            self._rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(self._rendering)
+
+    async def _render(self) -> bytes:
+        registry = self._registry
+        if isinstance(registry, GatewayRegistry):
+            snapshot = registry.snapshot()
+        else:
+            snapshot = _Snapshot([list(registry.collect())])
+        return await asyncio.to_thread(generate_latest, snapshot)
+
+    def _rendered(self, future: asyncio.Future[bytes]) -> None:
+        self._rendering = None
+        if not future.cancelled():
+            future.exception()  # retrieved: the scrapes waiting for it have it raised
+
+
 def forget_series(metrics: Iterable[object], worker: str) -> None:
     """Remove the children labelled ``worker=<worker>`` of each labelled metric in
     ``metrics`` (other objects are skipped), found through public ``collect``/``remove``."""
@@ -357,8 +480,10 @@ def forget_series(metrics: Iterable[object], worker: str) -> None:
                 metric.remove(*labels)
 
 
-def register_worker_gauges(registry: CollectorRegistry, workers: WorkerRegistry) -> None:
-    registry.register(WorkerStateCollector(workers))
+def register_worker_gauges(
+    registry: CollectorRegistry, workers: WorkerRegistry, metrics: GatewayMetrics
+) -> None:
+    registry.register(WorkerStateCollector(workers, metrics))
 
 
 def kvgate_version() -> str:

@@ -89,6 +89,7 @@ def start_tracing(settings: Settings, environ: Mapping[str, str] | None = None) 
     return Tracing.start(
         endpoint=settings.otlp_traces_endpoint,
         sample_rate=settings.trace_sample_rate,
+        trust_parent=settings.trace_trust_parent,
         environ=environ,
     )
 

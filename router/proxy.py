@@ -12,7 +12,10 @@ One exchange, step by step (each step a method, so hooks have a defined place)::
         _relay_body          non-streaming: the whole body, then commit
         _relay_stream        streaming: hold until the first content event, commit, relay
         AttemptFailed       before the commit: worker marked, the router ranks again
-                             (``Router.reroute``, failed workers excluded), next attempt
+                             (``Router.reroute``, failed workers excluded), next attempt;
+                             a 5xx or an error event is charged to its worker only when
+                             another worker answers, and ends the failover when a second
+                             worker fails alike (the request's fault, ``_failed_alike``)
       _commit                the client's response starts (status and headers); from here
                              errors go inside the stream (``_fail``)
       _fail                  no attempt succeeded: the last failure as a JSON error
@@ -49,7 +52,14 @@ from starlette.types import Receive, Scope, Send
 from backends.registry import LoadTicket, Worker, WorkerRegistry
 from index.memo import BoundedMemo
 from index.types import WorkerId
-from router.commit import AttemptFailed, Reason, StreamStart, Verdict, error_events, failure_reason
+from router.commit import (
+    AttemptFailed,
+    Reason,
+    StreamStart,
+    Verdict,
+    error_events,
+    failure_reason,
+)
 from router.config import UpstreamConfig
 from router.errors import (
     KvgateError,
@@ -199,6 +209,8 @@ class Proxy:
     def mark_failed(self, worker: Worker, reason: str, detail: str) -> None:
         """Passive health: a refused or broken connection marks the worker down at once;
         other failures count towards the failure threshold."""
+        if reason == Reason.HEAD_TOO_LARGE:
+            self.metrics.limit_exceeded("upstream_head")
         self.registry.record_failure(worker, detail, immediate=reason in _WORKER_GONE)
 
 
@@ -216,6 +228,8 @@ class ProxyResponse(Response):
         self._answer_tap: AnswerTap | None = None  # the committed stream's, until fed enough
         self._client_gone = False
         self._late = False  # the whole-exchange deadline passed
+        # failures that may be the request's, charged to their workers at the commit
+        self._uncharged: list[tuple[Worker, str, str]] = []
         self.status_code = 200
         self.background = None
         self.raw_headers = []
@@ -288,7 +302,7 @@ class ProxyResponse(Response):
                 except AttemptFailed as exc:
                     failure = exc
                     self._x.observation.attempt_failed(exc.error)
-                    if not exc.error.retryable:
+                    if not exc.error.retryable or self._failed_alike(worker, exc):
                         break
             tried.append(routed.decision.chosen)
             next_routed = self._reroute(routed, tried) if attempt + 1 < attempts else None
@@ -301,6 +315,25 @@ class ProxyResponse(Response):
         if error is None:  # every ranked worker was removed or marked down meanwhile
             error = UpstreamConnectError("no ranked worker is left", worker="-")
         await self._fail(send, error, outcome)
+
+    def _failed_alike(self, worker: Worker, failure: AttemptFailed) -> bool:
+        """Did another worker fail this request the same way (a 5xx, an error event before
+        the first token)? Then it is the request's fault: no more failover, and no worker is
+        charged a health failure for it (a client cannot mark the fleet down). Else such a
+        failure waits to be charged until another worker answers (``_commit``)."""
+        if failure.charge is None:
+            return False
+        if any(reason == failure.reason for _, reason, _ in self._uncharged):
+            self._uncharged.clear()
+            self._proxy.metrics.request_faults.labels(failure.reason).inc()
+            log.info(
+                "%s: failed alike on two workers (%s): the request's fault, not retried",
+                self._x.request_id,
+                failure.reason,
+            )
+            return True
+        self._uncharged.append((worker, failure.reason, failure.charge))
+        return False
 
     def _reroute(self, routed: Routed, tried: list[WorkerId]) -> Routed | None:
         try:
@@ -403,9 +436,9 @@ class ProxyResponse(Response):
         error = UpstreamHTTPError(
             response.status_code, body, response.headers.get("content-type"), worker=worker.url
         )
-        if error.retryable:
-            self._proxy.mark_failed(worker, Reason.HTTP_5XX, f"answered {response.status_code}")
-            raise AttemptFailed(error, Reason.HTTP_5XX)
+        if error.retryable:  # charged once another worker answers it (_forward)
+            charge = f"answered {response.status_code}"
+            raise AttemptFailed(error, Reason.HTTP_5XX, charge=charge)
         self._proxy.registry.record_ok_response(worker)  # a client error: no sign of sickness
         if response.status_code == 404 and self._x.model in worker.models:
             self._proxy.registry.models_stale(worker)  # an adapter unloaded meanwhile?
@@ -468,13 +501,12 @@ class ProxyResponse(Response):
                 return _Held(start.take(), False, sse)
             if verdict is Verdict.FAILED:
                 detail = start.failure or "error event"
-                self._proxy.mark_failed(worker, Reason.ERROR_EVENT, detail)
                 error = UpstreamStreamError(
                     "the engine failed the request before its first token",
                     worker=worker.url,
                     detail=detail,
                 )
-                raise AttemptFailed(error, Reason.ERROR_EVENT)
+                raise AttemptFailed(error, Reason.ERROR_EVENT, charge=detail)
 
     async def _relay_rest(
         self,
@@ -554,8 +586,13 @@ class ProxyResponse(Response):
     async def _commit(
         self, send: Send, status: int, headers: list[tuple[bytes, bytes]], outcome: _Outcome
     ) -> None:
-        """The commit point: the client's response starts; no other worker is tried after."""
+        """The commit point: the client's response starts; no other worker is tried after.
+        The workers that failed it alone before are charged their health failure now."""
         outcome.status = str(status)
+        for worker, reason, detail in self._uncharged:
+            if not worker.removed:
+                self._proxy.mark_failed(worker, reason, detail)
+        self._uncharged.clear()
         await self._start(send, status, headers)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:

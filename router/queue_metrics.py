@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 REJECTIONS = (
     "queue_full",  # the whole queue is full (429)
+    "queue_bytes_full",  # the queue's body bytes are at queue.max_bytes (429)
+    "key_share",  # its place went to a key holding fewer queued requests (or bytes) (429)
     "key_queue_full",  # the key's share of the queue is full (429)
     "model_queue_full",  # the model's share of the queue is full (429)
     "deadline",  # waited until its deadline (503)
@@ -95,8 +97,14 @@ class _QueueCollector(Collector):
         )
         for key, n in self._queue.in_flight_by_key().items():
             flying.add_metric([key], n)
+        held = GaugeMetricFamily(
+            "kvgate_queue_bytes",
+            "Body bytes of the requests waiting in the router-side queue (queue.max_bytes)",
+        )
+        held.add_metric([], self._queue.queued_bytes)
         yield length
         yield flying
+        yield held
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())

@@ -118,6 +118,7 @@ class ResponsesBody(_Routable):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
+    store: StrictBool | None = None  # false: the engine keeps nothing to continue
     tools: list[dict[str, Any]] | None = None
     max_output_tokens: int | None = None
 
@@ -273,17 +274,21 @@ def check_path(path: str) -> None:
         raise InvalidRequest("the request path holds control characters")
 
 
-def upstream_target(path: str, query: bytes) -> str:
-    """The request target a pass-through sends upstream, from the decoded ``path`` and the
-    raw ``query``: a ``/v1/...`` path without control characters or dot segments (else a
-    400), slashes collapsed, re-encoded; the query as sent, printable ASCII only."""
+def normalised_path(path: str) -> str:
+    """A pass-through's decoded ``path``: without control characters or dot segments (else
+    a 400), slashes collapsed (``router.passthrough`` decides whether it is passed on)."""
     check_path(path)
     path = _SLASHES.sub("/", path)
     segments = path.split("/")
     if "." in segments or ".." in segments:
         raise InvalidRequest("the request path holds '.' or '..' segments")
-    if not path.startswith("/v1/"):
-        raise InvalidRequest("only /v1/... paths are passed to workers")
+    return path
+
+
+def upstream_target(path: str, query: bytes) -> str:
+    """The request target a pass-through sends upstream, from its ``normalised_path`` and
+    the raw ``query``: the path re-encoded; the query as sent, printable ASCII only (else
+    a 400)."""
     if not _QUERY.fullmatch(query):
         raise InvalidRequest("the query string holds spaces, control or non-ASCII bytes")
     target = quote(path, safe=_PATH_SAFE)

@@ -28,30 +28,43 @@ check a live ``Span`` per phase: several times the CPU). An unsampled request bu
 Export: the SDK's ``BatchSpanProcessor`` (its own thread, a bounded queue: ``OTEL_BSP_*``)
 and OTLP HTTP/protobuf exporter, to ``--otlp-traces-endpoint`` or, without it, where the
 standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` say
-(headers, timeout, compression, certificates from ``OTEL_EXPORTER_OTLP_*`` too). The sampler
-is the SDK's: ``--trace-sample-rate`` (parent-based ratio) or ``OTEL_TRACES_SAMPLER``.
+(headers, timeout, compression, certificates from ``OTEL_EXPORTER_OTLP_*`` too). The sampler:
+``--trace-sample-rate`` samples that share of requests by kvgate's own draw, whatever the
+client's ``traceparent`` says (its sampled flag, or a trace id picked to pass a ratio test,
+cannot raise the share); ``--trace-trust-parent`` makes it the SDK's parent-based ratio (a
+client's sampled flag is followed). Without a rate, the SDK's ``OTEL_TRACES_SAMPLER``.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
+    Link,
     SpanContext,
     SpanKind,
     Status,
     StatusCode,
     TraceFlags,
+    TraceState,
     get_current_span,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -86,6 +99,33 @@ def _check_protocol(environ: Mapping[str, str]) -> None:
                     f"http/protobuf only (got {protocol!r})"
                 )
             return
+
+
+class OwnDraw(Sampler):
+    """Samples ``rate`` of requests by a draw of kvgate's own: neither the parent's sampled
+    flag nor the bits of a (client-chosen) trace id change the odds. The parent's trace
+    state is kept."""
+
+    def __init__(self, rate: float, rng: random.Random | None = None) -> None:
+        self._rate = rate
+        self._random = (rng if rng is not None else random.Random()).random
+
+    def should_sample(  # noqa: PLR0917 - the SDK's Sampler.should_sample signature
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes | None = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        sampled = self._random() < self._rate
+        state = get_current_span(parent_context).get_span_context().trace_state
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP, None, state)
+
+    def get_description(self) -> str:
+        return f"kvgate.OwnDraw{{{self._rate}}}"
 
 
 class _Export(SpanExporter):
@@ -130,15 +170,18 @@ class Tracing:
         endpoint: str | None,
         sample_rate: float | None,
         environ: Mapping[str, str],
+        trust_parent: bool = False,
         exporter: SpanExporter | None = None,
     ) -> Tracing:
         """Export to ``endpoint`` (a full ``.../v1/traces`` URL; None: the OTEL_* variables
         decide). ``sample_rate`` None: ``OTEL_TRACES_SAMPLER`` (default: parent-based,
-        always on); a rate: parent-based, that share of new traces."""
+        always on); a rate: that share of requests (``OwnDraw``), or with ``trust_parent``
+        parent-based, that share of new traces."""
         _check_protocol(environ)
         sampler: Sampler | None = None
         if sample_rate is not None:
-            sampler = ParentBased(TraceIdRatioBased(sample_rate))
+            ratio = TraceIdRatioBased(sample_rate)
+            sampler = ParentBased(ratio) if trust_parent else OwnDraw(sample_rate)
         # the provider only resolves the sampler the SDK's way (OTEL_TRACES_SAMPLER[_ARG])
         sampler = TracerProvider(sampler=sampler, shutdown_on_exit=False).sampler
         return cls(exporter if exporter is not None else OTLPSpanExporter(endpoint), sampler)

@@ -10,6 +10,12 @@ discovery and tokenizing still use httpx.
 Failures raise httpx's own exception classes (``ConnectError``, ``ConnectTimeout``,
 ``ReadTimeout``, ``RemoteProtocolError``, ``ReadError``), so ``router.errors.from_httpx``
 maps both clients alike.
+
+What an engine sends is bounded like a client's request head: a response head (status line
+and headers) may hold ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` header lines, trailers count
+with them, and the parser never holds more than ``MAX_HEAD_BYTES`` it has not handed over (a
+trailer line that never ends); past a bound the exchange fails with ``ResponseHeadTooLarge``
+and the connection is closed.
 """
 
 from __future__ import annotations
@@ -27,10 +33,18 @@ import httpx
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the engine socket is paused
 _LOW_WATER = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+"""Bytes of an engine's response head (and of a trailer) the parser may hold."""
+MAX_HEADERS = 100
+"""Header lines of an engine's response, trailers included."""
 
 
 class BodyTooLarge(Exception):
     """``UpstreamResponse.aread`` read more than its limit (the connection is not reused)."""
+
+
+class ResponseHeadTooLarge(httpx.RemoteProtocolError):
+    """An engine's response head (or trailer) past ``MAX_HEAD_BYTES`` or ``MAX_HEADERS``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +100,7 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_seen = 0
         self.headers_done: asyncio.Future[None] = loop.create_future()
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
@@ -95,6 +110,7 @@ class _Connection(asyncio.Protocol):
         self.readable = asyncio.Event()
         self.paused = False
         self.received_any = False
+        self._held = 0  # bytes fed that the parser has not handed over (a head, a trailer)
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,11 +118,26 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
-            self.close()
+        view = memoryview(data)
+        while view and not self.closed:  # at most what the parser may still hold, each time
+            budget = MAX_HEAD_BYTES - self._held
+            piece, view = view[:budget], view[budget:]
+            self._held += len(piece)
+            try:
+                self._parser.feed_data(piece)
+            except httptools.HttpParserError as exc:  # a callback's error is its context
+                bound = exc.__context__
+                self._fail(
+                    bound
+                    if isinstance(bound, ResponseHeadTooLarge)
+                    else httpx.RemoteProtocolError(f"malformed HTTP response: {exc}")
+                )
+                self.close()
+            else:
+                if self._held >= MAX_HEAD_BYTES and not self.complete:
+                    what = "response head" if not self.headers_done.done() else "trailer"
+                    self._fail(ResponseHeadTooLarge(f"the {what} exceeds {MAX_HEAD_BYTES} bytes"))
+                    self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -126,15 +157,21 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        self.headers_seen += 1
+        if self.headers_seen > MAX_HEADERS:
+            raise ResponseHeadTooLarge(f"the response has more than {MAX_HEADERS} header lines")
+        if not self.headers_done.done():  # (trailers are counted, not kept)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._held = 0
         self.status = self._parser.get_status_code()
         self.keep_alive = self._parser.should_keep_alive()
         if not self.headers_done.done():
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        self._held = 0
         self.chunks.append(body)
         self.buffered += len(body)
         self.readable.set()
@@ -143,6 +180,7 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        self._held = 0
         self.complete = True
         self.readable.set()
 

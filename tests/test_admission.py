@@ -664,3 +664,64 @@ async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None
         reply = await queued
         assert reply.status_code == 200
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_a_key_filling_the_queue_gives_way_to_another_key() -> None:
+    """Shares are on by default: key one alone fills the whole queue (then 429), yet key
+    two's requests are still queued, each taking the place of key one's newest until both
+    hold as many (before: key two got 429 at once)."""
+    async with _setup({"busy_in_flight": 1, "max_length": 4}, api_keys=KEYS) as (gw, url):
+        one = {"authorization": f"Bearer {KEYS[0]}"}
+        two = {"authorization": f"Bearer {KEYS[1]}"}
+        async with _paused(url):
+            held = _send(gw, _body("one held"), **one)
+            await _in_flight(gw, 1)
+            burst = [_send(gw, _body(f"one {i}"), **one) for i in range(4)]
+            await _queued(gw, 4)
+            alone = await gw.client.post("/v1/completions", json=_body("one more"), headers=one)
+            assert alone.status_code == 429 and _error(alone)["code"] == "queue_full"
+            others = []
+            for i in range(2):
+                others.append(_send(gw, _body(f"two {i}"), **two))
+                await wait_for(lambda i=i: _queue(gw)._counts.queued_key[TWO] == i + 1)
+            refused = await gw.client.post("/v1/completions", json=_body("two more"), headers=two)
+            assert refused.status_code == 429 and _error(refused)["code"] == "queue_full"
+            assert len(_queue(gw)) == 4
+        replies = await asyncio.gather(held, *burst, *others)
+        codes = [r.status_code for r in replies]
+        assert codes == [200, 200, 200, 429, 429, 200, 200]  # key one's two newest gave way
+        assert {_error(r)["code"] for r in replies if r.status_code == 429} == {"queue_share"}
+        assert gw.metric("kvgate_queue_rejected_total", {"key": ONE, "reason": "key_share"}) == 2
+
+
+async def test_queued_bodies_are_bounded_in_bytes() -> None:
+    """Past ``queue.max_bytes`` of queued bodies a request gets 429 like a full queue (before:
+    only the count bounded them, 1,024 x 32 MiB); a lighter key still gets its place, and the
+    queued bytes are on /metrics."""
+    pad = "x" * 1000
+    queue = {"busy_in_flight": 1, "max_bytes": 2500}
+    async with _setup(queue, api_keys=KEYS) as (gw, url):
+        one = {"authorization": f"Bearer {KEYS[0]}"}
+        two = {"authorization": f"Bearer {KEYS[1]}"}
+        async with _paused(url):
+            held = _send(gw, _body("held"), **one)
+            await _in_flight(gw, 1)
+            queued = [_send(gw, _body(f"one {i} {pad}"), **one) for i in range(2)]
+            await _queued(gw, 2)
+            assert 2000 < _queue(gw).queued_bytes <= 2500
+            metrics = (await gw.client.get("/metrics")).text
+            assert f"kvgate_queue_bytes {float(_queue(gw).queued_bytes)}" in metrics
+            full = await gw.client.post("/v1/completions", json=_body(f"3 {pad}"), headers=one)
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert _error(full)["code"] == "queue_bytes_full"
+            huge = _body("x" * 3000)
+            alone = await gw.client.post("/v1/completions", json=huge, headers=two)
+            assert alone.status_code == 429 and _error(alone)["code"] == "queue_bytes_full"
+            other = _send(gw, _body(f"two {pad}"), **two)
+            await wait_for(lambda: _queue(gw)._counts.queued_key[TWO] == 1, what="key two in")
+        replies = await asyncio.gather(held, *queued, other)
+        assert [r.status_code for r in replies] == [200, 200, 429, 200]
+        assert gw.metric("kvgate_queue_rejected_total", {"key": ONE, "reason": "key_share"}) == 1
+        labels = {"key": ONE, "reason": "queue_bytes_full"}
+        assert gw.metric("kvgate_queue_rejected_total", labels) == 1
+        assert _queue(gw).queued_bytes == 0

@@ -1,5 +1,7 @@
-"""deploy/k8s: schema-valid offline, consistent with kvgate's own config and discovery, and
-without a working placeholder secret (the admin token must be made before anything starts)."""
+"""deploy/k8s: schema-valid offline, consistent with kvgate's own config and discovery,
+without a working placeholder secret (the admin token and client keys must be made before
+anything starts), with the engines fenced to kvgate (NetworkPolicy) and kvgate tokenizing
+with the engines' own model directory."""
 
 from __future__ import annotations
 
@@ -76,21 +78,26 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization()["resources"]) == sorted(p.name for p in manifest_files())
 
 
-def admin_token_ref() -> dict[str, Any]:
+def secret_ref(variable: str) -> dict[str, Any]:
     kvgate = container(resources()[("Deployment", "kvgate")], "kvgate")
-    token = next(e for e in kvgate["env"] if e["name"] == "KVGATE_ADMIN_TOKEN")
+    token = next(e for e in kvgate["env"] if e["name"] == variable)
     ref: dict[str, Any] = token["valueFrom"]["secretKeyRef"]
     return ref
 
 
-def test_no_working_placeholder_secret() -> None:
-    """No Secret with a value is in the repository: the admin token Secret is generated from
-    a file the operator creates (git-ignored), so `kubectl apply -k` fails without it and
-    the kvgate pods cannot start without the Secret."""
+def admin_token_ref() -> dict[str, Any]:
+    return secret_ref("KVGATE_ADMIN_TOKEN")
+
+
+@pytest.mark.parametrize("variable", ["KVGATE_ADMIN_TOKEN", "KVGATE_API_KEYS"])
+def test_no_working_placeholder_secret(variable: str) -> None:
+    """No Secret with a value is in the repository: the admin token and the client keys are
+    generated from files the operator creates (git-ignored), so `kubectl apply -k` fails
+    without them and the kvgate pods cannot start without the Secrets."""
     for (kind, name), doc in resources().items():
         if kind == "Secret":
             assert not doc.get("data") and not doc.get("stringData"), name
-    ref = admin_token_ref()
+    ref = secret_ref(variable)
     assert ref.get("optional", False) is False
     (generator,) = (g for g in kustomization()["secretGenerator"] if g["name"] == ref["name"])
     source = next(f for f in generator["files"] if f.startswith(ref["key"] + "="))
@@ -98,6 +105,7 @@ def test_no_working_placeholder_secret() -> None:
     assert key == ref["key"] and generator["namespace"] == "llm"
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert (K8S / file_name).relative_to(ROOT).as_posix() in ignored
+    assert f"deploy/k8s/{file_name}" in (K8S / "kustomization.yaml").read_text()
     assert "openssl rand" in (K8S / "kustomization.yaml").read_text()
     assert f"deploy/k8s/{file_name}" in (ROOT / "docs" / "deploy.md").read_text()
 
@@ -111,6 +119,20 @@ def test_kvgate_refuses_an_empty_admin_token(
         kvgate_settings(tmp_path)
     monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "9f8e7d6c5b4a")
     assert kvgate_settings(tmp_path).admin_token is not None
+
+
+def test_kvgate_takes_client_keys_one_a_line_and_refuses_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client-keys file (``openssl rand -hex 32 > client-keys``, more lines for more
+    clients) gives one key a line; an empty file stops kvgate rather than opening /v1."""
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "9f8e7d6c5b4a")
+    monkeypatch.setenv("KVGATE_API_KEYS", "")
+    with pytest.raises(ConfigError, match="api_keys"):
+        kvgate_settings(tmp_path)
+    monkeypatch.setenv("KVGATE_API_KEYS", "a1b2c3d4e5f6\n0a9b8c7d6e5f\n")
+    keys = kvgate_settings(tmp_path).api_keys
+    assert [k.get_secret_value() for k in keys] == ["a1b2c3d4e5f6", "0a9b8c7d6e5f"]
 
 
 def test_kvgate_deployment_shape() -> None:
@@ -210,3 +232,56 @@ def test_kvgate_service_targets_kvgate_pods() -> None:
     assert service["spec"].get("clusterIP") != "None"
     ports = container(deployment, "kvgate")["ports"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in ports}
+
+
+def test_the_engines_are_reachable_from_kvgate_pods_only() -> None:
+    """A NetworkPolicy selects the engine pods and admits, on their HTTP, KV-event and
+    replay ports, kvgate's pods and nothing else."""
+    policies = [doc for (kind, _), doc in resources().items() if kind == "NetworkPolicy"]
+    engines = resources()[("Deployment", "vllm")]
+    engine_labels = engines["spec"]["template"]["metadata"]["labels"]
+    kvgate_labels = resources()[("Deployment", "kvgate")]["spec"]["template"]["metadata"]["labels"]
+    (policy,) = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    ]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and policy["metadata"]["namespace"] == "llm"
+    assert not spec["podSelector"]["matchLabels"].items() <= kvgate_labels.items()
+    ports = {p["name"]: p["containerPort"] for p in container(engines, "vllm")["ports"]}
+    assert set(ports.values()) == {8000, 5557, 5558}
+    (rule,) = spec["ingress"]  # one rule: every admitted peer is in it
+    (peer,) = rule["from"]
+    assert peer.keys() == {"podSelector"}  # no namespaceSelector, no ipBlock
+    assert peer["podSelector"]["matchLabels"].items() <= kvgate_labels.items()
+    assert not peer["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    assert {(p["port"], p["protocol"]) for p in rule["ports"]} == {
+        (port, "TCP") for port in ports.values()
+    }
+
+
+def test_kvgate_tokenizes_with_the_engines_model_directory(tmp_path: Path) -> None:
+    """``--tokenizer`` points at a read-only mount of the volume the engines load their
+    ``--model`` from: kvgate never asks an engine to tokenize a prompt."""
+    settings = kvgate_settings(tmp_path)
+    tokenizer = settings.index.default_tokenizer
+    assert tokenizer is not None
+
+    def model_claim(deployment: dict[str, Any], name: str, path: str) -> str:
+        mounts = container(deployment, name)["volumeMounts"]
+        (mount,) = [m for m in mounts if Path(path).is_relative_to(m["mountPath"])]
+        assert mount["readOnly"] is True
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+        assert volume["persistentVolumeClaim"]["readOnly"] is True
+        claim: str = volume["persistentVolumeClaim"]["claimName"]
+        return claim
+
+    engines = resources()[("Deployment", "vllm")]
+    (model,) = flag_values(container(engines, "vllm")["args"], "--model")
+    claim = model_claim(resources()[("Deployment", "kvgate")], "kvgate", str(tokenizer))
+    assert claim == model_claim(engines, "vllm", model)
+    assert str(tokenizer) == model  # the same directory on both sides
+    pvc = resources()[("PersistentVolumeClaim", claim)]
+    assert "ReadOnlyMany" in pvc["spec"]["accessModes"]

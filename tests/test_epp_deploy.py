@@ -225,6 +225,41 @@ def test_the_epp_deployment_runs_valid_kvgate_epp_settings(tmp_path: Path) -> No
     assert pod["terminationGracePeriodSeconds"] > pause + settings.shutdown_timeout_s
 
 
+def test_the_engines_admit_the_gateway_and_the_epp_beside_kvgate() -> None:
+    """deploy/k8s fences the engines to kvgate pods; this policy opens the engines' HTTP
+    port to the gateway's proxies and their KV-event ports to kvgate-epp."""
+    policy = resources()[("NetworkPolicy", "vllm-from-gateway-and-epp")]
+    engines = next(d for d in documents(ENGINES / "vllm-deployment.yaml"))
+    labels = engines["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    epp_rule, gateway_rule = policy["spec"]["ingress"]
+    epp_labels = resources()[("Deployment", "kvgate-epp")]["spec"]["template"]["metadata"]
+    (epp_from,) = epp_rule["from"]
+    assert epp_from["podSelector"]["matchLabels"].items() <= epp_labels["labels"].items()
+    settings = EppSettings(discover=[_discover_url()])
+    events = parse_discovery_url(settings.discover[0])
+    assert {p["port"] for p in epp_rule["ports"]} == {
+        events.port,
+        events.events_port,
+        events.replay_port,
+    }
+    (gateway_from,) = gateway_rule["from"]
+    route = resources()[("HTTPRoute", "llm-openai")]
+    (parent,) = route["spec"]["parentRefs"]
+    gateway_label = "gateway.networking.k8s.io/gateway-name"
+    assert gateway_from["podSelector"]["matchLabels"] == {gateway_label: parent["name"]}
+    pool = resources()[("InferencePool", "vllm-pool")]
+    assert [p["port"] for p in gateway_rule["ports"]] == [
+        t["number"] for t in pool["spec"]["targetPorts"]
+    ]
+
+
+def _discover_url() -> str:
+    epp = container(resources()[("Deployment", "kvgate-epp")])
+    (url,) = flag_values(epp["args"], "--discover")
+    return url
+
+
 def test_kustomization_lists_every_manifest_and_no_secret_value() -> None:
     (kustomization,) = documents(EPP / "kustomization.yaml")
     assert sorted(kustomization["resources"]) == [p.name for p in manifests()]

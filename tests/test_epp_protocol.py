@@ -199,16 +199,22 @@ async def test_grpc_health_follows_the_ready_workers() -> None:
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_a_request_without_a_body_takes_its_model_from_the_query() -> None:
+async def test_other_paths_are_passed_as_serve_passes_them() -> None:
+    """Paths kvgate does not key go by load when serve's pass-through allowlist has them
+    (a body-less one names its model in the query), else a 404."""
     async with running(2) as (epp, _), channel(epp.grpc_port) as ch:
         peer = Peer(ch)
-        await peer.send(request_headers(f"/v1/files?model={MODEL}", method="GET", end=True))
+        await peer.send(request_headers(f"/v1/embeddings?model={MODEL}", end=True))
         assert len(picked(await peer.receive())) == 2
         peer.cancel()
         peer = Peer(ch)
-        await peer.send(request_headers("/v1/files", method="GET", end=True))
+        await peer.send(request_headers("/v1/embeddings", end=True))
         status, error, _ = await refusal(peer)
         assert status == 400 and error["param"] == "model"
+        peer = Peer(ch)
+        await peer.send(request_headers("/v1/load_lora_adapter"))
+        status, error, _ = await refusal(peer)
+        assert status == 404 and error["code"] == "not_found"
         await until(epp.idle)
 
 

@@ -81,8 +81,8 @@ async def test_add_and_remove_workers_at_run_time() -> None:
         assert (
             await gw.client.delete(f"/admin/workers/{quote(f.urls[0], safe='')}")
         ).status_code == 404
-        r = await gw.client.post("/admin/workers", content=f"{f.urls[0]},models=fake-model")
-        assert r.status_code == 201  # the CLI form works too
+        r = await gw.client.post("/admin/workers", json=f"{f.urls[0]},models=fake-model")
+        assert r.status_code == 201  # the CLI form works too (a JSON string)
         listed = (await gw.client.get("/admin/workers")).json()["workers"]
         assert sorted(w["url"] for w in listed) == sorted(f.urls)
 
@@ -118,18 +118,22 @@ async def test_periodic_probes_run_on_their_own() -> None:
 
 
 async def test_passive_marking_on_server_errors() -> None:
+    """A 5xx may be the request's fault: it is charged to a worker only once another worker
+    answered the same request (tests/test_gateway_retry.py), so the only worker answering
+    5xx stays healthy; a client error clears the count."""
     async with (
         fleet(FakeEngine()) as f,
         kvgate(f.urls, health=quiet_health(failure_threshold=2)) as gw,
     ):
         worker = gw.gateway.registry.get(f.urls[0])
-        await gw.client.post("/v1/chat/completions", json={**CHAT, "fake": {"status": 500}})
-        assert worker.healthy and worker.consecutive_failures == 1
-        await gw.client.post("/v1/chat/completions", json={**CHAT, "fake": {"status": 400}})
+        worker.consecutive_failures = 1  # (a failed probe)
+        r = await gw.client.post("/v1/chat/completions", json={**CHAT, "fake": {"status": 400}})
+        assert r.status_code == 400
         assert worker.consecutive_failures == 0  # a client error is not the engine's fault
-        for _ in range(2):
-            await gw.client.post("/v1/chat/completions", json={**CHAT, "fake": {"status": 502}})
-        assert not worker.healthy
+        for status in (500, 502, 503):
+            body = {**CHAT, "fake": {"status": status}}
+            assert (await gw.client.post("/v1/chat/completions", json=body)).status_code == status
+        assert worker.healthy and worker.consecutive_failures == 0
 
 
 async def test_scraped_load_reaches_candidates_and_metrics() -> None:

@@ -83,13 +83,13 @@ async def test_explicit_block_size_that_contradicts_the_engine_is_loud(
             url = fleet.replicas[0].url
             ready = await gw.client.get("/ready")
             assert ready.status_code == 503
-            reason = ready.json()["not_ready"][url]["block_size"]
+            assert ready.json()["not_ready"] == {"block_size": 1}  # counts: /ready is open
+            stats = (await gw.client.get("/debug/index")).json()
+            reason = stats["config_mismatch"][url]["block_size"]
             assert "block size is 32" in reason and "configured with 16" in reason
             assert "--index-block-size 32" in reason  # what to change
             labels = {"worker": url, "fact": "block_size"}
             assert gw.metric("kvgate_worker_config_mismatch", labels) == 1.0
-            stats = (await gw.client.get("/debug/index")).json()
-            assert stats["config_mismatch"][url]["block_size"] == reason
             refused = await gw.client.post("/v1/chat/completions", json=chat(MODEL, "hi"))
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "no_healthy_worker"
@@ -106,8 +106,9 @@ async def test_two_replicas_of_one_model_with_different_block_sizes() -> None:
             ready = await gw.client.get("/ready")
             assert ready.status_code == 200  # the first replica serves
             body = ready.json()
-            assert body["ready_workers"] == 1
-            reason = body["not_ready"][big.replicas[0].url]["block_size"]
+            assert body["ready_workers"] == 1 and body["not_ready"] == {"block_size": 1}
+            stats = (await gw.client.get("/debug/index")).json()
+            reason = stats["config_mismatch"][big.replicas[0].url]["block_size"]
             assert "block size 32" in reason and small.replicas[0].url in reason
             labels = {"worker": big.replicas[0].url, "fact": "block_size"}
             assert gw.metric("kvgate_worker_config_mismatch", labels) == 1.0
@@ -139,4 +140,5 @@ async def test_sglang_page_size_is_read_from_its_server_info() -> None:
         async with kvgate([spec], index={"block_size": 16}) as gw:
             ready = await gw.client.get("/ready")
             assert ready.status_code == 503
-            assert "block size is 32" in ready.json()["not_ready"][f.urls[0]]["block_size"]
+            stats = (await gw.client.get("/debug/index")).json()
+            assert "block size is 32" in stats["config_mismatch"][f.urls[0]]["block_size"]

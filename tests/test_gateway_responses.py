@@ -27,7 +27,7 @@ from fakes.simgate import (
 )
 
 from index.types import WorkerId
-from router.affinity import ResponseAffinity
+from router.affinity import ClientKeyId, ResponseAffinity
 
 pytestmark = pytest.mark.anyio
 
@@ -192,19 +192,38 @@ async def test_when_the_holder_is_down_or_gone_the_client_is_told() -> None:
         assert error["type"] == "invalid_request_error" and "left the fleet" in error["message"]
 
 
+ONE = ClientKeyId("-")
+
+
 def test_the_response_map_is_bounded_in_count_and_age() -> None:
     now = [0.0]
     affinity = ResponseAffinity(3, 10.0, clock=lambda: now[0])
     for i in range(5):
-        affinity.record(f"resp_{i}", WorkerId(f"w{i}"))
-    assert len(affinity) == 3 and affinity.worker_of("resp_1") is None
-    assert affinity.worker_of("resp_4") == "w4"
-    affinity.record("x" * 300, WorkerId("w"))  # not an id we keep
+        affinity.record(f"resp_{i}", WorkerId(f"w{i}"), ONE)
+    assert len(affinity) == 3 and affinity.worker_of("resp_1", ONE) is None
+    assert affinity.worker_of("resp_4", ONE) == "w4"
+    affinity.record("x" * 300, WorkerId("w"), ONE)  # not an id we keep
     assert len(affinity) == 3
     now[0] = 10.0
-    assert affinity.worker_of("resp_4") is None  # too old
-    affinity.record("resp_new", WorkerId("w9"))
+    assert affinity.worker_of("resp_4", ONE) is None  # too old
+    affinity.record("resp_new", WorkerId("w9"), ONE)
     assert len(affinity) == 1
+
+
+def test_ids_stay_with_their_key_and_each_key_keeps_its_share() -> None:
+    mine, theirs = ClientKeyId("aaaa0000"), ClientKeyId("bbbb1111")
+    affinity = ResponseAffinity(5, 60.0, keys=2)
+    assert affinity.per_key == 3
+    affinity.record("resp_a", WorkerId("w1"), mine)
+    affinity.record("resp_a", WorkerId("w2"), theirs)  # an engine echoing a known id
+    assert affinity.worker_of("resp_a", mine) == "w1"
+    assert affinity.worker_of("resp_a", theirs) is None
+    assert affinity.worker_of("resp_a", None) == "w1"  # the admin's view
+    for i in range(10):
+        affinity.record(f"resp_b{i}", WorkerId("w2"), theirs)
+    assert affinity.worker_of("resp_a", mine) == "w1"  # not evicted by the other key
+    assert [affinity.worker_of(f"resp_b{i}", theirs) for i in (6, 7, 8, 9)] == [None] + ["w2"] * 3
+    assert len(affinity) == 4
 
 
 @pytest.mark.parametrize(
@@ -220,15 +239,15 @@ def test_the_response_map_is_bounded_in_count_and_age() -> None:
 )
 def test_the_tap_reads_the_id_from_a_body_or_the_first_event(chunks: list[bytes]) -> None:
     affinity = ResponseAffinity(10, 10.0)
-    tap = affinity.tap()
+    tap = affinity.tap(ONE)
     done = [tap.feed(WorkerId("w"), chunk) for chunk in chunks]
     assert done[-1] and not any(done[:-1])
-    assert affinity.worker_of("resp_a") == "w"
+    assert affinity.worker_of("resp_a", ONE) == "w"
 
 
 def test_the_tap_gives_up_on_a_stream_it_does_not_know() -> None:
     affinity = ResponseAffinity(10, 10.0)
-    tap = affinity.tap()
+    tap = affinity.tap(ONE)
     assert not tap.feed(WorkerId("w"), b"x" * 1000)
     assert tap.feed(WorkerId("w"), b"x" * 70_000)  # past the scan bound, no event end
     assert len(affinity) == 0

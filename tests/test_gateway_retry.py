@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fakes.gateway import Kvgate, kvgate
+from fakes.engine import FakeEngine
+from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.server import wait_for
 from test_sim_support import fault, sim_config, sim_fleet
 from test_sim_support import wait_for as sim_wait_for
@@ -247,3 +248,56 @@ async def test_the_responses_api_is_held_past_its_created_events() -> None:
         assert kinds.count("response.created") == 1  # the failed attempt's were never sent
         assert "error" not in kinds and kinds[-1] == "response.completed"
         assert retries(gw, fleet.replicas[0].url, "error_event") == 1
+
+
+# -- whose fault: the request's or the worker's -----------------------------------------------
+class BrokenEngine(FakeEngine):
+    """An engine whose every generation fails with a 500 (its /health still answers)."""
+
+    async def _generate(self, path: str, body: dict[str, Any], receive: Any, send: Any) -> None:
+        await super()._generate(path, {**body, "fake": {"status": 500}}, receive, send)
+
+
+def generations(engines: list[FakeEngine]) -> int:
+    return sum(1 for e in engines for seen in e.seen if seen.path == "/v1/chat/completions")
+
+
+FAKE_CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_a_request_failing_alike_on_two_workers_is_its_own_fault() -> None:
+    """A poison request (every engine answers it 500) is tried on two workers, not three,
+    and charges no worker: a trickle of them cannot mark the fleet down (before: three such
+    requests marked every worker down and the other clients got 503)."""
+    engines = [FakeEngine(name=f"e{i}") for i in range(3)]
+    async with fleet(*engines) as f, kvgate(f.urls) as gw:
+        for round_ in range(4):
+            for _ in range(3):
+                poison = {**FAKE_CHAT, "fake": {"status": 500}}
+                r = await gw.client.post("/v1/chat/completions", json=poison)
+                assert r.status_code == 500
+            ok = await gw.client.post("/v1/chat/completions", json=FAKE_CHAT)
+            assert ok.status_code == 200, (round_, ok.text)
+        assert generations(engines) == 12 * 2 + 4
+        for worker in gw.gateway.registry:
+            assert worker.healthy and worker.consecutive_failures == 0, worker.url
+        faults = {"reason": "http_5xx"}
+        assert gw.metric("kvgate_upstream_request_faults_total", faults) == 12
+
+
+async def test_a_worker_failing_alone_is_charged_and_marked_down() -> None:
+    """A real engine failure on one worker still fails over, and counts towards its health:
+    charged when another worker answered the same request."""
+    engines: list[FakeEngine] = [BrokenEngine(name="broken"), FakeEngine(name="ok")]
+    async with fleet(*engines) as f, kvgate(f.urls) as gw:  # threshold: 3 failures
+        broken = gw.gateway.registry.get(f.urls[0])
+        for _ in range(30):  # bounded: round robin sends every other request there first
+            r = await gw.client.post("/v1/chat/completions", json=FAKE_CHAT)
+            assert r.status_code == 200
+            assert r.headers["x-kvgate-worker"] == f.urls[1]
+            if not broken.healthy:
+                break
+        assert not broken.healthy
+        assert broken.last_error == "answered 500"
+        assert retries(gw, f.urls[0], "http_5xx") == 3
+        assert gw.metric("kvgate_upstream_request_faults_total", {"reason": "http_5xx"}) == 0

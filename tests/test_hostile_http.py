@@ -5,7 +5,8 @@ to two in-process simulated vLLM replicas with KV events and the simulator's tok
 thread of its own. Hypothesis writes requests as raw bytes (what a client library would
 refuse to send still reaches a server): JSON bodies built from valid requests with fields
 swapped for arbitrary values, arbitrary bytes, odd headers (duplicates, control bytes,
-huge values), odd paths (percent-encoded anything, dot segments) and any method.
+huge values), odd paths (percent-encoded anything, dot segments), any method, and request
+heads around and past the listener's bounds (bytes, header lines, target length).
 
 Property: every request gets an answer before a generous "no hang" limit, and it is a 2xx,
 or a 4xx with an OpenAI-style JSON error body (HEAD: no body). After each run the gateway is
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 from backends.sim.config import EngineConfig, SimConfig, TimingConfig
 from backends.sim.fleet import SimFleet
 from backends.sim.tokenizer import tokenizer_dir
+from router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 MODEL = "kvgate-sim"
 ADMIN = "hostile-suite-admin-token"
@@ -349,6 +351,53 @@ def test_hostile_headers(hostile: Hostile) -> None:
         else:
             data = request_bytes("POST", "/v1/chat/completions", headers=raw, body=body)
         send(hostile, data)
+
+    run()
+    check_healthy(hostile)
+
+
+HEAD_NAMES = st.one_of(
+    st.sampled_from(["x-session-id", "cookie", "accept", "x-request-id", "traceparent"]),
+    st.text(alphabet=TOKEN_CHARS, min_size=1, max_size=20).map(lambda s: "x-" + s),
+)
+HEAD_VALUE_SIZES = st.sampled_from([0, 1, 100, 900, 8_000, 30_000, MAX_HEAD_BYTES])
+TARGET_PADS = st.sampled_from([0, 100, MAX_URL_BYTES - 100, MAX_URL_BYTES, 3 * MAX_URL_BYTES])
+
+
+def head_status(data: bytes, target: bytes, lines: int) -> int | None:
+    """The answer a whole head must get for its bounds (None: within them)."""
+    if len(target) > MAX_URL_BYTES:
+        return 414
+    head = data.index(b"\r\n\r\n") + 4
+    return 431 if lines > MAX_HEADERS or head > MAX_HEAD_BYTES else None
+
+
+def test_hostile_request_heads(hostile: Hostile) -> None:
+    """Heads around and past the bounds: 414 for a long target, 431 for too many header
+    lines or bytes, else the request is served; each refusal closes its connection."""
+    body = encode(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+
+    @EXAMPLES
+    @given(
+        lines=st.lists(st.tuples(HEAD_NAMES, HEAD_VALUE_SIZES), max_size=8),
+        repeated=st.sampled_from([0, 1, MAX_HEADERS - 10, MAX_HEADERS, 3 * MAX_HEADERS]),
+        pad=TARGET_PADS,
+    )
+    def run(lines: list[tuple[str, int]], repeated: int, pad: int) -> None:
+        raw: list[tuple[str | bytes, str | bytes]] = [(n, "v" * size) for n, size in lines]
+        raw += [("x-repeated", "1")] * repeated
+        target = b"/v1/chat/completions" + (b"?pad=" + b"a" * pad if pad else b"")
+        data = request_bytes("POST", target, headers=[*JSON, *raw], body=body)
+        # host, content-type, the lines, content-length
+        expected = head_status(data, target, len(raw) + 3)
+        response = send(hostile, data)
+        if expected is None:
+            assert response.status == 200, response
+        else:
+            assert response.status == expected, response
+            assert response.headers["connection"] == "close"
 
     run()
     check_healthy(hostile)

@@ -394,3 +394,53 @@ def test_repeat_limit_remembers_a_bounded_number_of_messages() -> None:
     assert not passes("first")
     assert all(passes(f"message {n}") for n in range(REPEAT_KEYS))  # "first" forgotten
     assert passes("first")
+
+
+# --- one record, one line (issue 44, low findings) ----------------------------------------
+
+BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # every separator str.splitlines() knows
+FORGED = "real" + "".join(f"{c}forged {ord(c):x} level=error" for c in BREAKS)
+
+
+@pytest.mark.parametrize("fmt", ["json", "logfmt", "text"])
+def test_no_format_lets_a_line_separator_through(fmt: Any) -> None:
+    formatter = make_formatter(fmt)
+    line = formatter.format(record(f"message {FORGED}", {"model": FORGED, "path": "/v1/x"}))
+    assert len(line.splitlines()) == 1, line
+    if fmt == "json":
+        parsed = json.loads(line)  # escaped the JSON way: the text comes back whole
+        assert parsed["model"] == FORGED and parsed["message"] == f"message {FORGED}"
+    if fmt == "logfmt":
+        assert _parse("logfmt", line)["model"] == json.dumps(FORGED).strip('"')
+    try:
+        raise ValueError(f"bad {FORGED}")
+    except ValueError:
+        failing = record(FORGED)
+        failing.exc_info = sys.exc_info()
+    text = formatter.format(failing)
+    first, *trace = text.split("\n")  # a traceback keeps its line feeds (text format)
+    assert len(first.splitlines()) == 1 and FORGED[:4] in first
+    assert all(len(part.splitlines()) <= 1 for part in trace)
+    if fmt != "text":
+        assert trace == []
+
+
+@pytest.mark.parametrize("fmt", ["json", "logfmt", "text"])
+async def test_a_client_cannot_forge_an_access_log_line(fmt: Any) -> None:
+    """A model name and a path carrying NEL, U+2028 and U+2029: each request is still one
+    line of output, in every format."""
+    stream = io.StringIO()
+    output = configure_logging("info", fmt, stream)
+    try:
+        async with fleet(FakeEngine()) as f, kvgate(f.urls) as gw:
+            body = {**CHAT, "model": "x\u2028forged=1\x85level=error\u2029end"}
+            r = await gw.client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 404
+            r = await gw.client.post("/v1/embeddings%E2%80%A8forged", json=body)
+            assert r.status_code == 404
+            await wait_for(lambda: answered(gw) >= 2, 10, "2 requests to end")
+    finally:
+        output.close()
+    text = stream.getvalue()
+    assert text.splitlines() == text.split("\n")[:-1], text
+    assert sum("kvgate.access" in line for line in text.splitlines()) == 2

@@ -7,7 +7,11 @@ events over a real ZMQ socket; values are read from kvgate's own ``/metrics`` ov
 
 from __future__ import annotations
 
+import asyncio
 import platform
+import threading
+from collections.abc import Iterator
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -16,11 +20,19 @@ from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.server import wait_for
 from kv_publisher import KvPublisher
+from prometheus_client import Gauge
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_gateway
 from router.config import load_settings
-from router.metrics import kvgate_version
+from router.metrics import (
+    MAX_MODEL_LABELS,
+    OTHER_MODELS,
+    GatewayRegistry,
+    MetricsPage,
+    kvgate_version,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -147,3 +159,92 @@ async def test_build_info_names_the_block_table_chosen() -> None:
         assert info == 1.0
     finally:
         await gateway.client.aclose()
+
+
+# -- bounded, off the event loop, optionally guarded -----------------------------------------
+MANY = [f"adapter-{i:04d}" for i in range(4095)]  # with the base: the 4,096 taken
+HEALTH = {"interval_s": 3600, "metrics_interval_s": 0, "models_max_bytes": 10_000_000}
+
+
+async def test_a_worker_listing_thousands_of_models_keeps_metrics_bounded() -> None:
+    """A worker listing 4,096 models: at most MAX_MODEL_LABELS of them get series of their
+    own, the others share model="_other" and are counted (before: every model had its own,
+    a page of about 31 MiB)."""
+    engine = FakeEngine(models=[MODEL, *MANY])
+    async with fleet(engine) as f, kvgate(f.urls, kv_index=False, health=HEALTH) as gw:
+        for model in (MODEL, MANY[0], MANY[-1], MANY[2000]):
+            r = await gw.client.post("/v1/chat/completions", json={**CHAT, "model": model})
+            assert r.status_code == 200
+        r = await gw.client.get("/metrics")
+        assert len(r.content) < 1024 * 1024
+        samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
+        models = {s.labels.get("model") for s in samples if s.labels.get("worker") == f.urls[0]}
+        models.discard(None)  # (series by worker only)
+        assert MODEL in models  # the base model first
+        assert len(models) == MAX_MODEL_LABELS + 1  # and the shared "_other"
+        assert len({s.labels["model"] for s in samples if "model" in s.labels}) < 100
+        worker = {"worker": f.urls[0]}
+        assert gw.metric("kvgate_worker_models", worker) == 4096
+        assert gw.metric("kvgate_worker_models_unlabelled", worker) == 4096 - MAX_MODEL_LABELS
+        folded = {**worker, "model": OTHER_MODELS, "status": "200"}
+        assert gw.metric("kvgate_requests_total", folded) >= 1
+
+
+class BlockingGauge(Gauge):
+    """A metric object (collected in the render thread) whose collection waits for a flag."""
+
+    release = threading.Event()
+
+    def collect(self) -> Any:
+        assert self.release.wait(60), "never released"
+        return super().collect()
+
+
+async def test_metrics_are_rendered_off_the_event_loop() -> None:
+    """While a scrape's render is held up in its thread, the gateway still answers (before:
+    the render ran on the event loop and every request waited for it)."""
+    async with kvgate([]) as gw:
+        BlockingGauge.release.clear()
+        BlockingGauge("kvgate_test_blocking", "held", registry=gw.metrics_registry)
+        scrape = asyncio.ensure_future(gw.client.get("/metrics"))
+        try:
+            assert (await gw.client.get("/health")).status_code == 200
+            assert not scrape.done()
+        finally:
+            BlockingGauge.release.set()
+        assert "kvgate_test_blocking 0.0" in (await scrape).text
+
+
+class CountingCollector:
+    """A collector of loop state that counts how often it is collected."""
+
+    def __init__(self) -> None:
+        self.collected = 0
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self.collected += 1
+        yield GaugeMetricFamily("kvgate_test_collected", "collections", value=self.collected)
+
+
+async def test_concurrent_scrapes_share_one_render() -> None:
+    """Scrapes arriving while a page is rendered get that page; a later one a fresh one."""
+    registry = GatewayRegistry()
+    counter = CountingCollector()
+    registry.register(counter)
+    page = MetricsPage(registry)
+    pages = await asyncio.gather(*(page.render() for _ in range(8)))
+    assert counter.collected == 1 and len(set(pages)) == 1
+    assert b"kvgate_test_collected 2.0" in await page.render()
+
+
+async def test_metrics_auth_asks_for_the_admin_token() -> None:
+    async with kvgate([], metrics_auth=True, admin_token="metrics-admin-token") as gw:
+        refused = await gw.client.get("/metrics")
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_admin_token"
+        ok = await gw.client.get(
+            "/metrics", headers={"authorization": "Bearer metrics-admin-token"}
+        )
+        assert ok.status_code == 200 and "kvgate_requests_total" in ok.text
+    async with kvgate([]) as gw:  # off by default: open
+        assert (await gw.client.get("/metrics")).status_code == 200

@@ -11,8 +11,11 @@ answers on this event loop), never waited for by sleeping.
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
+import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,10 +27,14 @@ from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.otlp import CLIENT, ERROR, SERVER, OtlpReceiver, Received
 from fakes.server import RunningServer, serve, wait_for
+from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from backends.process import free_port
 from router.config import ConfigError, load_settings
+from router.logs import configure_logging
 from router.observe import client_trace_id, start_tracing, tracing_requested
+from router.tracing import OwnDraw
 
 pytestmark = pytest.mark.anyio
 
@@ -173,7 +180,9 @@ async def test_failover_shows_each_attempt_and_the_engine_that_answered() -> Non
     assert traceparent(trace=root.trace_id, span=good.span_id) in sent
 
 
-async def test_sampling_follows_the_rate_and_the_clients_decision() -> None:
+async def test_sampling_follows_the_rate_not_the_clients_flag() -> None:
+    """``--trace-sample-rate`` holds whatever the client's ``traceparent`` says: its sampled
+    flag, or a trace id low enough to pass any ratio test, records nothing at rate 0."""
     engine = FakeEngine()
     async with (
         receiver() as (sink, collector),
@@ -183,17 +192,74 @@ async def test_sampling_follows_the_rate_and_the_clients_decision() -> None:
         ) as gw,
     ):
         body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
-        assert (await gw.client.post("/v1/completions", json=body)).status_code == 200
-        flags = engine.seen[-1].headers["traceparent"].rsplit("-", 1)[1]
-        assert int(flags, 16) & 1 == 0  # propagated, marked not sampled
-        await flush(gw, 1)
+        low = "0" * 31 + "1"
+        for headers in ({}, {"traceparent": traceparent()}, {"traceparent": traceparent(low)}):
+            reply = await gw.client.post("/v1/completions", json=body, headers=headers)
+            assert reply.status_code == 200
+            flags = engine.seen[-1].headers["traceparent"].rsplit("-", 1)[1]
+            assert int(flags, 16) & 1 == 0  # propagated, marked not sampled
+        await flush(gw, 3)
         assert sink.spans == []
-        # a client that samples its trace gets it recorded (parent-based sampling)
+
+
+async def test_a_trusted_parent_decides_when_the_operator_allows_it() -> None:
+    engine = FakeEngine()
+    async with (
+        receiver() as (sink, collector),
+        fleet(engine) as f,
+        kvgate(
+            f.urls,
+            otlp_traces_endpoint=f"{collector.url}/v1/traces",
+            trace_sample_rate=0.0,
+            trace_trust_parent=True,
+        ) as gw,
+    ):
+        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
         headers = {"traceparent": traceparent()}
         assert (await gw.client.post("/v1/completions", json=body, headers=headers)).status_code
-        await flush(gw, 2)
+        await flush(gw, 1)
         assert {s.trace_id for s in sink.spans} == {TRACE}
         assert int(engine.seen[-1].headers["traceparent"].rsplit("-", 1)[1], 16) & 1
+
+
+def test_the_own_draw_keeps_to_its_rate() -> None:
+    """Half of 2,000 requests, whatever their parent says, within a generous margin."""
+    sampler = OwnDraw(0.5, random.Random(7))
+    parent = set_span_in_context(
+        NonRecordingSpan(SpanContext(1, 1, True, TraceFlags(TraceFlags.SAMPLED)))
+    )
+    sampled = sum(
+        sampler.should_sample(parent, 1, "x").decision is Decision.RECORD_AND_SAMPLE
+        for _ in range(2000)
+    )
+    assert 900 < sampled < 1100
+
+
+async def test_bad_traceparents_warn_once_per_window() -> None:
+    """OpenTelemetry warns once per over-long ``traceparent`` or malformed ``tracestate``:
+    thirty such requests leave one line each, the rest held back and counted."""
+    stream = io.StringIO()
+    output = configure_logging("info", "json", stream)
+    try:
+        async with (
+            receiver() as (_, collector),
+            fleet(FakeEngine()) as f,
+            kvgate(f.urls, otlp_traces_endpoint=f"{collector.url}/v1/traces") as gw,
+        ):
+            body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
+            for i in range(30):
+                headers = {"traceparent": traceparent() + "-" + "x" * (600 + i)}
+                assert await gw.client.post("/v1/completions", json=body, headers=headers)
+                headers = {"traceparent": traceparent(), "tracestate": f"bad member {i}"}
+                assert await gw.client.post("/v1/completions", json=body, headers=headers)
+            await flush(gw, 60)
+    finally:
+        output.close()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    warned = [line["message"] for line in lines if line["logger"].startswith("opentelemetry")]
+    assert len(warned) == 2, warned
+    assert any("traceparent header exceeded" in m for m in warned)
+    assert any("w3c identifiers format" in m for m in warned)
 
 
 async def test_the_standard_endpoint_variable_alone_turns_export_on(

@@ -3,10 +3,13 @@ event endpoints may be added at run time, and what upstream failures tell a clie
 
 from __future__ import annotations
 
+import json
+from typing import Any
 from urllib.parse import quote
 
 import pytest
 from fakes.engine import FakeEngine
+from fakes.engine import _json as send_json
 from fakes.gateway import fleet, kvgate
 from fakes.server import unresponsive_port
 
@@ -179,3 +182,102 @@ async def test_upstream_failures_tell_clients_no_network_detail() -> None:
             assert errors[dead] == errors[slow]
             listed = (await gw.client.get("/admin/workers")).json()["workers"]
             assert all(w["last_error"] for w in listed)  # the admin still sees why
+
+
+# --- the loopback-open admin API and browsers (issue 44, finding 11) ---------------------
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def test_a_cross_origin_browser_post_adds_no_worker() -> None:
+    """What a web page can make a browser send to http://127.0.0.1:8000 without a CORS
+    preflight: a ``text/plain`` (or form) POST carrying ``Origin``. Refused, nothing added."""
+    async with fleet(FakeEngine(), FakeEngine("b")) as f, kvgate(f.urls[:1]) as gw:
+        spec = f"{f.urls[1]},models=fake-model".encode()
+        for headers, status, code in (
+            (
+                {"origin": "http://evil.example", "content-type": "text/plain"},
+                403,
+                "origin_refused",
+            ),
+            ({"origin": "null", "content-type": "application/json"}, 403, "origin_refused"),
+            ({"content-type": "text/plain"}, 415, "unsupported_media_type"),
+            ({"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
+            ({}, 415, "unsupported_media_type"),
+        ):
+            r = await gw.client.post("/admin/workers", content=spec, headers=headers)
+            assert r.status_code == status, (headers, r.text)
+            assert r.json()["error"]["code"] == code
+        r = await gw.client.post(
+            "/debug/route", content=json.dumps(CHAT), headers={"content-type": "text/plain"}
+        )
+        assert r.status_code == 415
+        assert [w.url for w in gw.gateway.registry] == f.urls[:1]
+        assert f.engines[1].seen == []  # never probed
+        # the CLI / SDK path: JSON, no Origin
+        r = await gw.client.post("/admin/workers", json=f"{f.urls[1]},models=fake-model")
+        assert r.status_code == 201
+
+
+async def test_dns_rebinding_hosts_are_refused_on_the_open_admin_api() -> None:
+    """A name the attacker's DNS points at 127.0.0.1 reaches the loopback listener with the
+    attacker's ``Host``: refused, as is another port's; loopback names with kvgate's port
+    are served."""
+    async with fleet(FakeEngine()) as f, kvgate(f.urls) as gw:
+        port = _port(gw.url)
+        for host in (f"rebind.evil.example:{port}", "127.0.0.1:1", f"127.0.0.2:{port}", ""):
+            for method, path, body in ADMIN_CALLS:
+                r = await gw.client.request(method, path, json=body, headers={"host": host})
+                assert r.status_code == 403, (host, path)
+                assert r.json()["error"]["code"] == "host_refused"
+        for host in (
+            f"127.0.0.1:{port}",
+            f"localhost:{port}",
+            f"LOCALHOST:{port}",
+            f"[::1]:{port}",
+        ):
+            r = await gw.client.get("/admin/workers", headers={"host": host})
+            assert r.status_code == 200, host
+        assert [w.url for w in gw.gateway.registry] == f.urls
+        assert (
+            await gw.client.get("/v1/models", headers={"host": "any.example"})
+        ).status_code == 200
+
+
+async def test_with_an_admin_token_any_host_but_still_no_browser() -> None:
+    """With a token (kvgate behind a name, a proxy, a Service) Host is not checked; Origin
+    and non-JSON bodies are still refused."""
+    async with fleet(FakeEngine()) as f, kvgate(f.urls, admin_token="t0k") as gw:
+        good = {"authorization": "Bearer t0k"}
+        r = await gw.client.get("/admin/workers", headers={**good, "host": "kvgate.internal:8000"})
+        assert r.status_code == 200
+        r = await gw.client.get("/admin/workers", headers={**good, "origin": "http://x.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_refused"
+        r = await gw.client.post("/debug/route", content=json.dumps(CHAT), headers=good)
+        assert r.status_code == 415
+
+
+class PagedEngine(FakeEngine):
+    """A fake SGLang server declaring a page (block) size of 32."""
+
+    async def _route(self, method: str, path: str, body: Any, receive: Any, send: Any) -> None:
+        if (method, path) == ("GET", "/get_server_info"):
+            await send_json(send, {"model_path": "/models/m", "page_size": 32, "tp_size": 1})
+            return
+        await super()._route(method, path, body, receive, send)
+
+
+async def test_ready_lists_no_worker_urls() -> None:
+    """The open ``/ready`` says how many workers are kept out and why (the fact), never
+    which: URLs stay behind the admin rules (``/admin/workers``, ``/debug/index``)."""
+    async with fleet(PagedEngine(), FakeEngine()) as f:
+        specs = [f"{f.urls[0]},engine=sglang", f.urls[1]]
+        async with kvgate(specs, index={"block_size": 16}) as gw:
+            ready = await gw.client.get("/ready")
+            assert ready.status_code == 200
+            assert ready.json()["not_ready"] == {"block_size": 1}
+            assert "127.0.0.1" not in ready.text
+            stats = (await gw.client.get("/debug/index")).json()  # the admin's view: which
+            assert "block size is 32" in stats["config_mismatch"][f.urls[0]]["block_size"]

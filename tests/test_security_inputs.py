@@ -15,6 +15,7 @@ from backends.sim.tokenizer import tokenizer_dir
 pytestmark = pytest.mark.anyio
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+JSON = {"content-type": "application/json"}
 
 
 def nested(depth: int, leaf: bytes = b"1") -> bytes:
@@ -53,7 +54,7 @@ async def test_deep_nesting_is_400(kv_index: bool) -> None:
     async with fleet(FakeEngine()) as f, kvgate(f.urls, kv_index=kv_index) as gw:
         for depth in (202, 250, 990, 1_000, 5_000, 100_000):
             for path, raw in deep_bodies(depth):
-                r = await gw.client.post(path, content=raw)
+                r = await gw.client.post(path, content=raw, headers=JSON)
                 assert r.status_code == 400, (depth, path, r.text[:200])
                 error = r.json()["error"]
                 assert error["type"] == "invalid_request_error"

@@ -15,9 +15,11 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, parse_response, request_bytes
+from fakes.rawworker import raw_worker, write_until_closed
 from fakes.server import wait_for
 
 from backends import health
+from router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 pytestmark = pytest.mark.anyio
 
@@ -138,6 +140,131 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
         assert ok.status == 200
 
 
+# -- request heads ---------------------------------------------------------------------------
+def head_refusal(response: Any, status: int) -> str:
+    """The refusal's code, checked to be ``status`` with an OpenAI body, closing."""
+    assert response.status == status, response
+    assert response.headers["connection"] == "close"
+    return str(response.openai_error()["code"])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        [("x-big", "a" * (MAX_HEAD_BYTES + 1))],  # one header line past the head's bytes
+        [(f"x-h{i}", "v" * 900) for i in range(100)],  # lines under the count, bytes past
+        [(f"x-h{i}", "v") for i in range(MAX_HEADERS + 1)],  # one line too many
+    ],
+    ids=["one-line", "many-long-lines", "count"],
+)
+async def test_a_request_head_past_its_bounds_is_431_and_closed(head: list[Any]) -> None:
+    """A whole head past its bytes or header lines: 431 (before: served, kept whole)."""
+    async with kvgate([]) as gw:
+        response = await exchange(port_of(gw.url), request_bytes("GET", "/health", headers=head))
+        assert head_refusal(response, 431) == "request_header_fields_too_large"
+        assert limit_count(gw, "request_head") == 1
+
+
+async def test_an_endless_request_head_is_cut_at_its_bound() -> None:
+    """A head that never ends is refused once its bytes pass the bound, not kept until the
+    header timeout (before: all of it kept, then a 408 at the timeout)."""
+    async with kvgate([], client={"header_timeout_s": 600}) as gw:
+        endless = b"GET /health HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * (16 * 1024 * 1024)
+        response = await exchange(port_of(gw.url), endless)
+        assert head_refusal(response, 431) == "request_header_fields_too_large"
+        assert limit_count(gw, "request_head") == 1
+
+
+@pytest.mark.parametrize("endless", [False, True])
+async def test_a_long_request_target_is_414(endless: bool) -> None:
+    async with kvgate([], client={"header_timeout_s": 600}) as gw:
+        target = b"/health?x=" + b"a" * (MAX_URL_BYTES if not endless else 16 * 1024 * 1024)
+        data = b"GET " + target if endless else request_bytes("GET", target)
+        response = await exchange(port_of(gw.url), data)
+        assert head_refusal(response, 414) == "uri_too_long"
+        assert limit_count(gw, "request_url") == 1
+
+
+async def test_heads_within_the_bounds_are_served_pipelined_and_kept_alive() -> None:
+    """Heads close to every bound pass, one after the other on a keep-alive connection and
+    pipelined in one write: the budget is per head."""
+    lines = [(f"x-h{i}", "v" * 500) for i in range(MAX_HEADERS - 2)]  # ~50 KiB, 98 lines
+    target = "/health?x=" + "a" * (MAX_URL_BYTES - 20)
+    one = request_bytes("GET", target, headers=lines, content_length=False)
+    async with kvgate([]) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(gw.url))
+        try:
+            async with asyncio.timeout(30):  # a "no hang" guard only
+                for data in (one, one, one + one + one):
+                    writer.write(data)
+                    for _ in range(data.count(b"GET ")):
+                        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                        assert await reader.readexactly(15) == b'{"status":"ok"}'
+        finally:
+            writer.close()
+        assert limit_count(gw, "request_head") == limit_count(gw, "request_url") == 0
+
+
+# -- engines' response heads --------------------------------------------------------------
+_HOSTILE_LIMIT = 32 * 1024 * 1024  # bytes a hostile worker writes at most (the test's bound)
+
+
+async def endless_lines(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    await write_until_closed(writer, b"x-h: " + b"v" * 90 + b"\r\n", _HOSTILE_LIMIT)
+
+
+async def endless_value(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-h: ")
+    await write_until_closed(writer, b"v" * 65536, _HOSTILE_LIMIT)
+
+
+async def endless_trailer(writer: asyncio.StreamWriter) -> None:
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked"
+        b"\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\nx-t: "
+    )
+    await write_until_closed(writer, b"v" * 65536, _HOSTILE_LIMIT)
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"),
+    [
+        (endless_lines, False),
+        (endless_lines, True),
+        (endless_value, True),
+        (endless_trailer, False),
+    ],
+    ids=["lines", "lines-stream", "value-stream", "trailer"],
+)
+async def test_an_engine_head_past_its_bounds_fails_the_attempt(answer: Any, stream: bool) -> None:
+    """A worker's endless head or trailer fails that attempt once past its bound (before:
+    kept whole until the worker stopped), retried on another worker, with its reason."""
+    async with (
+        raw_worker(answer) as hostile,
+        fleet(FakeEngine()) as f,
+        kvgate([hostile.url, *f.urls]) as gw,  # round robin: the hostile worker first
+    ):
+        r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status_code == 200
+        assert r.headers["x-kvgate-worker"] == f.urls[0]
+        assert hostile.posts == 1
+        labels = {"worker": hostile.url, "reason": "head_too_large"}
+        assert gw.metric("kvgate_upstream_retries_total", labels) == 1
+        assert limit_count(gw, "upstream_head") == 1
+        assert "response head is too large" in str(gw.gateway.registry.get(hostile.url).last_error)
+
+
+async def test_an_engine_head_past_its_bounds_alone_is_a_502() -> None:
+    async with raw_worker(endless_lines) as hostile, kvgate([hostile.url]) as gw:
+        r = await gw.client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 502
+        error = r.json()["error"]
+        assert error["code"] == "upstream_protocol_error"
+        assert "response head is too large" in error["message"]
+
+
 async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
     """Chunks keep coming (the per-chunk read timeout never fires); the whole-response
     deadline ends the stream with an error event and frees the worker."""
@@ -197,7 +324,8 @@ async def test_limit_defaults_are_set_and_long() -> None:
         text = (await gw.client.get("/metrics")).text
         for limit in (
             "header_timeout", "body_timeout", "connections", "response_deadline",
-            "upstream_response_bytes", "request_bytes",
+            "upstream_response_bytes", "request_bytes", "request_head", "request_url",
+            "upstream_head",
         ):  # fmt: skip
             assert f'kvgate_limits_exceeded_total{{limit="{limit}"}} 0.0' in text
 

@@ -81,11 +81,8 @@ BAD_ADMIN_SPECS: list[Any] = [
 
 async def test_admin_errors_never_echo_secrets() -> None:
     async with kvgate([]) as gw:
-        for spec in BAD_ADMIN_SPECS:
-            if isinstance(spec, str):
-                r = await gw.client.post("/admin/workers", content=spec)
-            else:
-                r = await gw.client.post("/admin/workers", json=spec)
+        for spec in BAD_ADMIN_SPECS:  # the CLI form as a JSON string, or an object
+            r = await gw.client.post("/admin/workers", json=spec)
             assert r.status_code == 400, spec
             assert SECRET not in r.text
 

@@ -42,6 +42,7 @@ class ResponsesRequest:
     temperature: float
     top_p: float
     metadata: dict[str, Any] | None
+    request_id: str | None = None  # vLLM's extra field: becomes the response's id
 
 
 def _float(data: Mapping[str, Any], name: str, default: float) -> float:
@@ -84,6 +85,7 @@ def parse_request(data: Mapping[str, Any]) -> ResponsesRequest:
         temperature=_float(data, "temperature", 1.0),
         top_p=_float(data, "top_p", 1.0),
         metadata=metadata,
+        request_id=get_str(data, "request_id") or None,
     )
 
 
@@ -227,7 +229,7 @@ class ResponseObject:
 
     def __init__(self, request: ResponsesRequest, model: str, max_output_tokens: int) -> None:
         self.request = request
-        self.id = new_response_id()
+        self.id = request.request_id or new_response_id()
         self.item_id = f"msg_{secrets.token_hex(16)}"
         self.model = model
         self.created_at = int(time.time())

@@ -39,6 +39,7 @@ class Ask:
     queued: bool = True  # through the admission queue
     only: WorkerId | None = None  # the worker holding a previous response
     among: frozenset[WorkerId] | None = None  # the workers allowed (None: any)
+    size: int = 0  # the bytes of the body it holds while queued
 
 
 class Placement:
@@ -111,6 +112,7 @@ class Placer:
                 session=ask.session,
                 timeout_s=ask.timeout_s,
                 disconnected=disconnected,
+                size=ask.size,
             )
             try:  # at dispatch the queue ranked afresh: keep to the allowed workers
                 routed = _among(grant.routed, ask.among, gateway.settings.retry_after_s)

@@ -66,14 +66,20 @@ class Parsed:
     usage: UsageMode
     body: bytes | None  # the body to send upstream when kvgate changed it, else None
     previous_response_id: str | None = None
-    responses: bool = False  # a Responses API answer: kvgate notes its response id
+    responses: bool = False  # a stored Responses API answer: kvgate notes its response id
     queued: bool = True  # through the admission queue (work for an engine)
 
 
-def parse(head: Head, raw: bytes, *, capture_usage: bool, can_rewrite: bool) -> Parsed:
+KEYED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+
+def parse(
+    head: Head, raw: bytes, *, capture_usage: bool, can_rewrite: bool, model: str | None = None
+) -> Parsed:
     """``InvalidRequest`` / ``InvalidJSON`` (400) for what ``serve`` refuses.
     ``can_rewrite``: kvgate sends the body and the answer back itself (it may ask for
-    usage upstream and hide it from the client)."""
+    usage upstream and hide it from the client); ``model``: the model of a path that is
+    not keyed, when known (a stored response's)."""
     session = head.headers.get("x-session-id")
     if head.path in {"/v1/chat/completions", "/v1/completions"}:
         kind: type[ChatBody | CompletionBody]
@@ -100,7 +106,14 @@ def parse(head: Head, raw: bytes, *, capture_usage: bool, can_rewrite: bool) -> 
             rewritten,
         )
     if head.path == "/v1/responses":
-        responses = validate(ResponsesBody, decode_json_object(raw))
+        data = decode_json_object(raw)
+        if "request_id" in data:  # vLLM makes it the response id: refused as serve does
+            raise InvalidRequest(
+                "request_id: kvgate does not take a client-chosen request_id on "
+                "/v1/responses (the engine would use it as the response id); leave it out",
+                param="request_id",
+            )
+        responses = validate(ResponsesBody, data)
         prompt, _ = responses.prompt_input()
         stream = bool(responses.stream)
         return Parsed(
@@ -112,9 +125,9 @@ def parse(head: Head, raw: bytes, *, capture_usage: bool, can_rewrite: bool) -> 
             UsageMode.TAP if stream else UsageMode.BODY,
             None,
             previous_response_id=responses.previous_response_id,
-            responses=True,
+            responses=responses.store is not False,  # store=false: its id is not recorded
         )
-    model = _model_of(head, raw)
+    model = model or _model_of(head, raw)
     return Parsed(
         model, None, session, None, False, UsageMode.NONE, None, queued=head.method == "POST"
     )

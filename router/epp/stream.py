@@ -36,21 +36,24 @@ from starlette.responses import Response
 
 from index.types import WorkerId
 from router.admission import client_timeout_s
+from router.affinity import ClientKeyId
 from router.epp import wire
 from router.epp.config import EppSettings
 from router.epp.exchange import Exchange
 from router.epp.placement import Ask, Placer
-from router.epp.request import Head, Parsed, parse
+from router.epp.request import KEYED_PATHS, Head, parse
 from router.errors import (
     ClientClosed,
     KvgateError,
     ModelNotFound,
     NoHealthyWorker,
+    PathNotPassedThrough,
     PayloadTooLarge,
     RequestTimeout,
 )
 from router.gateway import Gateway
 from router.observe import Observation
+from router.requests import normalised_path
 
 log = logging.getLogger("kvgate.epp")
 
@@ -182,11 +185,15 @@ class EppStream:
         self, first: wire.Message, head: Head, modes: tuple[int, int], observation: Observation
     ) -> Response | wire.Message | None:
         """What the head alone decides: the client's key (401), the model list (answered
-        here), a body mode kvgate cannot place in (500); the answer Envoy needs before it
-        sends a buffered body."""
+        here), a path serve does not pass through (404), a body mode kvgate cannot place in
+        (500); the answer Envoy needs before it sends a buffered body."""
         observation.client = self._client_key(head)
         if head.lists_models:
             return self._models(head)
+        if head.path not in KEYED_PATHS:  # passed through as serve passes it: if allowed
+            path = normalised_path(head.path)
+            if not self._gateway.pass_paths.permits(head.method, path):
+                raise PathNotPassedThrough(head.method, path)
         if first.request_headers.end_of_stream:
             return None
         if modes[0] not in (wire.FULL_DUPLEX, wire.BUFFERED):
@@ -212,22 +219,36 @@ class EppStream:
         if not first.request_headers.end_of_stream:
             limits = (settings.max_body_bytes, settings.client.body_timeout_s)
             body, trailers = await reader.body(*limits)
+        gateway, key = self._gateway, ClientKeyId(observation.client)
+        stored_model, holder = None, None
+        if head.path not in KEYED_PATHS:  # (an allowed path: _head saw to it)
+            stored_model, holder = gateway._stored_response(normalised_path(head.path), key)
         can_rewrite = request_mode == wire.FULL_DUPLEX and modes[1] == wire.FULL_DUPLEX
-        parsed = parse(head, body, capture_usage=settings.capture_usage, can_rewrite=can_rewrite)
+        parsed = parse(
+            head,
+            body,
+            capture_usage=settings.capture_usage,
+            can_rewrite=can_rewrite,
+            model=stored_model,
+        )
         observation.parsed(parsed.model, len(body), stream=parsed.stream)
+        if parsed.previous_response_id is not None:
+            previous = parsed.previous_response_id
+            holder = gateway._holder(previous, key, "previous_response_id")
         ask = Ask(
             model=parsed.model,
             prompt=parsed.prompt,
-            session=parsed.session,
+            session=gateway._namespaced(key, parsed.session),  # in its client key's space
             max_tokens=parsed.max_tokens,
-            key=observation.client,
+            key=key,
             timeout_s=client_timeout_s(head.headers),
             queued=parsed.queued,
-            only=self._holder(parsed),
+            only=holder,
             among=self._allowed(first, head, parsed.model),
+            size=len(body),
         )
         placement = await self._service.placer.place(ask, self._disconnected)
-        answer_tap = self._gateway.affinity.tap() if parsed.responses else None
+        answer_tap = gateway.affinity.tap(key) if parsed.responses else None
         exchange = Exchange(self._gateway, placement, parsed, observation, answer_tap=answer_tap)
         self._exchange = exchange
         if observation.queued is None:
@@ -262,11 +283,6 @@ class EppStream:
         if head.path == "/v1/models":
             return self._gateway.list_models(request)
         return self._gateway.get_model(request, head.path.removeprefix("/v1/models/"))
-
-    def _holder(self, parsed: Parsed) -> WorkerId | None:
-        """The worker holding a previous response kvgate placed (the Responses API)."""
-        response_id = parsed.previous_response_id
-        return self._gateway.affinity.worker_of(response_id) if response_id else None
 
     def _allowed(self, first: wire.Message, head: Head, model: str) -> frozenset[WorkerId] | None:
         """The workers the request may go to: the proxy's subset hint, narrowed by the

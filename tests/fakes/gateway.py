@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from fakes.engine import FakeEngine
 from fakes.server import RunningServer, serve
@@ -17,6 +16,7 @@ from index.api import BlockIndex
 from router.app import create_app
 from router.config import load_settings
 from router.gateway import Gateway
+from router.metrics import GatewayRegistry
 from router.serve import uvicorn_config
 
 
@@ -35,7 +35,7 @@ class Kvgate:
     url: str
     gateway: Gateway
     client: httpx.AsyncClient
-    metrics_registry: CollectorRegistry
+    metrics_registry: GatewayRegistry
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         value = self.metrics_registry.get_sample_value(name, labels or {})
@@ -64,7 +64,7 @@ async def kvgate(
     overrides.setdefault("health", quiet_health())
     overrides.setdefault("policy", "round_robin")
     settings = load_settings(overrides={"workers": list(workers), **overrides})
-    registry = CollectorRegistry()
+    registry = GatewayRegistry()
     app = create_app(settings, block_index=block_index, metrics_registry=registry)
     config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
     async with (

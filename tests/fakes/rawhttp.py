@@ -101,10 +101,15 @@ async def exchange(
     reader = _Reader(_is_head(data))
     try:
         async with asyncio.timeout(limit_s):
-            writer.write(data)
-            await writer.drain()
+            # the server may answer (and close) before reading everything: read the answer
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                writer.write(data)
+                await writer.drain()
             while True:
-                chunk = await reader_.read(65536)
+                try:
+                    chunk = await reader_.read(65536)
+                except ConnectionResetError:
+                    chunk = b""
                 if reader.feed(chunk) or not chunk:
                     break
     finally:
