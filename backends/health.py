@@ -9,8 +9,11 @@
   ``Worker.scraped``.
 
 Passive marking (connect errors, 5xx) is done by the proxy through the same registry.
-Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more); a
-removed worker's failures are no longer counted (its series are dropped by the gateway).
+Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more) and
+JSON through ``index.jsonsafe`` (depth-capped); a removed worker's failures are no longer
+counted (its series are dropped by the gateway). Whatever a worker answers costs at most
+its own round: an error nothing foresaw is logged, counted
+(``kvgate_health_round_failures_total``) and, for a probe, a failure with its reason.
 """
 
 from __future__ import annotations

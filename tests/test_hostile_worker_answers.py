@@ -103,7 +103,7 @@ def scene() -> Iterator[Scene]:
     async def main() -> None:
         stop = asyncio.Event()
         engine = ScriptedEngine(name="scripted")
-        health = quiet_health(failure_threshold=10**6, recovery_threshold=1)
+        health = quiet_health(failure_threshold=10**6, recovery_threshold=1, timeout_s=10.0)
         async with fleet(engine) as f, kvgate(f.urls, health=health, kv_index=False) as gw:
             box["scene"] = Scene(engine, f.urls[0], gw, asyncio.get_running_loop())
             box["stop"] = stop

@@ -40,6 +40,7 @@ from router.usage import SseUsageTap, usage_from_body
 pytestmark = pytest.mark.anyio
 DEPTH = 100_000
 MODEL = "fake-model"
+PROBE_S = 10.0  # the start probe's timeout: generous, on a loaded box
 
 
 def deep(depth: int = DEPTH) -> bytes:
@@ -224,7 +225,7 @@ async def test_a_worker_that_turns_hostile_is_read_again_without_killing_the_loo
     hostile = HostileEngine()
     async with fleet(FakeEngine(), hostile) as f:
         honest, bad = f.urls
-        health = quiet_health(models_interval_s=0.05)
+        health = quiet_health(models_interval_s=0.05, timeout_s=PROBE_S)
         async with kvgate([honest, bad], health=health) as gw:
             assert gw.gateway.registry.get(bad).healthy
             hostile.deep_models = True  # its model list turns deep: kept as it was, loop alive
@@ -246,7 +247,9 @@ async def test_a_worker_that_turns_hostile_is_read_again_without_killing_the_loo
 async def test_deep_answers_to_a_chat_fail_over(mode: str, stream: bool, reason: str) -> None:
     async with fleet(FakeEngine(), HostileEngine(chat=mode)) as f:
         honest, bad = f.urls
-        async with kvgate([honest, bad], health=quiet_health(failure_threshold=100)) as gw:
+        health = quiet_health(failure_threshold=100, timeout_s=PROBE_S)
+        async with kvgate([honest, bad], health=health) as gw:
+            assert gw.gateway.registry.healthy_count() == 2
             for _ in range(4):  # round robin: the hostile worker is the first choice twice
                 answer = await gw.client.post("/v1/chat/completions", json=chat(stream))
                 assert answer.status_code == 200, answer.text[:300]
@@ -267,7 +270,9 @@ async def test_deep_answers_to_a_chat_fail_over(mode: str, stream: bool, reason:
 async def test_deep_answers_of_the_only_worker_are_openai_errors(
     mode: str, stream: bool, status: int, code: str
 ) -> None:
-    async with fleet(HostileEngine(chat=mode)) as f, kvgate(f.urls) as gw:
+    health = quiet_health(timeout_s=PROBE_S)
+    async with fleet(HostileEngine(chat=mode)) as f, kvgate(f.urls, health=health) as gw:
+        assert gw.gateway.registry.healthy_count() == 1
         answer = await gw.client.post("/v1/chat/completions", json=chat(stream))
         assert answer.status_code == status
         error = assert_openai_error(answer)
