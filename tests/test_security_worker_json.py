@@ -29,7 +29,8 @@ from backends.discovery import DiscoveredFleet
 from backends.engines import SGLANG
 from index.errors import JsonDecodeError
 from index.jsonsafe import MAX_JSON_DEPTH, decode_json, decode_json_as
-from router.affinity import ResponseAffinity
+from index.types import WorkerId
+from router.affinity import ClientKeyId, ResponseAffinity
 from router.app import create_app
 from router.commit import StreamStart, Verdict
 from router.config import load_settings
@@ -123,7 +124,8 @@ def test_every_decoder_of_worker_answers_takes_deep_json() -> None:
     usage_event = b'data: {"usage":' + deep() + b"}\n\n"
     assert tap.feed(usage_event) == usage_event and tap.usage is None  # relayed, no usage
     affinity = ResponseAffinity(8, 60.0)
-    assert affinity.tap().feed("w", b'{"object":"response","id":"r","x":' + deep() + b"}")
+    tap_ids = affinity.tap(ClientKeyId("k"))
+    assert tap_ids.feed(WorkerId("w"), b'{"object":"response","id":"r","x":' + deep() + b"}")
     assert len(affinity) == 0
     error = UpstreamHTTPError(500, b'{"error":' + deep() + b"}", "application/json", worker="w")
     assert b"deeper than" in error.body_bytes() and len(error.body_bytes()) < 300
