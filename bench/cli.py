@@ -47,6 +47,8 @@ from bench.compare import (
     router_label,
 )
 from bench.dynamo_peer import DYNAMO, DYNAMO_ROUTERS
+from bench.engines import needs_private_netns
+from bench.fleet import FleetSpec
 from bench.netns import only_loopback, reexec_private
 from bench.oracle import oracle
 from bench.overload import PointResult, run_point, write_ramp
@@ -342,18 +344,20 @@ def _routers_and_engines(args: argparse.Namespace) -> tuple[list[str], list[str]
 
 
 def _enter_private_netns(args: argparse.Namespace, argv: list[str]) -> None:
-    """A run that starts Dynamo (its KV router, or its mocker as the fleet) re-executes
-    itself in a private network namespace, once every peer it needs is installed (the
-    namespace has no route to a package registry): bench/netns.py."""
+    """A run that starts Dynamo (its KV router, or its mocker as the fleet) or real vLLM
+    replicas re-executes itself in a private network namespace, once every peer it needs
+    is installed (the namespace has no route to a package registry): bench/netns.py."""
     routers, engines = _routers_and_engines(args)
-    dynamo = any(r in DYNAMO_ROUTERS for r in routers) or "dynamo-mocker" in engines
-    if not dynamo or only_loopback():
+    private = any(r in DYNAMO_ROUTERS for r in routers) or any(
+        needs_private_netns(FleetSpec(engine=e)) for e in engines
+    )
+    if not private or only_loopback():
         return
     logs = ENGINES_DIR / "logs"
     packages = {PEERS[r].package.name: PEERS[r].package for r in routers if r in PEERS}
     for package in [*packages.values(), DYNAMO]:
         ensure_installed(package, logs)
-    print("Dynamo binds 0.0.0.0: running in a private network namespace", file=sys.stderr)
+    print("running in a private network namespace (bench/netns.py)", file=sys.stderr)
     reexec_private([sys.executable, "-m", "router.cli", "bench", *argv])
 
 

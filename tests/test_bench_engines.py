@@ -61,7 +61,8 @@ def test_sglang_is_a_hook_until_its_launcher_lands(tmp_path: Path) -> None:
     with pytest.raises(engines.EngineUnavailable, match="unknown engine"):
         engines.start_bench_fleet(FleetSpec(engine="nope"), tmp_path)
     assert engines.needs_private_netns(FleetSpec(engine="dynamo-mocker"))
-    assert not engines.needs_private_netns(FleetSpec(engine="vllm"))
+    assert engines.needs_private_netns(FleetSpec(engine="vllm"))  # tcp://* events
+    assert not engines.needs_private_netns(FleetSpec(engine="sim"))
 
 
 def test_engine_and_output_cap_options_reach_the_fleet_and_the_slice() -> None:
