@@ -138,15 +138,18 @@ def vllm_options(spec: FleetSpec, layout: EngineLayout, logs: Path) -> EngineOpt
             f"vLLM on CPU needs a block size multiple of 32, not {spec.block_size}"
         )
     extra = ["--enable-scale-out"]
+    context = VLLM_MAX_MODEL_LEN
     if spec.capacity_blocks is not None:
         extra += ["--num-gpu-blocks-override", str(spec.capacity_blocks)]
+        # vLLM refuses a context its KV cache cannot hold, one block held back
+        context = min(context, (spec.capacity_blocks - 1) * spec.block_size)
     return EngineOptions(
         python=layout.python,
         model_dir=layout.model_dir,
         logs=logs,
         served_model_name=SIM_MODEL,
         block_size=spec.block_size,
-        max_model_len=VLLM_MAX_MODEL_LEN,
+        max_model_len=context,
         topic="",
         extra_args=(*extra, *spec.engine_args),
     )

@@ -26,7 +26,10 @@ def test_vllm_replicas_serve_the_bench_model_with_capped_kv(tmp_path: Path) -> N
     args = list(opts.extra_args)
     assert args[args.index("--num-gpu-blocks-override") + 1] == "256"
     assert "--enable-scale-out" in args  # vllm-router cache_aware's render calls
-    assert opts.max_model_len == engines.VLLM_MAX_MODEL_LEN
+    assert opts.max_model_len == engines.VLLM_MAX_MODEL_LEN  # 255 blocks hold 4,096 tokens
+    small = FleetSpec(block_size=32, capacity_blocks=128, engine="vllm")
+    # vLLM refuses to start when one request of the context cannot fit (4,064 at 128 blocks)
+    assert engines.vllm_options(small, EngineLayout(tmp_path), tmp_path).max_model_len == 4064
     with pytest.raises(engines.EngineUnavailable, match="multiple of 32"):
         engines.vllm_options(
             FleetSpec(block_size=16, engine="vllm"), EngineLayout(tmp_path), tmp_path
