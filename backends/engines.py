@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.config import EngineKind
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +108,8 @@ class EngineAdapter:
         if self.server_info is None:
             return EngineFacts()
         try:
-            settings = msgspec.json.decode(content)
-        except msgspec.DecodeError:
+            settings = decode_json(content)
+        except JsonDecodeError:
             return EngineFacts()
         size = settings.get(self.server_info[1]) if isinstance(settings, dict) else None
         usable = isinstance(size, int) and not isinstance(size, bool) and size > 0

@@ -9,8 +9,11 @@
   ``Worker.scraped``.
 
 Passive marking (connect errors, 5xx) is done by the proxy through the same registry.
-Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more); a
-removed worker's failures are no longer counted (its series are dropped by the gateway).
+Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more) and
+JSON through ``index.jsonsafe`` (depth-capped); a removed worker's failures are no longer
+counted (its series are dropped by the gateway). Whatever a worker answers costs at most
+its own round: an error nothing foresaw is logged, counted
+(``kvgate_health_round_failures_total``) and, for a probe, a failure with its reason.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from prometheus_client import CollectorRegistry, Counter
 from backends.config import HealthConfig
 from backends.engines import EngineFacts, ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json_as
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page
 _MODELS_MIN_GAP_S = 0.5  # model lists re-read at most this often (404 storms)
+_MAX_REASON = 200  # characters of an unexpected error kept as a worker's last_error
+_LOOPS = ("probe", "models", "scrape")
 
 
 class HealthMetrics:
@@ -49,6 +56,15 @@ class HealthMetrics:
             ["worker"],
             registry=registry,
         )
+        self.round_failures = Counter(
+            "kvgate_health_round_failures",
+            "Rounds of the health checker's loops (probe, models, scrape) lost to an "
+            "unexpected error, per worker or whole (logged with its traceback; the loop goes on)",
+            ["loop"],
+            registry=registry,
+        )
+        for loop in _LOOPS:
+            self.round_failures.labels(loop)
 
     def declare(self, worker: str) -> None:
         """Start ``worker``'s series at zero (a dashboard shows 0 before the first failure)."""
@@ -59,6 +75,9 @@ class HealthMetrics:
         if not worker.removed:  # a removed worker's series are gone: do not bring them back
             self.probe_failures.labels(worker.url).inc()
 
+    def round_failed(self, loop: str) -> None:
+        self.round_failures.labels(loop).inc()
+
     def scrape_failed(self, worker: Worker) -> None:
         if not worker.removed:
             self.scrape_failures.labels(worker.url).inc()
@@ -66,9 +85,6 @@ class HealthMetrics:
 
 class _Models(msgspec.Struct):
     data: list[dict[str, Any]]
-
-
-_decode_models = msgspec.json.Decoder(_Models).decode
 
 
 def _headers(worker: Worker) -> dict[str, str]:
@@ -108,11 +124,12 @@ class HealthChecker:
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self._tasks.append(
-            asyncio.create_task(self._every(self._config.interval_s, self.probe_all))
+            asyncio.create_task(self._every(self._config.interval_s, self.probe_all, "probe"))
         )
         if self._config.metrics_interval_s > 0:
             interval = self._config.metrics_interval_s
-            self._tasks.append(asyncio.create_task(self._every(interval, self.scrape_all)))
+            scrape = self._every(interval, self.scrape_all, "scrape")
+            self._tasks.append(asyncio.create_task(scrape))
         self._tasks.append(asyncio.create_task(self._follow_models()))
 
     async def stop(self) -> None:
@@ -121,10 +138,10 @@ class HealthChecker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
-    async def _every(self, interval: float, action: Any) -> None:
+    async def _every(self, interval: float, action: Any, loop: str) -> None:
         while True:
             await asyncio.sleep(interval)
-            await _supervised(action)
+            await _supervised(action, self._metrics, loop)
 
     async def _follow_models(self) -> None:
         """Every ``models_interval_s``, every healthy worker's models and engine facts read
@@ -140,7 +157,8 @@ class HealthChecker:
             except TimeoutError:
                 due = True
             stale.clear()
-            await _supervised(functools.partial(self.refresh_models, every=due))
+            refresh = functools.partial(self.refresh_models, every=due)
+            await _supervised(refresh, self._metrics, "models")
             await asyncio.sleep(_MODELS_MIN_GAP_S)
 
     async def refresh_models(self, *, every: bool = True) -> None:
@@ -155,13 +173,18 @@ class HealthChecker:
         except (httpx.HTTPError, _ProbeFailed) as exc:
             worker.models_stale = False
             log.info("%s: models not read again: %s", worker.url, exc or type(exc).__name__)
+        except Exception:  # the worker's supervisor: this read is lost, not the others
+            worker.models_stale = False
+            self._metrics.round_failed("models")
+            log.exception("%s: models not read again", worker.url)
 
     # -- health -----------------------------------------------------------------------
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self._registry))
 
     async def probe(self, worker: Worker) -> bool:
-        """One health probe (plus model discovery when due); returns the new health."""
+        """One health probe (plus model discovery when due); returns the new health. Whatever
+        the worker answers costs at most this probe: a failure, with its reason."""
         try:
             response = await self._get(worker, worker.adapter.health_path)
             if response.status_code != 200:
@@ -171,11 +194,18 @@ class HealthChecker:
             if not worker.healthy or not worker.models:
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
-            self._metrics.probe_failed(worker)
-            self._registry.record_failure(worker, f"health probe: {exc or type(exc).__name__}")
-            return worker.healthy
+            return self._probe_failed(worker, str(exc) or type(exc).__name__)
+        except Exception as exc:  # the worker's supervisor: this probe fails, nothing else
+            self._metrics.round_failed("probe")
+            log.exception("%s: health probe failed", worker.url)
+            return self._probe_failed(worker, f"{type(exc).__name__}: {exc}"[:_MAX_REASON])
         if not worker.removed:
             self._registry.record_success(worker)
+        return worker.healthy
+
+    def _probe_failed(self, worker: Worker, reason: str) -> bool:
+        self._metrics.probe_failed(worker)
+        self._registry.record_failure(worker, f"health probe: {reason}")
         return worker.healthy
 
     async def discover(self, worker: Worker) -> None:
@@ -211,8 +241,8 @@ class HealthChecker:
         if response.status_code != 200:
             raise _ProbeFailed(f"GET {worker.adapter.models_path} answered {response.status_code}")
         try:
-            models = _decode_models(response.content).data
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            models = decode_json_as(response.content, _Models).data
+        except JsonDecodeError as exc:
             raise _ProbeFailed(f"unreadable model list: {exc}") from exc
         cards = {str(m["id"]): m for m in models if isinstance(m.get("id"), str)}
         if not cards:
@@ -248,6 +278,11 @@ class HealthChecker:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)
             worker.scraped = ScrapedLoad()
+        except Exception:  # the worker's supervisor: this scrape is lost, not the others
+            self._metrics.scrape_failed(worker)
+            self._metrics.round_failed("scrape")
+            log.exception("scrape of %s failed", worker.url)
+            worker.scraped = ScrapedLoad()
 
     async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
         """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
@@ -274,12 +309,15 @@ class HealthChecker:
         return _Answer(response.status_code, b"".join(chunks))
 
 
-async def _supervised(action: Callable[[], Awaitable[None]]) -> None:
+async def _supervised(
+    action: Callable[[], Awaitable[None]], metrics: HealthMetrics, loop: str
+) -> None:
     """One round of a background loop: whatever it raises costs that round, never the loop."""
     try:
         await action()
     except Exception:  # a loop's supervisor: logged with its traceback, the loop goes on
-        log.exception("a background round of the health checker failed")
+        metrics.round_failed(loop)
+        log.exception("a background round of the health checker failed (%s)", loop)
 
 
 class _ProbeFailed(Exception):

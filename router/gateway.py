@@ -570,6 +570,9 @@ class Gateway:
                 kept_out[fact] = kept_out.get(fact, 0) + 1
         if kept_out:
             body["not_ready"] = kept_out
+        unresolved = self.registry.unresolved_models()
+        if unresolved:  # no block size agreed: no worker serves the model (no URL in a reason)
+            body["models_not_ready"] = unresolved
         return json_response(body, 200 if ready else 503)
 
     # -- admin --------------------------------------------------------------------------

@@ -121,7 +121,9 @@ class Router:
 
         A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
         chat template, block size) in the adapter's cache domain; only workers listing the
-        adapter are candidates. ``only``: that worker or none (a conversation it holds).
+        adapter are candidates, and a worker whose own relation for the name puts its blocks
+        in another domain gets no match. ``only``: that worker or none (a conversation it
+        holds).
         ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         base, adapter = self.registry.base_model(model)
@@ -176,7 +178,12 @@ class Router:
         domain: _Domain,
         exclude: Collection[WorkerId] = (),
     ) -> Routed:
-        candidates = self.registry.candidates(request.model, matches, request.block_keys)
+        candidates = self.registry.candidates(
+            request.model,
+            matches,
+            request.block_keys,
+            domain=(domain.base_model, domain.adapter),
+        )
         if domain.only is not None:
             candidates = [c for c in candidates if c.worker == domain.only]
         if exclude:
@@ -269,6 +276,8 @@ def _ineligible_reason(model: str, worker: Any) -> str:
         return "unhealthy"
     if worker.problems:
         return "not ready: " + "; ".join(worker.problems.values())
+    if not worker.ready_for(model):
+        return "not used for this model: " + "; ".join(worker.model_problems.values())
     return "not ranked by the policy"
 
 

@@ -17,7 +17,8 @@ import msgspec
 
 from index._http import call_engine
 from index.api import EngineWorker, PromptInput
-from index.errors import EngineCallError
+from index.errors import EngineCallError, JsonDecodeError
+from index.jsonsafe import decode_json_as
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,6 @@ _TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 class _Tokenized(msgspec.Struct):
     tokens: list[_TokenId]
-
-
-_decode = msgspec.json.Decoder(_Tokenized).decode
 
 
 def _tokenize_body(model: str, prompt: PromptInput) -> dict[str, Any]:
@@ -87,7 +85,7 @@ async def engine_tokens(
         if status != 200:
             continue
         try:
-            return _decode(answer).tokens
-        except (msgspec.DecodeError, RecursionError) as error:
+            return decode_json_as(answer, _Tokenized).tokens
+        except JsonDecodeError as error:
             log.debug("%s: /tokenize answered %s", worker.id, error)
     return None
