@@ -11,6 +11,8 @@ Sub-commands:
   overload routers side by side from below to above the saturating session rate (goodput)
   room-wait  from finished runs' records: the requests that lacked KV room where they were
            sent, their wait for it there, and on the replica that freed room first
+  epp      kvgate as the endpoint picker of a real Envoy against kvgate serve, side by side
+           (bench/epp.py; ``kvgate bench epp --help``)
   tail     from finished runs' records and kvgate's access log: the slowest requests by
            cause (a first turn, a history kept, lost before or after routing, moved)
 """
@@ -362,6 +364,10 @@ def _enter_private_netns(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["epp"]:  # its own parser: no trace, its own fleet, Envoy and load
+        from bench import epp  # noqa: PLC0415 - imported only for this sub-command
+
+        return epp.cli(argv[1:])
     if argv[:1] == ["faults"]:  # its own parser: no trace, its own fleet and load
         from bench import faults  # noqa: PLC0415 - imported only for this sub-command
 

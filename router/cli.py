@@ -9,6 +9,7 @@ from collections.abc import Sequence
 # sub-command -> (module exposing ``main(argv: list[str]) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the gateway (``kvgate serve --sim 4`` for the embedded demo)"),
+    "epp": ("router.epp.cli", "be the endpoint picker of an Envoy gateway (ext_proc gRPC)"),
     "sim": ("backends.sim.cli", "run a simulated vLLM-like engine fleet"),
     "bench": ("bench.cli", "benchmarks: trace replay across routers and policies"),
     "engines": (

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
 import msgspec
@@ -508,6 +508,9 @@ class Settings(BaseSettings):
         return sources
 
 
+S = TypeVar("S", bound=Settings)
+
+
 class ConfigError(ValueError):
     """Invalid configuration; the message names every offending field."""
 
@@ -531,20 +534,35 @@ def format_validation_error(exc: pydantic.ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+@overload
 def load_settings(
     config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Settings: ...
+
+
+@overload
+def load_settings(
+    config_file: str | Path | None, overrides: Mapping[str, Any] | None, model: type[S]
+) -> S: ...
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    model: type[Settings] = Settings,
 ) -> Settings:
-    """Build the settings from defaults, the YAML file, ``KVGATE_*`` env vars and ``overrides``.
+    """Build the settings from defaults, the YAML file, ``KVGATE_*`` env vars and ``overrides``
+    (``model``: ``Settings`` or a command's extension of it, e.g. ``kvgate epp``'s).
 
     Raises ``ConfigError`` naming each invalid field.
     """
-    settings_cls: type[Settings] = Settings
+    settings_cls = model
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"invalid configuration:\n  --config: no such file {str(path)!r}")
-        config = SettingsConfigDict(**{**Settings.model_config, "yaml_file": path})
-        settings_cls = type("Settings", (Settings,), {"model_config": config})
+        config = SettingsConfigDict(**{**model.model_config, "yaml_file": path})
+        settings_cls = type(model.__name__, (model,), {"model_config": config})
     try:
         return settings_cls(**dict(overrides or {}))
     except pydantic.ValidationError as exc:
