@@ -154,11 +154,19 @@ class PromptKeys:
     finish: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
+TokenizeOn = Callable[[], Sequence[WorkerId]]
+"""The workers a request may be routed to, the likeliest first (called only when its prompt
+is tokenized by an engine): only these see the prompt, in this order."""
+
+
 class BlockIndex(Protocol):
     """What the gateway needs from the index layer (implemented in index/)."""
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
-        """Tokenize (exactly as the engine does, or the best fallback) and key a prompt."""
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
+        """Tokenize (exactly as the engine does, or the best fallback) and key a prompt;
+        ``tokenize_on``: the workers whose ``/tokenize`` may see it (see ``TokenizeOn``)."""
         ...
 
     def match(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, PrefixMatch]:

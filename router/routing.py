@@ -17,6 +17,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex, PromptInput, PromptKeys
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
+from router.tokenize_on import TokenizeOn, TokenizePlanner
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from scoring.cost_parts import RequestSize, overlap_tokens, request_size
 
@@ -29,11 +30,13 @@ DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scal
 
 @dataclass(frozen=True, slots=True)
 class _Domain:
-    """What a retry's ranking keeps of the first: the cache domain and the pinned worker."""
+    """What a retry's ranking keeps of the first: the cache domain, the pinned worker and the
+    conversation whose prompt an engine tokenized."""
 
     base_model: str
     adapter: str | None
     only: WorkerId | None
+    conversation: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class Routed:
     base_model: str = ""  # the model whose tokenizer, template and block size keyed it
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
+    # the key of its conversation when an engine tokenized its prompt (router/tokenize_on.py)
+    conversation: bytes | None = field(default=None, repr=False)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -106,6 +111,7 @@ class Router:
         self.policy = policy
         self.block_index = block_index
         self.retry_after_s = retry_after_s
+        self.tokenize_planner = TokenizePlanner(registry)
 
     async def decide(
         self,
@@ -130,9 +136,11 @@ class Router:
         index = self.block_index
         keys = None
         matches = None
+        tokenize_on = None
         if index is not None and prompt is not None:
             keyed = prompt if adapter is None else replace(prompt, lora_name=adapter)
-            keys = await index.keys_for(base, keyed)
+            tokenize_on = TokenizeOn(self.tokenize_planner, model, prompt, session_key, only)
+            keys = await index.keys_for(base, keyed, tokenize_on=tokenize_on)
             if spans is not None:
                 spans.phase("tokenize")
             if keys.block_keys:
@@ -147,7 +155,8 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        domain = _Domain(base, adapter, only)
+        conversation = tokenize_on.key if tokenize_on is not None else None
+        domain = _Domain(base, adapter, only, conversation)
         routed = self._rank(request, keys, matches, domain)  # after the await: fresh load
         if spans is not None:
             spans.phase("score")
@@ -160,7 +169,7 @@ class Router:
         matches = None
         if self.block_index is not None and routed.request.block_keys:
             matches = self.block_index.match(routed.request.block_keys)
-        domain = _Domain(routed.base_model, routed.adapter, routed.only)
+        domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
         return self._rank(routed.request, routed.keys, matches, domain, exclude)
 
     def redecide(self, routed: Routed) -> Routed:
@@ -200,6 +209,7 @@ class Router:
             base_model=domain.base_model,
             adapter=domain.adapter,
             only=domain.only,
+            conversation=domain.conversation,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
@@ -210,7 +220,11 @@ class Router:
             raise ModelNotFound(model)
 
     def record_sent(self, routed: Routed, worker: WorkerId) -> None:
-        """The request went to ``worker``: tell the index (approximate mode learns from it)."""
+        """The request went to ``worker``: tell the index (approximate mode learns from it)
+        and, for a prompt an engine tokenized, the tokenize planner (its next turn is
+        tokenized there first)."""
+        if routed.conversation is not None:
+            self.tokenize_planner.sent(routed.conversation, worker)
         if self.block_index is not None and routed.keys is not None and routed.keys.block_keys:
             self.block_index.record_routed(worker, routed.keys.block_keys)
 

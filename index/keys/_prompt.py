@@ -20,7 +20,7 @@ from dataclasses import replace
 import httpx
 from prometheus_client import Counter, Histogram
 
-from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode
+from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode, TokenizeOn
 from index.config import IndexConfig
 from index.errors import TokenizeError
 from index.keys._blocks import block_keys, text_block_keys
@@ -66,9 +66,13 @@ class PromptKeyer:
         self._cache_counters = BoundedMemo[tuple[str, bool], Counter](_MAX_CACHED_LABELS)
         self._seeds = BoundedMemo[tuple[str | None, str | None], int](_MAX_CACHED_SEEDS)
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
+        """``tokenize_on``: the workers whose ``/tokenize`` may see the prompt, the likeliest
+        destination first (None: any worker serving the model)."""
         started = time.perf_counter()
-        keys = await self._keys_for(model, prompt)
+        keys = await self._keys_for(model, prompt, tokenize_on)
         counters = self._counters.get((model, keys.mode))
         if counters is None:
             counters = self._counters.put(
@@ -82,7 +86,9 @@ class PromptKeyer:
         counters[1].observe(time.perf_counter() - started)
         return keys
 
-    async def _keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def _keys_for(
+        self, model: str, prompt: PromptInput, tokenize_on: TokenizeOn | None
+    ) -> PromptKeys:
         block_size = self._block_size_for(model)
         seed = self._seed(prompt)
         completion = prompt.kind == "completion"
@@ -116,7 +122,7 @@ class PromptKeyer:
         if self._config.engine_tokenize:
             engine_ids = await engine_tokens(
                 self._http,
-                self._workers(),
+                self._tokenizers_of(tokenize_on),
                 model,
                 prompt,
                 timeout_s=self._config.engine_tokenize_timeout_s,
@@ -127,6 +133,15 @@ class PromptKeyer:
         text = plain_render(prompt)
         keys = text_block_keys(text, self._config.approx_chars_per_block, seed)
         return _keys(keys, block_size, len(text) // 4, "approx")
+
+    def _tokenizers_of(self, tokenize_on: TokenizeOn | None) -> list[EngineWorker]:
+        """The workers that may tokenize a prompt, in order: those of ``tokenize_on``
+        (none given: the fleet as it is)."""
+        workers = list(self._workers())
+        if tokenize_on is None:
+            return workers
+        by_id = {worker.id: worker for worker in workers}
+        return [by_id[worker] for worker in tokenize_on() if worker in by_id]
 
     async def _tokenizer(self, model: str) -> ModelTokenizer | None:
         if model in self.tokenizers:
