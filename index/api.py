@@ -145,6 +145,11 @@ class PromptKeys:
     session's next turn): call it once the request's first token is back (or it ended), so
     that this work does not compete with the request's own way to the engine. Calling it
     again does nothing; never calling it only leaves the next turn to tokenize more.
+
+    Keyed by engines (mode ``engine``): ``engine`` is the engine kind whose ``/tokenize`` gave
+    ``block_keys``; in a fleet of several kinds each other kind tokenizes the prompt too, and
+    ``other_engines`` holds the keys of each kind whose tokens differ (empty: it could not
+    tokenize it, its workers get no credit). A worker is matched with its own kind's keys.
     """
 
     block_keys: Sequence[BlockKey]
@@ -152,6 +157,12 @@ class PromptKeys:
     prompt_tokens: int
     mode: TokenizeMode
     finish: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    engine: str | None = None
+    other_engines: Mapping[str, Sequence[BlockKey]] = field(default_factory=dict, repr=False)
+
+    def keys_of(self, engine: str) -> Sequence[BlockKey]:
+        """The prompt's keys as a worker of engine kind ``engine`` tokenizes it."""
+        return self.other_engines.get(engine, self.block_keys)
 
 
 TokenizeOn = Callable[[], Sequence[WorkerId]]

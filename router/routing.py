@@ -143,10 +143,9 @@ class Router:
             keys = await index.keys_for(base, keyed, tokenize_on=tokenize_on)
             if spans is not None:
                 spans.phase("tokenize")
-            if keys.block_keys:
-                matches = index.match(keys.block_keys)
-                if spans is not None:
-                    spans.phase("index match")
+            matches = self._match(keys)
+            if matches is not None and spans is not None:
+                spans.phase("index match")
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -166,9 +165,7 @@ class Router:
         """Rank again for a retry after failed attempts: the same request and keys, fresh
         index matches and load, the workers in ``exclude`` left out (``NoHealthyWorker``
         when nobody is left). A prefix cached on a failed worker counts for nothing."""
-        matches = None
-        if self.block_index is not None and routed.request.block_keys:
-            matches = self.block_index.match(routed.request.block_keys)
+        matches = self._match(routed.keys)
         domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
         return self._rank(routed.request, routed.keys, matches, domain, exclude)
 
@@ -178,6 +175,26 @@ class Router:
         ``NoHealthyWorker`` as ``decide``."""
         self.require_servable(routed.request.model)
         return self.reroute(routed, ())
+
+    def _match(self, keys: PromptKeys | None) -> Mapping[WorkerId, PrefixMatch] | None:
+        """Each worker's matched prefix of the prompt's keys as its own engine kind keys it
+        (``PromptKeys.keys_of``: engines that tokenize a prompt differently are never
+        credited with each other's blocks); None: nothing to match."""
+        index = self.block_index
+        if index is None or keys is None or not (keys.block_keys or keys.other_engines):
+            return None
+        matches = index.match(keys.block_keys) if keys.block_keys else {}
+        if not keys.other_engines:
+            return matches
+        merged = dict(matches)
+        for engine, theirs in keys.other_engines.items():
+            found = index.match(theirs) if theirs else {}
+            for worker in self.registry:
+                if worker.config.engine == engine:
+                    merged.pop(worker.id, None)
+                    if worker.id in found:
+                        merged[worker.id] = found[worker.id]
+        return merged
 
     def _rank(
         self,
@@ -225,8 +242,16 @@ class Router:
         tokenized there first)."""
         if routed.conversation is not None:
             self.tokenize_planner.sent(routed.conversation, worker)
-        if self.block_index is not None and routed.keys is not None and routed.keys.block_keys:
-            self.block_index.record_routed(worker, routed.keys.block_keys)
+        keys = routed.keys
+        if self.block_index is None or keys is None:
+            return
+        if keys.other_engines:  # the worker's cache holds the prompt as its engine keys it
+            found = self.registry.find(worker)
+            own = keys.keys_of(found.config.engine) if found is not None else ()
+        else:
+            own = keys.block_keys
+        if own:
+            self.block_index.record_routed(worker, own)
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
@@ -248,6 +273,8 @@ class Router:
             "model": request.model,
             "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
             "tokenize_mode": keys.mode if keys is not None else None,
+            "tokenize_engine": keys.engine if keys is not None else None,
+            "engines_tokenizing_otherwise": sorted(keys.other_engines) if keys is not None else [],
             "block_size": request.block_size,
             "prompt_tokens": request.prompt_tokens,
             "request_blocks": len(request.block_keys),

@@ -7,10 +7,12 @@ engines that answer ``/tokenize``; each request's ``/tokenize`` call is found on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fakes.engine import FakeEngine
+from fakes.engine import _json as send_json
 from fakes.gateway import Kvgate, fleet, kvgate
 
 from backends.sim.tokenizer import tokenizer_dir
@@ -134,3 +136,55 @@ async def test_engine_tokenization_off_asks_no_engine() -> None:
             assert (await gw.client.post("/v1/chat/completions", json=body)).status_code == 200
             assert gw.metric("kvgate_tokenize_total", {"model": model, "mode": mode}) == 1
         assert _tokenized(engine) == 0
+
+
+@dataclass
+class OtherTemplate(FakeEngine):
+    """An engine whose chat template adds a token before the messages: the same prompt has
+    other tokens there than on a ``FakeEngine``."""
+
+    async def _route(self, method: str, path: str, body: Any, receive: Any, send: Any) -> None:
+        if (method, path) == ("POST", "/tokenize"):
+            text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+            await send_json(send, {"tokens": [1, *(len(word) for word in text.split())]})
+            return
+        await super()._route(method, path, body, receive, send)
+
+
+async def _explain(gw: Kvgate, body: dict[str, Any], session: str) -> dict[str, Any]:
+    answer = await gw.client.post("/debug/route", json=body, headers={"x-session-id": session})
+    explained: dict[str, Any] = answer.json()
+    return explained
+
+
+def _matched(explained: dict[str, Any], url: str) -> int:
+    (entry,) = [w for w in explained["workers"] if w["worker"] == url]
+    return sum(entry["matched_blocks"].values())
+
+
+@pytest.mark.parametrize("agree", [True, False])
+async def test_a_mixed_fleet_is_keyed_per_engine(agree: bool) -> None:
+    """A vLLM and an SGLang worker of one model, no local tokenizer: each engine kind keys
+    the prompt itself; where their tokens differ neither is credited with the other's blocks,
+    where they agree one key set serves both."""
+    vllm = FakeEngine("vllm", tokenize=True)
+    sglang = (
+        FakeEngine("sglang", tokenize=True) if agree else OtherTemplate("sglang", tokenize=True)
+    )
+    async with fleet(vllm, sglang) as f:
+        workers = [f.urls[0], f"{f.urls[1]},engine=sglang"]
+        async with kvgate(workers, policy="kv") as gw:
+            messages = [{"role": "user", "content": _words("mixed")}]
+            first = await gw.client.post(
+                "/v1/chat/completions", json=_chat(messages), headers={"x-session-id": "m"}
+            )
+            home = first.headers["x-kvgate-worker"]
+            (away,) = set(f.urls) - {home}
+            messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}]
+            explained = await _explain(gw, _chat(messages), "m")
+            assert explained["tokenize_mode"] == "engine"
+            other_kind = {f.urls[0]: "vllm", f.urls[1]: "sglang"}[away]
+            expected = [] if agree else [other_kind]
+            assert explained["engines_tokenizing_otherwise"] == expected
+            assert _matched(explained, home) == 3  # 48 words: 3 blocks of 16 on the worker
+            assert _matched(explained, away) == 0  # nothing there, whichever keys

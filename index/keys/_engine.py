@@ -63,6 +63,16 @@ def _can_tokenize(worker: EngineWorker, model: str) -> bool:
     )
 
 
+def tokenizing_engines(workers: Iterable[EngineWorker], model: str) -> list[str]:
+    """The engine kinds of ``workers`` that can tokenize ``model``'s prompts, in the order of
+    their first such worker."""
+    kinds: dict[str, None] = {}
+    for worker in workers:
+        if _can_tokenize(worker, model):
+            kinds.setdefault(worker.engine)
+    return list(kinds)
+
+
 async def engine_tokens(
     http: httpx.AsyncClient,
     workers: Iterable[EngineWorker],
