@@ -109,7 +109,7 @@ class TokenizePlanner:
     def order(self, model: str, key: bytes, only: WorkerId | None) -> list[WorkerId]:
         """The ready workers serving ``model`` (``only``: that one or none), the
         conversation's last worker first, then by rendezvous weight of ``key``."""
-        workers = [w.id for w in self._registry if w.ready and model in w.models]
+        workers = [w.id for w in self._registry if model in w.models and w.ready_for(model)]
         if only is not None:
             return [only] if only in workers else []
         workers.sort(key=lambda worker: rendezvous_weight(key, worker), reverse=True)
