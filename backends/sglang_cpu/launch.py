@@ -1,7 +1,8 @@
 """Start, watch and stop SGLang CPU replicas on 127.0.0.1 (one process group each).
 
 Each replica: ``python -m sglang.launch_server`` on the CPU engine (``SGLANG_USE_CPU_ENGINE=1``,
-torch-native attention and sampling), with the radix prefix cache, ``cached_tokens`` reports,
+torch-native attention and sampling, its scheduler sleeping while idle), with the radix
+prefix cache, ``cached_tokens`` reports,
 Prometheus metrics and a ZMQ KV-event publisher plus replay socket, its compute threads pinned
 to one core (``SGLANG_CPU_OMP_THREADS_BIND``). SGLang *connects* its PUB socket to a
 ``tcp://host:port`` endpoint unless the config says ``"bind": true`` (``tcp://*`` would bind
@@ -121,6 +122,7 @@ def engine_command(options: SglangOptions, spec: SglangReplicaSpec) -> list[str]
         "--sampling-backend",
         "pytorch",
         "--disable-overlap-schedule",
+        "--sleep-on-idle",  # idle, its scheduler busy-polls: ~0.7 of a core without this
         "--page-size",
         str(options.page_size),
         "--max-total-tokens",
