@@ -22,13 +22,14 @@ demo: $(STAMP)
 demo-envoy: $(STAMP)
 	$(BIN)/python -m bench.envoy demo
 
-## test: lint, type-check, unit + integration tests (real vLLM replicas included)
+## test: lint, type-check, unit + integration tests (real vLLM and SGLang replicas included:
+## their fixtures install both engines under .engines/ on first use, pinned)
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest
 
-## test-fast: everything except the real-vLLM integration tests
+## test-fast: everything except the real-engine integration tests
 test-fast: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -m "not vllm"
+	$(BIN)/python -m pytest -m "not vllm and not sglang"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

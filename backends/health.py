@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -34,6 +35,7 @@ from backends.engines import EngineFacts, ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
 from index.errors import JsonDecodeError
 from index.jsonsafe import decode_json_as
+from index.types import WorkerId
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page
@@ -120,6 +122,7 @@ class HealthChecker:
         self._config = config
         self._metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
+        self._said: dict[WorkerId, str] = {}  # why each unhealthy worker is, as last logged
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -186,11 +189,7 @@ class HealthChecker:
         """One health probe (plus model discovery when due); returns the new health. Whatever
         the worker answers costs at most this probe: a failure, with its reason."""
         try:
-            response = await self._get(worker, worker.adapter.health_path)
-            if response.status_code != 200:
-                raise _ProbeFailed(
-                    f"GET {worker.adapter.health_path} answered {response.status_code}"
-                )
+            await self._check_health(worker)
             if not worker.healthy or not worker.models:
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
@@ -201,12 +200,42 @@ class HealthChecker:
             return self._probe_failed(worker, f"{type(exc).__name__}: {exc}"[:_MAX_REASON])
         if not worker.removed:
             self._registry.record_success(worker)
+            self._tell(worker)
         return worker.healthy
 
     def _probe_failed(self, worker: Worker, reason: str) -> bool:
         self._metrics.probe_failed(worker)
         self._registry.record_failure(worker, f"health probe: {reason}")
+        self._tell(worker)
         return worker.healthy
+
+    async def _check_health(self, worker: Worker) -> None:
+        """``GET`` the engine's health path (200 or ``_ProbeFailed``); where it is 404 (an
+        older engine), its fallback path with the timeout that path needs."""
+        path = worker.adapter.health_path
+        response = await self._get(worker, path)
+        fallback = worker.adapter.health_fallback
+        if response.status_code == 404 and fallback is not None:
+            path, at_least_s = fallback
+            response = await self._get(worker, path, timeout_s=max(at_least_s, self._timeout()))
+        if response.status_code != 200:
+            raise _ProbeFailed(f"GET {path} answered {response.status_code}")
+
+    def _tell(self, worker: Worker) -> None:
+        """Log why a worker is not healthy, once per reason, and when it is healthy again."""
+        if worker.removed:
+            self._said.pop(worker.id, None)
+            return
+        said = self._said.get(worker.id)
+        if worker.healthy:
+            if said is not None:
+                log.info("%s is healthy again", worker.url)
+                del self._said[worker.id]
+            return
+        reason = worker.last_error or "not probed yet"
+        if reason != said:
+            log.warning("%s is not healthy: %s", worker.url, reason)
+            self._said[worker.id] = reason
 
     async def discover(self, worker: Worker) -> None:
         """Read the models a worker serves from its ``/v1/models`` (unless configured) and
@@ -215,8 +244,8 @@ class HealthChecker:
         self._registry.update_models(worker, cards, await self._facts(worker))
 
     async def _facts(self, worker: Worker) -> EngineFacts:
-        """What the engine declares on its /metrics (none when it cannot be read: the
-        block size its events carry is adopted then)."""
+        """What the engine declares on its /metrics or in its server info (none when it
+        cannot be read: the block size its events carry is adopted then)."""
         adapter = worker.adapter
         if adapter.block_size_info is not None and adapter.metrics_path is not None:
             path = adapter.metrics_path
@@ -226,6 +255,10 @@ class HealthChecker:
             return EngineFacts()
         try:
             response = await self._get(worker, path)
+            legacy = adapter.server_info_legacy_path
+            if response.status_code == 404 and path != adapter.metrics_path and legacy:
+                path = legacy
+                response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
             if path == adapter.metrics_path:
@@ -270,7 +303,7 @@ class HealthChecker:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
-            worker.scraped = worker.adapter.parse_load(response.text)
+            worker.scraped = _with_capacity(worker.adapter.parse_load(response.text), worker)
             worker.scrape_mark = mark
             if worker.scraped.waiting == 0:
                 worker.unblock(asked)
@@ -284,21 +317,31 @@ class HealthChecker:
             log.exception("scrape of %s failed", worker.url)
             worker.scraped = ScrapedLoad()
 
-    async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
-        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
-        trickling worker cannot stall the probe round), up to ``limit`` bytes (default
-        ``_MAX_ANSWER_BYTES``)."""
-        timeout = self._config.timeout_s
+    def _timeout(self) -> float:
+        return self._config.timeout_s
+
+    async def _get(
+        self,
+        worker: Worker,
+        path: str,
+        limit: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> _Answer:
+        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (default
+        the configured one: a trickling worker cannot stall the probe round), up to
+        ``limit`` bytes (default ``_MAX_ANSWER_BYTES``)."""
+        timeout = self._timeout() if timeout_s is None else timeout_s
         limit = _MAX_ANSWER_BYTES if limit is None else limit
         try:
             async with asyncio.timeout(timeout):
-                return await self._read(worker.url + path, _headers(worker), limit)
+                return await self._read(worker.url + path, _headers(worker), limit, timeout)
         except TimeoutError as exc:
             raise _ProbeFailed(f"GET {path}: no whole answer within {timeout:g} s") from exc
 
-    async def _read(self, url: str, headers: dict[str, str], limit: int) -> _Answer:
-        timeout = self._config.timeout_s  # also httpx's, for its own pool and connect waits
-        async with self._client.stream("GET", url, headers=headers, timeout=timeout) as response:
+    async def _read(self, url: str, headers: dict[str, str], limit: int, wait_s: float) -> _Answer:
+        # wait_s: the probe's timeout, also httpx's, for its own pool and connect waits
+        async with self._client.stream("GET", url, headers=headers, timeout=wait_s) as response:
             chunks: list[bytes] = []
             size = 0
             async for chunk in response.aiter_bytes():
@@ -307,6 +350,35 @@ class HealthChecker:
                     raise _ProbeFailed(f"answer over {limit} bytes")
                 chunks.append(chunk)
         return _Answer(response.status_code, b"".join(chunks))
+
+
+_ADDRESSES = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://\S+"  # URLs and endpoints
+    r"|\(\s*'[^']*'\s*,\s*\d+\s*\)"  # ('host', port) of socket errors
+    r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [v6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # v4[:port]
+)
+_MAX_SHOWN_REASON = 200
+
+
+def unhealthy_reasons(registry: WorkerRegistry) -> dict[str, str]:
+    """Why each worker that is not healthy is not, keyed by its position in the worker list
+    (``/admin/workers``'s order): for an open endpoint, so without addresses."""
+    reasons = {}
+    for position, worker in enumerate(registry):
+        if not worker.healthy:
+            reason = _ADDRESSES.sub("<address>", worker.last_error or "not probed yet")
+            reasons[str(position)] = reason[:_MAX_SHOWN_REASON]
+    return reasons
+
+
+def _with_capacity(scraped: ScrapedLoad, worker: Worker) -> ScrapedLoad:
+    """A scrape without a KV capacity takes the one the engine declares in its settings
+    (SGLang's ``max_total_num_tokens``, in blocks), as vLLM's comes with every scrape."""
+    declared = worker.facts.kv_capacity_blocks
+    if scraped.kv_capacity_blocks is not None or declared is None:
+        return scraped
+    return replace(scraped, kv_capacity_blocks=declared)
 
 
 async def _supervised(

@@ -13,8 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("backends.sim.cli", "run a simulated vLLM-like engine fleet"),
     "bench": ("bench.cli", "benchmarks: trace replay across routers and policies"),
     "engines": (
-        "backends.vllm_cpu.cli",
-        "install and run real vLLM CPU replicas with a tiny model",
+        "backends.engines_cli",
+        "install and run real vLLM or SGLang CPU replicas with a tiny model",
     ),
 }
 

@@ -493,6 +493,14 @@ class Settings(BaseSettings):
         self.index = self.index.model_copy(update=update)
         return self
 
+    @model_validator(mode="after")
+    def _tokenized_somewhere(self) -> Settings:
+        """Engine tokenization off (engines not equally trusted) needs a local tokenizer."""
+        missing = self.index.local_tokenizer_missing()
+        if missing is not None:
+            raise ValueError(missing)
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,

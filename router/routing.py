@@ -17,6 +17,7 @@ from backends.registry import WorkerRegistry
 from index.api import BlockIndex, PromptInput, PromptKeys
 from index.types import NO_MATCH, PrefixMatch, WorkerId
 from router.errors import ModelNotFound, NoHealthyWorker
+from router.tokenize_on import TokenizeOn, TokenizePlanner
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from scoring.cost_parts import RequestSize, overlap_tokens, request_size
 
@@ -29,11 +30,13 @@ DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scal
 
 @dataclass(frozen=True, slots=True)
 class _Domain:
-    """What a retry's ranking keeps of the first: the cache domain and the pinned worker."""
+    """What a retry's ranking keeps of the first: the cache domain, the pinned worker and the
+    conversation whose prompt an engine tokenized."""
 
     base_model: str
     adapter: str | None
     only: WorkerId | None
+    conversation: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class Routed:
     base_model: str = ""  # the model whose tokenizer, template and block size keyed it
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
+    # the key of its conversation when an engine tokenized its prompt (router/tokenize_on.py)
+    conversation: bytes | None = field(default=None, repr=False)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -106,6 +111,7 @@ class Router:
         self.policy = policy
         self.block_index = block_index
         self.retry_after_s = retry_after_s
+        self.tokenize_planner = TokenizePlanner(registry)
 
     async def decide(
         self,
@@ -130,15 +136,16 @@ class Router:
         index = self.block_index
         keys = None
         matches = None
+        tokenize_on = None
         if index is not None and prompt is not None:
             keyed = prompt if adapter is None else replace(prompt, lora_name=adapter)
-            keys = await index.keys_for(base, keyed)
+            tokenize_on = TokenizeOn(self.tokenize_planner, model, prompt, session_key, only)
+            keys = await index.keys_for(base, keyed, tokenize_on=tokenize_on)
             if spans is not None:
                 spans.phase("tokenize")
-            if keys.block_keys:
-                matches = index.match(keys.block_keys)
-                if spans is not None:
-                    spans.phase("index match")
+            matches = self._match(keys)
+            if matches is not None and spans is not None:
+                spans.phase("index match")
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -147,7 +154,8 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        domain = _Domain(base, adapter, only)
+        conversation = tokenize_on.key if tokenize_on is not None else None
+        domain = _Domain(base, adapter, only, conversation)
         routed = self._rank(request, keys, matches, domain)  # after the await: fresh load
         if spans is not None:
             spans.phase("score")
@@ -157,10 +165,8 @@ class Router:
         """Rank again for a retry after failed attempts: the same request and keys, fresh
         index matches and load, the workers in ``exclude`` left out (``NoHealthyWorker``
         when nobody is left). A prefix cached on a failed worker counts for nothing."""
-        matches = None
-        if self.block_index is not None and routed.request.block_keys:
-            matches = self.block_index.match(routed.request.block_keys)
-        domain = _Domain(routed.base_model, routed.adapter, routed.only)
+        matches = self._match(routed.keys)
+        domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
         return self._rank(routed.request, routed.keys, matches, domain, exclude)
 
     def redecide(self, routed: Routed) -> Routed:
@@ -169,6 +175,26 @@ class Router:
         ``NoHealthyWorker`` as ``decide``."""
         self.require_servable(routed.request.model)
         return self.reroute(routed, ())
+
+    def _match(self, keys: PromptKeys | None) -> Mapping[WorkerId, PrefixMatch] | None:
+        """Each worker's matched prefix of the prompt's keys as its own engine kind keys it
+        (``PromptKeys.keys_of``: engines that tokenize a prompt differently are never
+        credited with each other's blocks); None: nothing to match."""
+        index = self.block_index
+        if index is None or keys is None or not (keys.block_keys or keys.other_engines):
+            return None
+        matches = index.match(keys.block_keys) if keys.block_keys else {}
+        if not keys.other_engines:
+            return matches
+        merged = dict(matches)
+        for engine, theirs in keys.other_engines.items():
+            found = index.match(theirs) if theirs else {}
+            for worker in self.registry:
+                if worker.config.engine == engine:
+                    merged.pop(worker.id, None)
+                    if worker.id in found:
+                        merged[worker.id] = found[worker.id]
+        return merged
 
     def _rank(
         self,
@@ -200,6 +226,7 @@ class Router:
             base_model=domain.base_model,
             adapter=domain.adapter,
             only=domain.only,
+            conversation=domain.conversation,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
@@ -210,9 +237,21 @@ class Router:
             raise ModelNotFound(model)
 
     def record_sent(self, routed: Routed, worker: WorkerId) -> None:
-        """The request went to ``worker``: tell the index (approximate mode learns from it)."""
-        if self.block_index is not None and routed.keys is not None and routed.keys.block_keys:
-            self.block_index.record_routed(worker, routed.keys.block_keys)
+        """The request went to ``worker``: tell the index (approximate mode learns from it)
+        and, for a prompt an engine tokenized, the tokenize planner (its next turn is
+        tokenized there first)."""
+        if routed.conversation is not None:
+            self.tokenize_planner.sent(routed.conversation, worker)
+        keys = routed.keys
+        if self.block_index is None or keys is None:
+            return
+        if keys.other_engines:  # the worker's cache holds the prompt as its engine keys it
+            found = self.registry.find(worker)
+            own = keys.keys_of(found.config.engine) if found is not None else ()
+        else:
+            own = keys.block_keys
+        if own:
+            self.block_index.record_routed(worker, own)
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
@@ -234,6 +273,8 @@ class Router:
             "model": request.model,
             "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
             "tokenize_mode": keys.mode if keys is not None else None,
+            "tokenize_engine": keys.engine if keys is not None else None,
+            "engines_tokenizing_otherwise": sorted(keys.other_engines) if keys is not None else [],
             "block_size": request.block_size,
             "prompt_tokens": request.prompt_tokens,
             "request_blocks": len(request.block_keys),

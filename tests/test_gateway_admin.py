@@ -10,7 +10,7 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
 from fakes.server import wait_for
 
-from index.api import PromptInput, PromptKeys
+from index.api import PromptInput, PromptKeys, TokenizeOn
 from index.types import BlockKey, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
@@ -182,7 +182,9 @@ class TableIndex:
         self.blocks = blocks
         self.routed: list[tuple[str, int]] = []
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
         keys = [BlockKey(i + 1) for i in range(self.blocks)]
         return PromptKeys(keys, block_size=16, prompt_tokens=self.blocks * 16 + 5, mode="tokenizer")
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fakes.engine import FakeEngine
 from fakes.engine import _json as send_json
-from fakes.gateway import Kvgate, fleet, kvgate
+from fakes.gateway import Kvgate, fleet, kvgate, quiet_health
 from fakes.simgate import (
     MODEL,
     cached_tokens,
@@ -181,7 +181,7 @@ class SglangEngine(FakeEngine):
 async def test_sglang_page_size_is_read_from_its_server_info() -> None:
     async with fleet(SglangEngine()) as f:
         spec = f"{f.urls[0]},engine=sglang"
-        async with kvgate([spec]) as gw:
+        async with kvgate([spec], health=quiet_health(timeout_s=5.0)) as gw:
             assert gw.gateway.registry.get(f.urls[0]).facts.block_size == 32
             stats = (await gw.client.get("/debug/index")).json()
             assert stats["block_sizes"]["declared_by_engines"] == {"fake-model": 32}
