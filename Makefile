@@ -4,27 +4,32 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck lock bench-quick clean
+.PHONY: demo demo-envoy test test-fast lint typecheck lock bench-quick clean
 
 # The native core (index/csrc/) is compiled by the editable install: rebuild when it changes.
 # build-constraints.txt pins pip and the build backend (setuptools) the install uses.
 $(STAMP): pyproject.toml setup.py constraints.txt build-constraints.txt $(wildcard index/csrc/*.c index/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet -c build-constraints.txt pip
-	$(BIN)/pip install --quiet -c constraints.txt --build-constraint build-constraints.txt -e '.[dev,bench,otel]'
+	$(BIN)/pip install --quiet -c constraints.txt --build-constraint build-constraints.txt -e '.[dev,bench,otel,epp]'
 	touch $(STAMP)
 
 ## demo: 4 simulated replicas + kvgate on http://127.0.0.1:8000 (Ctrl-C to stop)
 demo: $(STAMP)
 	$(BIN)/kvgate serve --sim 4
 
-## test: lint, type-check, unit + integration tests (real vLLM replicas included)
+## demo-envoy: 4 simulated replicas, kvgate epp and a real Envoy on http://127.0.0.1:8080
+demo-envoy: $(STAMP)
+	$(BIN)/python -m bench.envoy demo
+
+## test: lint, type-check, unit + integration tests (real vLLM and SGLang replicas included:
+## their fixtures install both engines under .engines/ on first use, pinned)
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest
 
-## test-fast: everything except the real-vLLM integration tests
+## test-fast: everything except the real-engine integration tests
 test-fast: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -m "not vllm"
+	$(BIN)/python -m pytest -m "not vllm and not sglang"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,7 +41,7 @@ typecheck: $(STAMP)
 ## lock: re-pin every dependency after a change to pyproject.toml
 lock:
 	rm -rf .lockvenv && $(PY) -m venv .lockvenv
-	.lockvenv/bin/pip install --quiet -e '.[dev,bench,otel]'
+	.lockvenv/bin/pip install --quiet -e '.[dev,bench,otel,epp]'
 	.lockvenv/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
 	rm -rf .lockvenv
 

@@ -319,6 +319,13 @@ class DiscoveryMetrics:
             ["target"],
             registry=registry,
         )
+        self.failures = Counter(
+            "kvgate_discovery_failures_total",
+            "Steps of a --discover target lost to an error (added, removed: one worker's "
+            "change, tried again next round; round: a whole round). The loop goes on.",
+            ["target", "step"],
+            registry=registry,
+        )
         self.up = Gauge(
             "kvgate_discovery_up",
             "1 while the re-resolution loop of a --discover target runs, 0 once it stopped.",
@@ -343,7 +350,8 @@ class DnsDiscovery:
     re-resolves every ``config.interval_s`` in a background task until ``stop()``.
     ``refresh()`` runs one round on demand. Callbacks are awaited in the loop: they
     should register/drain and return, not wait for a drain to finish. An exception from
-    a callback stops the loop (it is logged and ``kvgate_discovery_up`` drops to 0).
+    a callback costs that worker's change (logged, counted in
+    ``kvgate_discovery_failures_total``, tried again next round), never the loop.
     """
 
     def __init__(
@@ -373,6 +381,8 @@ class DnsDiscovery:
             metrics.resolutions.labels(self._target, result)
         for change in ("added", "removed"):
             metrics.changes.labels(self._target, change)
+        for step in ("added", "removed", "round"):
+            metrics.failures.labels(self._target, step)
 
     @property
     def workers(self) -> list[DiscoveredWorker]:
@@ -420,7 +430,11 @@ class DnsDiscovery:
         try:
             while True:
                 await asyncio.sleep(self.config.interval_s)
-                await self.refresh()
+                try:
+                    await self.refresh()
+                except Exception:  # the loop's supervisor: this round is lost, not the loop
+                    self._metrics.failures.labels(self._target, "round").inc()
+                    logger.exception("discovery of %s: a round failed", self._target)
         finally:
             self._metrics.up.labels(self._target).set(0)
 
@@ -457,13 +471,15 @@ class DnsDiscovery:
         removed = [a for a in gone if self._count_absence(a) >= self.config.remove_after]
         for address in added:
             worker = worker_for_address(self.config, address)
-            await self._on_added(worker)
+            if not await self._report(self._on_added(worker), "added", worker.url):
+                continue  # not known yet: reported again next round
             self._known[address] = worker
             self._metrics.changes.labels(self._target, "added").inc()
             logger.info("discovery: %s added worker %s", self._target, worker.url)
         for address in removed:
             worker = self._known[address]
-            await self._on_removed(worker.url)
+            if not await self._report(self._on_removed(worker.url), "removed", worker.url):
+                continue  # still known: reported again next round
             del self._known[address]
             self._absent_rounds.pop(address, None)
             self._metrics.changes.labels(self._target, "removed").inc()
@@ -471,9 +487,21 @@ class DnsDiscovery:
         self._metrics.workers.labels(self._target).set(len(self._known))
         return DiscoveryRound(
             ok=True,
-            added=tuple(self._known[a].url for a in added),
-            removed=tuple(worker_for_address(self.config, a).url for a in removed),
+            added=tuple(self._known[a].url for a in added if a in self._known),
+            removed=tuple(
+                worker_for_address(self.config, a).url for a in removed if a not in self._known
+            ),
         )
+
+    async def _report(self, change: Awaitable[None], step: str, url: str) -> bool:
+        """Await one change's callback; False (logged, counted) when it failed."""
+        try:
+            await change
+        except Exception:  # one worker's supervisor: its change is lost, not the round
+            self._metrics.failures.labels(self._target, step).inc()
+            logger.exception("discovery: %s: %s worker %s failed", self._target, step, url)
+            return False
+        return True
 
     def _count_absence(self, address: str) -> int:
         rounds = self._absent_rounds.get(address, 0) + 1

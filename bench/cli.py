@@ -11,6 +11,8 @@ Sub-commands:
   overload routers side by side from below to above the saturating session rate (goodput)
   room-wait  from finished runs' records: the requests that lacked KV room where they were
            sent, their wait for it there, and on the replica that freed room first
+  epp      kvgate as the endpoint picker of a real Envoy against kvgate serve, side by side
+           (bench/epp.py; ``kvgate bench epp --help``)
   tail     from finished runs' records and kvgate's access log: the slowest requests by
            cause (a first turn, a history kept, lost before or after routing, moved)
 """
@@ -46,9 +48,13 @@ from bench.compare import (
     references,
     router_label,
 )
+from bench.dynamo_peer import DYNAMO, DYNAMO_ROUTERS
+from bench.engines import needs_private_netns
+from bench.fleet import FleetSpec
+from bench.netns import only_loopback, reexec_private
 from bench.oracle import oracle
 from bench.overload import PointResult, run_point, write_ramp
-from bench.peers import PEERS
+from bench.peers import ENGINES_DIR, PEERS, ensure_installed
 from bench.replay import replay, select_slice, write_records
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -75,7 +81,7 @@ def cmd_oracle(args: argparse.Namespace) -> int:
     cfg = replay_config(args, "http://unused", block)
     chosen = select_slice(reqs, cfg)
     o = oracle(chosen, block_tokens=block)
-    refs = references(chosen, fleet_spec(args), block)
+    refs = references(chosen, fleet_spec(args), block, args.out, cfg)
     print(
         json.dumps(
             {
@@ -118,7 +124,13 @@ def _parse_routers(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(ALL_ROUTERS)
-    known = set(KVGATE_POLICIES) | set(KVGATE_VARIANTS) | set(PEERS) | {BASELINE_TREE}
+    known = (
+        set(KVGATE_POLICIES)
+        | set(KVGATE_VARIANTS)
+        | set(PEERS)
+        | set(DYNAMO_ROUTERS)
+        | {BASELINE_TREE}
+    )
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown router(s) {unknown}; choose from {sorted(known)} or 'all'")
@@ -250,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--routers",
         default="all",
-        help=f"comma list of {sorted(set(KVGATE_POLICIES) | set(PEERS))} or 'all'",
+        help=f"comma list of {sorted(set(KVGATE_POLICIES) | set(PEERS) | set(DYNAMO_ROUTERS))} "
+        "or 'all'",
     )
 
     p = sub.add_parser("sweep", help="kv policy: one knob's values x temperature")
@@ -295,7 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="repeat N lays the sessions out with seed --seed + N - 1 (other arrival bursts) "
         "instead of replaying one slice",
     )
-    p.add_argument("--slo", type=float, default=5.0, help="goodput's TTFT objective, seconds")
 
     p = sub.add_parser(
         "room-wait",
@@ -324,12 +336,45 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routers_and_engines(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The routers a run starts and the engines of its fleets."""
+    if args.command == "matrix":
+        cfg = matrix.config_from_args(args, DEFAULT_OUT)
+        return list(cfg.routers), matrix.cell_engines(cfg.cells)
+    routers = _parse_routers(args.routers) if hasattr(args, "routers") else []
+    return routers, [getattr(args, "engine", "sim")]
+
+
+def _enter_private_netns(args: argparse.Namespace, argv: list[str]) -> None:
+    """A run that starts Dynamo (its KV router, or its mocker as the fleet) or real vLLM
+    replicas re-executes itself in a private network namespace, once every peer it needs
+    is installed (the namespace has no route to a package registry): bench/netns.py."""
+    routers, engines = _routers_and_engines(args)
+    private = any(r in DYNAMO_ROUTERS for r in routers) or any(
+        needs_private_netns(FleetSpec(engine=e)) for e in engines
+    )
+    if not private or only_loopback():
+        return
+    logs = ENGINES_DIR / "logs"
+    packages = {PEERS[r].package.name: PEERS[r].package for r in routers if r in PEERS}
+    for package in [*packages.values(), DYNAMO]:
+        ensure_installed(package, logs)
+    print("running in a private network namespace (bench/netns.py)", file=sys.stderr)
+    reexec_private([sys.executable, "-m", "router.cli", "bench", *argv])
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["epp"]:  # its own parser: no trace, its own fleet, Envoy and load
+        from bench import epp  # noqa: PLC0415 - imported only for this sub-command
+
+        return epp.cli(argv[1:])
     if argv[:1] == ["faults"]:  # its own parser: no trace, its own fleet and load
         from bench import faults  # noqa: PLC0415 - imported only for this sub-command
 
         return faults.main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in {"oracle", "compare", "sweep", "overload", "matrix"}:
+        _enter_private_netns(args, argv)
     if args.command == "oracle":
         return cmd_oracle(args)
     if args.command == "replay":

@@ -16,20 +16,21 @@ from pathlib import Path
 import httpx
 
 from bench import report
+from bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
+from bench.engines import start_bench_fleet
 from bench.fleet import (
+    BenchFleet,
     FleetSpec,
     KvgateSpec,
-    ManagedProcess,
-    SimFleet,
     cpus_apart,
     process_cpu_seconds,
     sim_config,
-    start_fleet,
     start_kvgate,
     system_cpu_times,
 )
+from bench.floor import measured_floor
 from bench.oracle import oracle, pooled_lru, ttft_floor
-from bench.peers import PEERS, start_peer
+from bench.peers import PEERS, RouterProcess, start_peer
 from bench.replay import (
     SAMPLED_METRICS,
     MetricsSample,
@@ -52,6 +53,8 @@ ALL_ROUTERS = (
     "sglang_cache_aware",
     "vllm_cache_aware",
     "vllm_kv_aware",
+    "smg_cache_aware",
+    "dynamo_kv",
 )
 
 
@@ -74,9 +77,16 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 those in ``bench.variants.TUNINGS`` are served by ``python -m bench.variants NAME``."""
 
 
+def is_peer(name: str) -> bool:
+    """Whether router ``name`` is a peer (not kvgate)."""
+    return name in PEERS or name in DYNAMO_ROUTERS
+
+
 def router_label(name: str) -> str:
     if name in PEERS:
         return PEERS[name].label
+    if name in DYNAMO_ROUTERS:
+        return DYNAMO_ROUTERS[name].label
     if name == BASELINE_TREE:
         return "kvgate kv (baseline tree)"
     if name in KVGATE_VARIANTS:
@@ -110,6 +120,7 @@ class CompareConfig:
     trace_block_tokens: int = 512
     kvgate_extra_args: tuple[str, ...] = ()
     baseline_tree: Path | None = None  # the checkout router "kv_baseline" runs from
+    slo_s: float = 5.0  # goodput's TTFT objective (in the load window)
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -155,10 +166,12 @@ def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
 
 
 def _start_router(
-    run: RouterRun, fleet: SimFleet, cfg: CompareConfig, log_dir: Path
-) -> tuple[ManagedProcess, str]:
+    run: RouterRun, fleet: BenchFleet, cfg: CompareConfig, log_dir: Path
+) -> tuple[RouterProcess, str]:
     if run.name in PEERS:
         return start_peer(PEERS[run.name], fleet, log_dir, model=cfg.replay.model)
+    if run.name in DYNAMO_ROUTERS:
+        return start_dynamo_router(DYNAMO_ROUTERS[run.name], fleet, log_dir)
     return start_kvgate(kvgate_spec(run, cfg), fleet, log_dir)
 
 
@@ -191,8 +204,8 @@ def _run_one(
     oracle_rate: float,
     run_dir: Path,
 ) -> RunOutput:
-    fleet = start_fleet(cfg.fleet, run_dir / "logs")
-    router: ManagedProcess | None = None
+    fleet = start_bench_fleet(cfg.fleet, run_dir / "logs")
+    router: RouterProcess | None = None
     try:
         router, url = _start_router(run, fleet, cfg, run_dir / "logs")
         metrics_urls = tuple(f"{u}/metrics" for u in fleet.urls)
@@ -204,7 +217,9 @@ def _run_one(
         t0 = time.perf_counter()
         result = asyncio.run(replay(requests, rcfg))
         wall = time.perf_counter() - t0
-        router_metrics = _scrape_router(url, kvgate=run.name not in PEERS)
+        router_metrics = _scrape_router(url, kvgate=not is_peer(run.name))
+        if run.name in DYNAMO_ROUTERS:
+            router_metrics = scrape_index_counts(url)
         cpu1 = _cpu_snapshot(router, fleet)
         box1 = system_cpu_times()[0]
     finally:
@@ -227,6 +242,8 @@ def _run_one(
         metrics_before=before,
         metrics_after=result.final_metrics,
         samples=result.samples,
+        window_s=cfg.replay.max_duration_s,
+        slo_s=cfg.slo_s,
     )
     write_records(run_dir / "records.jsonl", result.records)
     report.write_summary(run_dir / "summary.json", summary)
@@ -247,9 +264,15 @@ def _run_one(
 
 
 def _queued_note(router_metrics: dict[str, float]) -> str:
-    """`` queued N`` for kvgate (requests its queue took in the run); peers have no queue."""
+    """`` queued N`` for kvgate (requests its queue took in the run); peers have no queue.
+    For Dynamo, the stored events its index applied and rejected (parent block not found)."""
     entered = router_metrics.get("kvgate_queue_entered_total")
-    return "" if entered is None else f" queued {entered:.0f}"
+    rejected = router_metrics.get("dynamo_stored_parent_block_not_found")
+    note = "" if entered is None else f" queued {entered:.0f}"
+    if rejected is None:
+        return note
+    applied = router_metrics.get("dynamo_stored_ok", 0.0)
+    return f"{note} index: {applied:.0f} stored events applied, {rejected:.0f} rejected (no parent)"
 
 
 def _scrape_router(url: str, *, kvgate: bool) -> dict[str, float]:
@@ -267,7 +290,7 @@ def _scrape_router(url: str, *, kvgate: bool) -> dict[str, float]:
     return dict.fromkeys(ROUTER_METRICS, 0.0) | parse_prometheus(resp.text, ROUTER_METRICS)
 
 
-def _cpu_snapshot(router: ManagedProcess, fleet: SimFleet) -> dict[str, float]:
+def _cpu_snapshot(router: RouterProcess, fleet: BenchFleet) -> dict[str, float]:
     return {
         "router": router.cpu_seconds(),
         "fleet": fleet.cpu_seconds(),
@@ -287,7 +310,7 @@ def compare(
 ) -> list[RunOutput]:
     """Run every router on the same slice; write table.md, summary.json and PNGs."""
     chosen = select_slice(requests, cfg.replay)
-    refs = references(chosen, cfg.fleet, cfg.trace_block_tokens)
+    refs = references(chosen, cfg.fleet, cfg.trace_block_tokens, cfg.out_dir, cfg.replay)
     cfg.log(
         f"slice: {len(chosen)} requests, oracle hit rate {refs.oracle_hit_rate:.3f}, "
         f"pooled LRU {refs.pooled_hit_rate:.3f}, "
@@ -306,13 +329,32 @@ def compare(
 
 
 def references(
-    chosen: Sequence[TraceRequest], fleet: FleetSpec, block_tokens: int
+    chosen: Sequence[TraceRequest],
+    fleet: FleetSpec,
+    block_tokens: int,
+    floor_dir: Path | None = None,
+    replay_cfg: ReplayConfig | None = None,
 ) -> report.References:
     """The oracle, the TTFT floor and the pooled LRU of ``fleet`` for the slice ``chosen``
-    (``block_tokens`` tokens per trace hash id)."""
+    (``block_tokens`` tokens per trace hash id).
+
+    On the simulator the floor is computed from its timing model. On another engine it is
+    measured (bench/floor.py) on a fleet started for it, and kept in ``floor_dir`` (a run
+    that resumes reads it back); the pooled LRU is given where the engine's tokens are the
+    trace's words (the Dynamo mocker tokenizes with the simulator's tokenizer), not on vLLM,
+    whose tokenizer splits them."""
+    orc = oracle(chosen, block_tokens=block_tokens)
+    if fleet.engine != "sim":
+        idle = measured_floor(chosen, orc, fleet, block_tokens, floor_dir, replay_cfg)
+        floor = [idle[i] for i in sorted(idle)]
+        pooled_rate: float | None = None
+        capacity: int | None = None
+        if fleet.engine == "dynamo-mocker" and fleet.capacity_blocks is not None:
+            capacity = fleet.replicas * fleet.capacity_blocks * fleet.block_size
+            pooled_rate = pooled_lru(chosen, capacity, block_tokens=block_tokens).token_hit_rate
+        return report.References(orc.token_hit_rate, floor, pooled_rate, capacity, "measured")
     sim = sim_config(fleet)
     engine = sim.engine
-    orc = oracle(chosen, block_tokens=block_tokens)
     capacity = (
         sim.replicas * (engine.capacity_blocks + engine.cpu_offload_blocks) * engine.block_size
     )

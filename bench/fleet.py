@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -193,12 +194,54 @@ class FleetSpec:
     processes: int = 1
     """Split the replicas over this many ``kvgate sim`` processes (``--fleet-processes``),
     each with an event loop of its own; ports and seeds do not change."""
+    engine: str = "sim"
+    """What the replicas are: ``sim`` (kvgate's simulator), or an engine we did not write
+    (``bench.engines``: ``vllm``, ``dynamo-mocker``; ``sglang`` once its launcher lands)."""
+    engine_args: tuple[str, ...] = ()
+    """Extra arguments for each replica of an engine other than the simulator."""
 
     def shares(self) -> list[range]:
         """The replica indices each process runs: contiguous, as even as they divide."""
         count = max(1, min(self.processes, self.replicas))
         bounds = [self.replicas * k // count for k in range(count + 1)]
         return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+class BenchFleet(Protocol):
+    """A fleet a benchmark runs routers on: the simulator's (``SimFleet``) or replicas of an
+    engine we did not write (``bench.engines``). Events and replay endpoints are where a
+    subscriber connects, one per replica."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    @property
+    def event_endpoints(self) -> list[str]: ...
+
+    @property
+    def replay_endpoints(self) -> list[str]: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Path:
+        """A Hugging Face tokenizer directory producing the replicas' token ids."""
+
+    @property
+    def model(self) -> str:
+        """The model name the replicas serve."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def engine(self) -> str:
+        """``sim`` or the engine's name (``FleetSpec.engine``)."""
+
+    def cpu_seconds(self) -> float: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -224,6 +267,26 @@ class SimFleet:
         return [
             f"tcp://{LOOPBACK}:{self.events_port + 2 * i + 1}" for i in range(self.spec.replicas)
         ]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def tokenizer(self) -> Path:
+        return tokenizer_dir()
+
+    @property
+    def model(self) -> str:
+        return SIM_MODEL
+
+    @property
+    def topic(self) -> str:
+        return self.spec.topic
+
+    @property
+    def engine(self) -> str:
+        return "sim"
 
     def cpu_seconds(self) -> float:
         return sum(proc.cpu_seconds() for proc in self.processes)
@@ -336,13 +399,13 @@ class KvgateSpec:
     """A variant built in code (``bench.variants``): ``python -m bench.variants NAME``."""
 
 
-def kvgate_serve_argv(
-    spec: KvgateSpec, fleet: SimFleet, port: int, model: str = SIM_MODEL
-) -> list[str]:
-    """``kvgate serve`` wired to the fleet's replicas, events and the simulator's tokenizer."""
+def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[str]:
+    """``kvgate serve`` wired to the fleet's replicas, events and tokenizer (a variant built
+    in code: ``python -m bench.variants NAME`` with the same flags)."""
+    model = fleet.model
     flags = [
         "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
-        "--tokenizer", f"{model}={tokenizer_dir()}", "--log-level", "warning",
+        "--tokenizer", f"{model}={fleet.tokenizer}", "--log-level", "warning",
     ]  # fmt: skip
     if spec.variant is not None:
         argv = [sys.executable, "-m", "bench.variants", spec.variant, *flags]
@@ -356,7 +419,7 @@ def kvgate_serve_argv(
 
 
 def start_kvgate(
-    spec: KvgateSpec, fleet: SimFleet, log_dir: Path, timeout_s: float = 60.0
+    spec: KvgateSpec, fleet: BenchFleet, log_dir: Path, timeout_s: float = 60.0
 ) -> tuple[ManagedProcess, str]:
     port = bench_port_range(1, start=18000)
     proc = ManagedProcess(

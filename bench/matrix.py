@@ -32,12 +32,34 @@ from pathlib import Path
 from bench import report
 from bench.args import compare_config, compare_parser, load_requests
 from bench.compare import CompareConfig, RouterRun, references, router_label, run_one
+from bench.floor import lowest, read_floor
 from bench.replay import select_slice
 from bench.traces import TraceRequest
 
 REPO = Path(__file__).resolve().parent.parent
-TRACES = REPO.parent / "shared" / "traces"
-PEER_ROUTERS = ("sglang_cache_aware", "vllm_cache_aware", "vllm_kv_aware")
+
+
+def shared_dir(repo: Path = REPO) -> Path:
+    """``shared/`` beside the checkout, or beside the main checkout when ``repo`` is a git
+    worktree elsewhere (its ``.git`` file names ``<main>/.git/worktrees/<name>``)."""
+    beside = repo.parent / "shared"
+    dot_git = repo / ".git"
+    if beside.is_dir() or not dot_git.is_file():
+        return beside
+    gitdir = Path(dot_git.read_text().removeprefix("gitdir:").strip())
+    if gitdir.parent.name != "worktrees" or gitdir.parent.parent.name != ".git":
+        return beside
+    return gitdir.parents[2].parent / "shared"
+
+
+TRACES = shared_dir() / "traces"
+PEER_ROUTERS = (
+    "sglang_cache_aware",
+    "vllm_cache_aware",
+    "vllm_kv_aware",
+    "smg_cache_aware",
+    "dynamo_kv",
+)
 ROUTERS = ("kv", *PEER_ROUTERS)
 
 P99_VS_PEER = 0.8  # aim: kvgate's p99 <= 0.8 x the best peer's
@@ -122,6 +144,50 @@ def all_cells() -> list[Cell]:
     ]
 
 
+# Cells whose engines nobody on the project wrote (bench/engines.py). vllm-cpu: two real
+# vLLM-CPU replicas of the tiny model, one core each, block size 32, the KV cache held to
+# 128 blocks (4,096 tokens) each with vLLM's own --num-gpu-blocks-override: the 40 s slice's
+# ten sessions reach ~2,000 tokens (~65 blocks) each, so the fleet holds about 0.4 of the
+# working set and eviction matters; the agent sessions at 4 words per trace block (about 12
+# tiny-model tokens: prompts up to ~2,100 tokens within its 4,096 context) and answers cut
+# to 128 tokens, a slice two cores run in a few minutes. dynamo-mocker: the base cell's
+# traffic and fleet on Dynamo's mocker (its own vLLM scheduler model and timing, speed-up 4).
+VLLM_TRAFFIC = (
+    "--trace", str(TRACES / "agentic_sessions.jsonl.gz"), "--session-rate", "0.05",
+    "--max-gap", "10", "--max-input-tokens", "100000", "--token-scale", "0.008",
+    "--max-output-tokens", "128", "--speedup", "4",
+)  # fmt: skip
+VLLM_FLEET = (
+    "--engine", "vllm", "--replicas", "2", "--block-size", "32", "--capacity-blocks", "128",
+)  # fmt: skip
+MOCKER_FLEET = ("--engine", "dynamo-mocker", *BASE_FLEET)
+
+
+def engine_cells() -> list[Cell]:
+    """Cells on engines we did not write (not in the default run: they need vLLM and the
+    Dynamo peer installed, and minutes each)."""
+    return [
+        Cell("vllm-cpu", "real vLLM-CPU, 2 replicas, tiny model", VLLM_TRAFFIC + VLLM_FLEET),
+        Cell("dynamo-mocker", "Dynamo's mocker as the engine", BASE_TRAFFIC + MOCKER_FLEET),
+        # real SGLang-CPU replicas: a cell here once backends/sglang_cpu lands, e.g.
+        # Cell("sglang-cpu", "real SGLang-CPU, 2 replicas", VLLM_TRAFFIC + ("--engine",
+        # "sglang", "--replicas", "2", "--block-size", "16", "--capacity-blocks", "512"))
+    ]
+
+
+CELL_SETS = {"engines": tuple(c.name for c in engine_cells())}
+"""Names for groups of cells (``--cells engines``)."""
+
+
+def cell_engines(cells: Sequence[Cell]) -> list[str]:
+    """The engine of each cell's fleet (``--engine``; the simulator when not given)."""
+    out = []
+    for cell in cells:
+        argv = list(cell.argv)
+        out.append(argv[argv.index("--engine") + 1] if "--engine" in argv else "sim")
+    return out
+
+
 QUICK_CELLS = ("base", "serial")
 
 
@@ -134,6 +200,7 @@ class MatrixConfig:
     duration_s: float = 40.0
     drain_timeout_s: float = 60.0
     serve_args: tuple[str, ...] = ()
+    slo_s: float = 5.0  # goodput's TTFT objective (in the load window)
     baseline_tree: Path | None = None  # router kv_baseline: kvgate from this checkout
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
@@ -186,7 +253,7 @@ class CellResult:
 def _cell_args(cell: Cell, cfg: MatrixConfig) -> argparse.Namespace:
     argv = [
         *cell.argv, "--duration", f"{cfg.duration_s:g}",
-        "--drain-timeout", f"{cfg.drain_timeout_s:g}", "--no-progress",
+        "--drain-timeout", f"{cfg.drain_timeout_s:g}", "--no-progress", "--slo", f"{cfg.slo_s:g}",
         "--out", str(cfg.out / cell.name),
         *(f"--serve-arg={a}" for a in cfg.serve_args),
     ]  # fmt: skip
@@ -197,7 +264,8 @@ def _command(args: argparse.Namespace, cell: Cell, cfg: MatrixConfig) -> str:
     serve = " ".join(f"--serve-arg={a}" for a in cfg.serve_args)
     return (
         f"kvgate bench compare {' '.join(cell.argv)} --duration {cfg.duration_s:g} "
-        f"--drain-timeout {cfg.drain_timeout_s:g} --routers {','.join(cfg.routers)} {serve}"
+        f"--drain-timeout {cfg.drain_timeout_s:g} --slo {cfg.slo_s:g} "
+        f"--routers {','.join(cfg.routers)} {serve}"
     ).strip()
 
 
@@ -212,7 +280,7 @@ def run_cell(cell: Cell, cfg: MatrixConfig) -> CellResult:
     base.log = cfg.log
     base.baseline_tree = cfg.baseline_tree
     chosen = select_slice(reqs, base.replay)
-    refs = references(chosen, base.fleet, base.trace_block_tokens)
+    refs = references(chosen, base.fleet, base.trace_block_tokens, cell_dir, base.replay)
     (cell_dir / "references.json").write_text(json.dumps(refs.as_json(), indent=2) + "\n")
     cfg.log(
         f"[{cell.name}] {len(chosen)} requests, oracle {refs.oracle_hit_rate:.3f}, "
@@ -227,6 +295,10 @@ def run_cell(cell: Cell, cfg: MatrixConfig) -> CellResult:
             summary = _run_or_reuse(name, chosen, rep_cfg, refs.oracle_hit_rate)
             if summary is not None:
                 runs[name].append(summary)
+    if refs.floor_source == "measured":  # the idle floor lowered to the runs' best
+        idle = read_floor(cell_dir, len(chosen)) or {}
+        refs = replace(refs, ttft_floor=lowest(idle, sorted(cell_dir.glob("r*/*/records.jsonl"))))
+        (cell_dir / "references.json").write_text(json.dumps(refs.as_json(), indent=2) + "\n")
     result = CellResult(
         cell,
         len(chosen),
@@ -279,6 +351,10 @@ def _aims(result: CellResult) -> tuple[list[str], list[str]]:
     if hit_peer is not None:
         gap = round(kv.median("hit_rate") - hit_peer.median("hit_rate"), 3) + 0.0  # no -0.000
         (met if gap >= -HIT_SLACK else missed).append(f"hit {gap:+.3f} vs best peer")
+    good_peer = result.best_peer("window_goodput_rps", lowest=False)
+    if good_peer is not None and not math.isnan(kv.median("window_goodput_rps")):
+        ratio = kv.median("window_goodput_rps") / good_peer.median("window_goodput_rps")
+        (met if ratio >= 1.0 else missed).append(f"goodput {ratio:.2f}x best peer")
     if not math.isnan(floor) and floor > 0:
         ratio = p99 / floor
         (met if ratio <= P99_VS_FLOOR else missed).append(f"p99 {ratio:.2f}x floor")
@@ -298,20 +374,33 @@ def _router_cell(rc: RouterCell | None) -> str:
     if rc is None or not rc.runs:
         return "–"
     lo, hi = rc.spread("ttft_p99_s")
+    answered = rc.median("answered_in_window")
     return (
         f"{_s(rc.median('ttft_p99_s'))} [{_s(lo)}–{_s(hi)}] / {_s(rc.median('ttft_p50_s'))} / "
-        f"{rc.median('hit_rate'):.3f} (n={len(rc.runs)})"
+        f"{rc.median('hit_rate'):.3f} / {_s(rc.median('window_goodput_rps'))} / "
+        f"{'–' if math.isnan(answered) else f'{answered:.0f}'} (n={len(rc.runs)})"
     )
 
 
+def _floor(res: CellResult) -> str:
+    p50 = report.percentile(res.refs.ttft_floor, 50)
+    how = " (measured)" if res.refs.floor_source == "measured" else ""
+    return f"{_s(p50)} / {_s(res.floor_p99)}{how}"
+
+
 def cell_table(results: Sequence[CellResult]) -> str:
-    """One row per cell: kvgate's and every peer's median p99 TTFT [range] / median p50 /
-    hit rate, the references, and the aims met or missed."""
+    """One row per cell: kvgate's and every peer's medians of p99 TTFT [range] / p50 / hit
+    rate / goodput in the load window / requests answered in it, the references (the TTFT
+    floor computed on the simulator, measured on other engines), and the aims met or
+    missed."""
     routers = [r.router for r in results[0].routers] if results else list(ROUTERS)
     head = (
         "| cell | what varies | req | "
-        + " | ".join(f"{router_label(r)}: p99 s [range] / p50 s / hit" for r in routers)
-        + " | floor p99 s | oracle / pooled LRU hit | aims met | aims missed |\n"
+        + " | ".join(
+            f"{router_label(r)}: p99 s [range] / p50 s / hit / goodput req/s / answered"
+            for r in routers
+        )
+        + " | floor p50 / p99 s | oracle / pooled LRU hit | aims met | aims missed |\n"
         + "|---" * (7 + len(routers))
         + "|\n"
     )
@@ -323,7 +412,7 @@ def cell_table(results: Sequence[CellResult]) -> str:
         rows.append(
             f"| {res.cell.name} | {res.cell.varies} | {res.requests} | "
             + " | ".join(_router_cell(by_name.get(r)) for r in routers)
-            + f" | {_s(res.floor_p99)} | {res.refs.oracle_hit_rate:.3f} / "
+            + f" | {_floor(res)} | {res.refs.oracle_hit_rate:.3f} / "
             f"{'–' if pooled is None else f'{pooled:.3f}'} | {'; '.join(met) or '–'} "
             f"| {'; '.join(missed) or '–'} |"
         )
@@ -410,8 +499,13 @@ def write_matrix(results: Sequence[CellResult], cfg: MatrixConfig) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     names = [c.name for c in all_cells()]
+    engines = [c.name for c in engine_cells()]
     p.add_argument("--out", type=Path, help="results folder (default bench/results/matrix-<stamp>)")
-    p.add_argument("--cells", help=f"comma list of cells (default all): {', '.join(names)}")
+    p.add_argument(
+        "--cells",
+        help=f"comma list of cells (default the simulator's: {', '.join(names)}); on engines "
+        f"we did not write: {', '.join(engines)} ('engines': all of these)",
+    )
     p.add_argument(
         "--routers",
         default=",".join(ROUTERS),
@@ -422,6 +516,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per slice (default 40)")
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--slo",
+        type=float,
+        default=5.0,
+        help="goodput's TTFT objective, seconds (answered within it in the load window)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -440,7 +540,8 @@ def config_from_args(args: argparse.Namespace, default_out: Path) -> MatrixConfi
     cells = all_cells()
     wanted = args.cells.split(",") if args.cells else (QUICK_CELLS if args.quick else None)
     if wanted is not None:
-        by_name = {c.name: c for c in cells}
+        wanted = [n for w in wanted for n in CELL_SETS.get(w, (w,))]
+        by_name = {c.name: c for c in [*cells, *engine_cells()]}
         unknown = [w for w in wanted if w not in by_name]
         if unknown:
             raise SystemExit(f"unknown cell(s) {unknown}; choose from {sorted(by_name)}")
@@ -455,6 +556,7 @@ def config_from_args(args: argparse.Namespace, default_out: Path) -> MatrixConfi
         duration_s=duration,
         drain_timeout_s=args.drain_timeout,
         serve_args=tuple(args.serve_arg),
+        slo_s=args.slo,
         baseline_tree=args.baseline_tree,
     )
 

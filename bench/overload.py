@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.compare import CompareConfig, RouterRun, RunOutput, compare
 from bench.replay import RequestRecord
-from bench.report import percentile
+from bench.report import percentile, window_counts
 from bench.traces import TraceRequest
 
 
@@ -70,15 +70,7 @@ def goodput(served: Sequence[float], slo_s: float, wall_s: float) -> float:
 def window_goodput(records: Sequence[RequestRecord], slo_s: float, window_s: float) -> float:
     """Answered requests whose first token came within ``slo_s`` of their sending and before
     ``window_s`` seconds of the replay, per second of ``window_s``."""
-    good = sum(
-        1
-        for r in records
-        if r.status == "ok"
-        and r.ttft_s is not None
-        and r.ttft_s <= slo_s
-        and r.sent_s is not None
-        and r.sent_s + r.ttft_s <= window_s
-    )
+    _answered, good = window_counts(records, window_s, slo_s)
     return good / window_s if window_s > 0 else 0.0
 
 

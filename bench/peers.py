@@ -1,23 +1,30 @@
-"""Peer routers for side-by-side runs: sglang-router and vllm-router, each in its own venv
-under ``.engines/`` and bound to 127.0.0.1 (serving and Prometheus ports alike)."""
+"""Peer routers for side-by-side runs, each in its own venv under ``.engines/`` and bound to
+127.0.0.1 (serving and Prometheus ports alike): sglang-router 0.3.2, vllm-router 0.1.17 and
+smg 1.13.0 (the SGLang model gateway, sglang-router's successor), one process each; and
+NVIDIA Dynamo's KV router (a frontend and one relay worker per replica: bench/dynamo_peer.py).
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from backends.process import LOOPBACK
-from bench.fleet import ManagedProcess, SimFleet, bench_port_range, wait_own_http
+from bench.fleet import BenchFleet, ManagedProcess, bench_port_range, wait_own_http
 
 ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
+BENCH_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True, slots=True)
 class PeerPackage:
     name: str  # venv folder under .engines/
-    requirement: str
+    installs: tuple[tuple[str, ...], ...]
+    """``pip install`` arguments, one tuple per call, in order (every version pinned)."""
     module: str  # its entry point, run as ``python -m <module>``
 
     def launch(self, bin_dir: Path) -> list[str]:
@@ -27,12 +34,22 @@ class PeerPackage:
         return [str(bin_dir / "python"), "-m", self.module]
 
 
-SGLANG_ROUTER = PeerPackage("sglang-router", "sglang-router==0.3.2", "sglang_router.launch_router")
-VLLM_ROUTER = PeerPackage("vllm-router", "vllm-router==0.1.17", "vllm_router.launch_router")
+SGLANG_ROUTER = PeerPackage(
+    "sglang-router", (("sglang-router==0.3.2",),), "sglang_router.launch_router"
+)
+VLLM_ROUTER = PeerPackage("vllm-router", (("vllm-router==0.1.17",),), "vllm_router.launch_router")
+SMG = PeerPackage(
+    "smg", (("-c", str(BENCH_DIR / "constraints-smg.txt"), "smg==1.13.0"),), "smg.launch_router"
+)
 
 
 def venv_python(pkg: PeerPackage) -> Path:
     return ENGINES_DIR / pkg.name / "bin" / "python"
+
+
+def installed(pkg: PeerPackage) -> bool:
+    """Whether ``ensure_installed`` finished for ``pkg`` (its marker is there)."""
+    return (venv_python(pkg).parent.parent / ".installed").is_file()
 
 
 def ensure_installed(pkg: PeerPackage, log_dir: Path) -> Path:
@@ -51,19 +68,20 @@ def ensure_installed(pkg: PeerPackage, log_dir: Path) -> Path:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
             )
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", pkg.requirement],
-            check=True,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-    marker.write_text(pkg.requirement + "\n")
+        for args in pkg.installs:
+            subprocess.run(
+                [str(python), "-m", "pip", "install", "--quiet", *args],
+                check=True,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+    marker.write_text(json.dumps([list(a) for a in pkg.installs]) + "\n")
     return python.parent
 
 
 @dataclass(frozen=True, slots=True)
 class PeerSpec:
-    """One peer router configuration in a comparison."""
+    """One single-process peer router configuration in a comparison."""
 
     label: str  # e.g. "sglang-router cache_aware"
     package: PeerPackage
@@ -74,13 +92,21 @@ PEERS: dict[str, PeerSpec] = {
     "sglang_cache_aware": PeerSpec("sglang-router cache_aware", SGLANG_ROUTER, "cache_aware"),
     "vllm_cache_aware": PeerSpec("vllm-router cache_aware", VLLM_ROUTER, "cache_aware"),
     "vllm_kv_aware": PeerSpec("vllm-router kv_aware", VLLM_ROUTER, "kv_aware"),
+    "smg_cache_aware": PeerSpec("smg cache_aware", SMG, "cache_aware"),
+    "smg_least_load": PeerSpec("smg least_load", SMG, "least_load"),
+    "smg_prefix_hash": PeerSpec("smg prefix_hash", SMG, "prefix_hash"),
+    "smg_power_of_two": PeerSpec("smg power_of_two", SMG, "power_of_two"),
     # not in the default comparison: a plain proxy baseline to separate proxy cost from policy
     "sglang_round_robin": PeerSpec("sglang-router round_robin", SGLANG_ROUTER, "round_robin"),
 }
 
+READINESS_PATH = {SGLANG_ROUTER.name: "/readiness", SMG.name: "/readiness"}
+"""Where a peer says it routes: sglang-router and smg answer ``/health`` before their
+workers are registered, ``/readiness`` only once they are; vllm-router's ``/health``."""
+
 
 def peer_argv(
-    spec: PeerSpec, bin_dir: Path, fleet: SimFleet, port: int, prom_port: int, model: str
+    spec: PeerSpec, bin_dir: Path, fleet: BenchFleet, port: int, prom_port: int, model: str
 ) -> list[str]:
     common = [
         "--host", LOOPBACK, "--port", str(port),
@@ -89,7 +115,7 @@ def peer_argv(
         "--worker-urls", *fleet.urls,
     ]  # fmt: skip
     argv = [*spec.package.launch(bin_dir), *common]
-    if spec.package is SGLANG_ROUTER:
+    if spec.package is not VLLM_ROUTER:
         return argv
     if spec.policy == "kv_aware":
         for url, events, replay in zip(
@@ -97,13 +123,21 @@ def peer_argv(
         ):
             argv += ["--kv-event-source", f"{url}={events}"]
             argv += ["--kv-event-replay-source", f"{url}={replay}"]
-        argv += ["--kv-event-block-size", str(fleet.spec.block_size), "--kv-event-model", model]
+        argv += ["--kv-event-block-size", str(fleet.block_size), "--kv-event-model", model]
     return argv
+
+
+class RouterProcess(Protocol):
+    """What a comparison needs of a router it started: its CPU use and a way to stop it."""
+
+    def cpu_seconds(self) -> float: ...
+
+    def stop(self) -> None: ...
 
 
 def start_peer(
     spec: PeerSpec,
-    fleet: SimFleet,
+    fleet: BenchFleet,
     log_dir: Path,
     model: str = "kvgate-sim",
     timeout_s: float = 90.0,
@@ -115,7 +149,7 @@ def start_peer(
     slug = spec.label.replace(" ", "-")
     proc = ManagedProcess(slug, argv, log_dir / f"{slug}.log").start()
     url = f"http://{LOOPBACK}:{port}"
-    ready = "/readiness" if spec.package is SGLANG_ROUTER else "/health"
+    ready = READINESS_PATH.get(spec.package.name, "/health")
     try:
         wait_own_http(f"{url}{ready}", timeout_s, proc)
     except (TimeoutError, RuntimeError):

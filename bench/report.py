@@ -66,6 +66,28 @@ class RunSummary:
     box_utilisation: float
     fleet_late: float = math.nan
     """The replicas' mean share of the run their steps began late (NaN: not exported)."""
+    window_s: float = math.nan
+    """The load window: the slice's duration (``--duration``; NaN: none)."""
+    answered_in_window: int = 0
+    """Requests whose first token came before the load window ended."""
+    window_goodput_rps: float = math.nan
+    """Those of them whose TTFT was within ``slo_s``, per second of the window."""
+    slo_s: float = math.nan
+
+
+def window_counts(
+    records: Sequence[RequestRecord], window_s: float, slo_s: float
+) -> tuple[int, int]:
+    """(answered, answered within ``slo_s``): requests whose first token came within
+    ``window_s`` seconds of the replay's start."""
+    answered = good = 0
+    for r in records:
+        if r.status != "ok" or r.ttft_s is None or r.sent_s is None:
+            continue
+        if r.sent_s + r.ttft_s <= window_s:
+            answered += 1
+            good += r.ttft_s <= slo_s
+    return answered, good
 
 
 def busy_from_records(records: Sequence[RequestRecord]) -> dict[str, float]:
@@ -200,8 +222,11 @@ def summarize(
     metrics_before: Mapping[str, Mapping[str, float]] | None = None,
     metrics_after: Mapping[str, Mapping[str, float]] | None = None,
     samples: Sequence[MetricsSample] = (),
+    window_s: float | None = None,
+    slo_s: float = math.nan,
 ) -> RunSummary:
     ok = [r for r in records if r.status == "ok"]
+    answered, good = window_counts(records, window_s, slo_s) if window_s else (0, 0)
     prompt = sum(r.prompt_tokens or r.expected_prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     hit = cached / prompt if prompt else 0.0
@@ -235,6 +260,10 @@ def summarize(
         if cpu
         else {},
         box_utilisation=cpu.box_utilisation if cpu else math.nan,
+        window_s=window_s or math.nan,
+        answered_in_window=answered,
+        window_goodput_rps=good / window_s if window_s else math.nan,
+        slo_s=slo_s,
     )
 
 
@@ -266,14 +295,19 @@ class References:
     ttft_floor: Sequence[float] = ()
     pooled_hit_rate: float | None = None
     pooled_capacity_tokens: int | None = None
+    floor_source: str = "model"
+    """How ``ttft_floor`` was had: ``model`` (the simulator's timing, computed) or
+    ``measured`` (each request alone on an idle replica of the engine, its oracle prefix
+    cached first: bench/floor.py)."""
 
-    def as_json(self) -> dict[str, float | int | None]:
+    def as_json(self) -> dict[str, float | int | str | None]:
         return {
             "oracle": self.oracle_hit_rate,
             "ttft_floor_p50_s": percentile(self.ttft_floor, 50),
             "ttft_floor_p99_s": percentile(self.ttft_floor, 99),
             "pooled_lru_hit_rate": self.pooled_hit_rate,
             "pooled_lru_capacity_tokens": self.pooled_capacity_tokens,
+            "ttft_floor_source": self.floor_source,
         }
 
 

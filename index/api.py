@@ -145,6 +145,11 @@ class PromptKeys:
     session's next turn): call it once the request's first token is back (or it ended), so
     that this work does not compete with the request's own way to the engine. Calling it
     again does nothing; never calling it only leaves the next turn to tokenize more.
+
+    Keyed by engines (mode ``engine``): ``engine`` is the engine kind whose ``/tokenize`` gave
+    ``block_keys``; in a fleet of several kinds each other kind tokenizes the prompt too, and
+    ``other_engines`` holds the keys of each kind whose tokens differ (empty: it could not
+    tokenize it, its workers get no credit). A worker is matched with its own kind's keys.
     """
 
     block_keys: Sequence[BlockKey]
@@ -152,13 +157,27 @@ class PromptKeys:
     prompt_tokens: int
     mode: TokenizeMode
     finish: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    engine: str | None = None
+    other_engines: Mapping[str, Sequence[BlockKey]] = field(default_factory=dict, repr=False)
+
+    def keys_of(self, engine: str) -> Sequence[BlockKey]:
+        """The prompt's keys as a worker of engine kind ``engine`` tokenizes it."""
+        return self.other_engines.get(engine, self.block_keys)
+
+
+TokenizeOn = Callable[[], Sequence[WorkerId]]
+"""The workers a request may be routed to, the likeliest first (called only when its prompt
+is tokenized by an engine): only these see the prompt, in this order."""
 
 
 class BlockIndex(Protocol):
     """What the gateway needs from the index layer (implemented in index/)."""
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
-        """Tokenize (exactly as the engine does, or the best fallback) and key a prompt."""
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
+        """Tokenize (exactly as the engine does, or the best fallback) and key a prompt;
+        ``tokenize_on``: the workers whose ``/tokenize`` may see it (see ``TokenizeOn``)."""
         ...
 
     def match(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, PrefixMatch]:

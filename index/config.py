@@ -70,7 +70,14 @@ class IndexConfig(BaseModel):
     tokenize_inline_chars: int = Field(
         8_000, ge=0, description="Cold tokenizations of longer texts run in a worker thread."
     )
-    engine_tokenize: bool = Field(True, description="Fall back to the engine's POST /tokenize.")
+    engine_tokenize: bool = Field(
+        True,
+        description="For a model without a local tokenizer, tokenize each prompt with an "
+        "engine's POST /tokenize (vLLM, SGLang: exact, chat template included), asked only of "
+        "workers the request may be routed to, the likeliest first. Off: prompts are tokenized "
+        "locally only and kvgate needs a --tokenizer; turn it off when the engines are not "
+        "equally trusted (docs/security.md).",
+    )
     engine_tokenize_timeout_s: float = Field(2.0, gt=0)
     topic: str = Field("", description="ZMQ topic prefix subscribed to ('' = every topic).")
     reconnect_backoff_s: float = Field(0.2, gt=0, description="First reconnect delay.")
@@ -116,6 +123,16 @@ class IndexConfig(BaseModel):
     decode_error_log_interval_s: float = Field(
         10.0, gt=0, description="At most one log line per burst of undecodable payloads."
     )
+
+    def local_tokenizer_missing(self) -> str | None:
+        """Why the configuration cannot key prompts exactly: engine tokenization is off and
+        no local tokenizer is given (None: it can)."""
+        if self.engine_tokenize or self.tokenizers or self.default_tokenizer is not None:
+            return None
+        return (
+            "engine tokenization is off (--no-index-engine-tokenize): give the models' "
+            "tokenizer with --tokenizer [MODEL=]DIR"
+        )
 
     def table_kind(self) -> Literal["native", "python"] | None:
         """The block table asked for (None: the default, native when built)."""

@@ -7,6 +7,8 @@
     │                                  ids out of range...): the next keying mode is used
     ├── TemplateError (ValueError)     a chat template that raised or could not be rendered
     ├── EventDecodeError (ValueError)  a payload that is not a KV-event batch
+    ├── JsonDecodeError (ValueError)   JSON that is not valid, too deep or not the expected
+    │                                  shape (index/jsonsafe.py: every layer's decoder)
     ├── EngineCallError                an engine call without a whole answer (unreachable,
     │                                  too slow, too large)
     └── DiscoveryError (RuntimeError)  a worker that does not say where it publishes events
@@ -33,6 +35,15 @@ class TemplateError(KvIndexError, ValueError):
 
 class EventDecodeError(KvIndexError, ValueError):
     """A payload that is not a KV-event batch."""
+
+
+class JsonDecodeError(KvIndexError, ValueError):
+    """JSON from outside that cannot be used: not valid, nested too deeply (``too_deep``),
+    or not the shape asked for."""
+
+    def __init__(self, message: str, *, too_deep: bool = False) -> None:
+        super().__init__(message)
+        self.too_deep = too_deep
 
 
 class EngineCallError(KvIndexError):

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from index.api import EngineWorker, PromptInput, PromptKeys
+from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeOn
 from index.config import IndexConfig
 from index.events import Discovery, EndpointCheck, Subscriber, Subscriptions
 from index.keys import PromptKeyer
@@ -191,8 +191,10 @@ class KvIndexService:
             return explicit
         return self._model_block_sizes.get(model, self.config.block_size)
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
-        return await self._keyer.keys_for(model, prompt)
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
+        return await self._keyer.keys_for(model, prompt, tokenize_on=tokenize_on)
 
     # ----------------------------------------------------------------- match
     def match(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, PrefixMatch]:

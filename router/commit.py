@@ -19,10 +19,11 @@ another worker instead of a ``200`` stream holding only an error.
   ``response.created``, ``response.in_progress`` and ``response.queued`` events;
 * **a failure** (the attempt failed before any token: retried elsewhere): an error event
   (``data: {"error": ...}``, vLLM's older ``{"object": "error", ...}``, the Responses API's
-  ``event: error`` / ``{"type": "error"}`` and ``response.failed``);
+  ``event: error`` / ``{"type": "error"}`` and ``response.failed``), and JSON nested deeper
+  than any answer is (``index.jsonsafe.MAX_JSON_DEPTH``): a broken worker's;
 * **content**, and the response is committed: anything else: a token, a tool-call or
   reasoning delta, a finish reason, a usage chunk, ``[DONE]`` (an empty answer is an answer),
-  and whatever kvgate does not recognise (it is relayed, never held or dropped).
+  and whatever else kvgate does not recognise (it is relayed, never held or dropped).
 
 The held bytes are bounded (``limit``): past it the response is committed as it stands.
 """
@@ -35,8 +36,9 @@ from enum import Enum
 from typing import Any
 
 import httpx
-import msgspec
 
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json
 from router.errors import KvgateError
 from router.upstream import ResponseHeadTooLarge
 
@@ -47,7 +49,6 @@ _NOT_YET = frozenset({"response.created", "response.in_progress", "response.queu
 _FAILED = frozenset({"error", "response.failed"})
 _EMPTY_KEYS = frozenset({"index", "role"})
 _MAX_MESSAGE = 200
-_decode = msgspec.json.Decoder().decode
 
 
 class Verdict(Enum):
@@ -105,9 +106,11 @@ def classify(event: _Event) -> Verdict:
     if event.data.strip() == _DONE:
         return Verdict.COMMIT
     try:
-        obj = _decode(event.data)
-    except msgspec.DecodeError:
-        return Verdict.COMMIT  # not JSON: nothing kvgate understands, so relay it
+        obj = decode_json(event.data)
+    except JsonDecodeError as exc:
+        # nested past any answer's depth: a broken answer (the attempt fails); other
+        # non-JSON data is nothing kvgate understands, so it is relayed
+        return Verdict.FAILED if exc.too_deep else Verdict.COMMIT
     if not isinstance(obj, dict):
         return Verdict.COMMIT
     return _classify_object(obj)
@@ -134,9 +137,9 @@ def _classify_object(obj: dict[str, Any]) -> Verdict:
 def _error_message(event: _Event) -> str:
     """The message of an error event, for logs and the worker's ``last_error`` (short)."""
     try:
-        obj = _decode(event.data or b"")
-    except msgspec.DecodeError:
-        obj = None
+        obj = decode_json(event.data or b"")
+    except JsonDecodeError as exc:
+        return str(exc) if exc.too_deep else "error event"
     message: Any = None
     if isinstance(obj, dict):
         inner = obj.get("error")
@@ -205,6 +208,7 @@ class Reason:
     TIMEOUT = "timeout"  # no answer, or no next chunk, within upstream.read_timeout_s
     HTTP_5XX = "http_5xx"  # the engine answered a server error
     ERROR_EVENT = "error_event"  # the engine's stream carried an error before any token
+    BAD_ANSWER = "bad_answer"  # a whole answer nested deeper than kvgate reads JSON
     ENGINE_ERROR = "engine_error"  # ... after tokens (relayed as the engine sent it)
     DEADLINE = "deadline"  # upstream.response_timeout_s passed
     TOO_LARGE = "too_large"  # a non-streamed answer over upstream.max_response_bytes
@@ -219,6 +223,7 @@ RETRY_REASONS = (
     Reason.HTTP_5XX,
     Reason.ERROR_EVENT,
     Reason.HEAD_TOO_LARGE,
+    Reason.BAD_ANSWER,
 )
 """The reasons an attempt is retried for (``kvgate_upstream_retries_total{reason}``)."""
 STREAM_ERROR_REASONS = (Reason.RESET, Reason.TIMEOUT, Reason.DEADLINE, Reason.ENGINE_ERROR)

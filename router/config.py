@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
 import msgspec
@@ -472,6 +472,14 @@ class Settings(BaseSettings):
         self.index = self.index.model_copy(update=update)
         return self
 
+    @model_validator(mode="after")
+    def _tokenized_somewhere(self) -> Settings:
+        """Engine tokenization off (engines not equally trusted) needs a local tokenizer."""
+        missing = self.index.local_tokenizer_missing()
+        if missing is not None:
+            raise ValueError(missing)
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -485,6 +493,9 @@ class Settings(BaseSettings):
         if settings_cls.model_config.get("yaml_file"):
             sources += (YamlConfigSettingsSource(settings_cls),)
         return sources
+
+
+S = TypeVar("S", bound=Settings)
 
 
 class ConfigError(ValueError):
@@ -510,20 +521,35 @@ def format_validation_error(exc: pydantic.ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+@overload
 def load_settings(
     config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Settings: ...
+
+
+@overload
+def load_settings(
+    config_file: str | Path | None, overrides: Mapping[str, Any] | None, model: type[S]
+) -> S: ...
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    model: type[Settings] = Settings,
 ) -> Settings:
-    """Build the settings from defaults, the YAML file, ``KVGATE_*`` env vars and ``overrides``.
+    """Build the settings from defaults, the YAML file, ``KVGATE_*`` env vars and ``overrides``
+    (``model``: ``Settings`` or a command's extension of it, e.g. ``kvgate epp``'s).
 
     Raises ``ConfigError`` naming each invalid field.
     """
-    settings_cls: type[Settings] = Settings
+    settings_cls = model
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"invalid configuration:\n  --config: no such file {str(path)!r}")
-        config = SettingsConfigDict(**{**Settings.model_config, "yaml_file": path})
-        settings_cls = type("Settings", (Settings,), {"model_config": config})
+        config = SettingsConfigDict(**{**model.model_config, "yaml_file": path})
+        settings_cls = type(model.__name__, (model,), {"model_config": config})
     try:
         return settings_cls(**dict(overrides or {}))
     except pydantic.ValidationError as exc:

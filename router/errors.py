@@ -64,10 +64,13 @@ import httpx
 import msgspec
 
 from backends import errors as backend
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json
 from router.upstream import ResponseHeadTooLarge
 from scheduling import errors as scheduling
 
 _json_encode = msgspec.json.Encoder().encode
+_NOT_JSON = object()
 
 
 class KvgateError(Exception):
@@ -425,7 +428,9 @@ class UpstreamResponseTooLarge(UpstreamError):
 
 
 class UpstreamHTTPError(KvgateError):
-    """An engine 4xx/5xx, passed through to the client unchanged (status and body)."""
+    """An engine 4xx/5xx, passed through to the client unchanged (status and body), unless
+    the body is JSON nested deeper than ``MAX_JSON_DEPTH``: then kvgate's own error body
+    says so (a client's parser is not handed what kvgate refuses itself)."""
 
     def __init__(self, status: int, body: bytes, content_type: str | None, *, worker: str) -> None:
         super().__init__(f"upstream answered {status} (worker {worker})")
@@ -436,24 +441,32 @@ class UpstreamHTTPError(KvgateError):
         self.body = body
         self.content_type = content_type or "application/json"
         self.worker = worker
+        self._json: object = _NOT_JSON  # the body decoded, when it is JSON
+        if body.lstrip()[:1] in (b"{", b"["):
+            try:
+                self._json = decode_json(body)
+            except JsonDecodeError as exc:
+                if exc.too_deep:
+                    self.message = f"the engine answered {status} with {exc}"
+                    self._json = KvgateError.payload(self)
+                    self.body = _json_encode(self._json)
+                    self.content_type = "application/json"
 
     def body_bytes(self) -> bytes:
         return self.body
 
     def sse_bytes(self) -> bytes:
-        # Inside a stream the body must become one SSE event: keep it if it is JSON.
-        try:
-            msgspec.json.decode(self.body)
-        except msgspec.DecodeError:
-            return super().sse_bytes()
-        return b"data: " + self.body + b"\n\ndata: [DONE]\n\n"
+        # Inside a stream the body must become one SSE event: kept if it is JSON (on one
+        # line), else an OpenAI error event carrying its text.
+        event = self.payload() if self._json is _NOT_JSON else self._json
+        return b"data: " + _json_encode(event) + b"\n\ndata: [DONE]\n\n"
 
     def payload(self) -> dict[str, dict[str, str | None]]:
         return {
             "error": {
                 "message": self.body.decode("utf-8", "replace"),
                 "type": self.type,
-                "param": None,
+                "param": self.param,
                 "code": self.code,
             }
         }

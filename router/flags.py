@@ -79,8 +79,15 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("workers", "discover", "tokenizers", "sim", "sim_port", "sim_events_port", "host", "port"),
     ),
     (
-        "access: client keys, the admin API, request size",
-        ("api_keys", "admin_token", "worker_allow", "pass_through_paths", "max_body_bytes"),
+        "access: client keys, the admin API, what engines are sent",
+        (
+            "api_keys",
+            "admin_token",
+            "worker_allow",
+            "pass_through_paths",
+            "max_body_bytes",
+            "index.engine_tokenize",
+        ),
     ),
     (
         "routing: where a request goes (docs/scoring.md)",

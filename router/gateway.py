@@ -33,7 +33,7 @@ from starlette.responses import Response
 from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
 from backends.config import WorkerConfig
 from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker, HealthMetrics
+from backends.health import HealthChecker, HealthMetrics, unhealthy_reasons
 from backends.registry import Worker, WorkerRegistry
 from index.api import WorkerListener
 from index.types import WorkerId
@@ -565,12 +565,18 @@ class Gateway:
             "healthy_workers": self.registry.healthy_count(),
             "workers": len(self.registry),
         }
+        unhealthy = unhealthy_reasons(self.registry)  # by position: /ready is open
+        if unhealthy:
+            body["unhealthy"] = unhealthy
         kept_out: dict[str, int] = {}
         for facts in self.registry.problems().values():
             for fact in facts:
                 kept_out[fact] = kept_out.get(fact, 0) + 1
         if kept_out:
             body["not_ready"] = kept_out
+        unresolved = self.registry.unresolved_models()
+        if unresolved:  # no block size agreed: no worker serves the model (no URL in a reason)
+            body["models_not_ready"] = unresolved
         return json_response(body, 200 if ready else 503)
 
     # -- admin --------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from backends.registry import Worker, WorkerRegistry
+from index.errors import JsonDecodeError
 from index.memo import BoundedMemo
 from index.types import WorkerId
 from router.commit import (
@@ -65,6 +66,7 @@ from router.errors import (
     KvgateError,
     UpstreamConnectError,
     UpstreamHTTPError,
+    UpstreamProtocolError,
     UpstreamResponseTooLarge,
     UpstreamStreamError,
     UpstreamTimeout,
@@ -432,16 +434,29 @@ class ProxyResponse(Response):
         outcome: _Outcome,
     ) -> None:
         body = await self._read(worker, response)
+        if self._x.usage_mode is UsageMode.BODY:
+            outcome.usage = self._usage_of(worker, body)
         ticket.first_token(measured=False)  # the whole body: no first-token time
         self._proxy.registry.record_ok_response(worker)
-        if self._x.usage_mode is UsageMode.BODY:
-            outcome.usage = usage_from_body(body)
         if self._x.answer_tap is not None:
             self._x.answer_tap.feed(worker.id, body)
         headers = self._client_headers(worker, outcome.routed, response)
         headers.append((b"content-length", str(len(body)).encode()))
         await self._commit(send, response.status_code, headers, outcome)
         await self._end(send, body)
+
+    def _usage_of(self, worker: Worker, body: bytes) -> Usage | None:
+        """The usage of a whole answer; one nested deeper than kvgate reads JSON fails the
+        attempt (``bad_answer``)."""
+        try:
+            return usage_from_body(body)
+        except JsonDecodeError as exc:
+            detail = f"its answer: {exc}"
+            self._proxy.mark_failed(worker, Reason.BAD_ANSWER, detail)
+            error = UpstreamProtocolError(
+                "the engine's answer could not be read", worker=worker.url, detail=detail
+            )
+            raise AttemptFailed(error, Reason.BAD_ANSWER) from exc
 
     async def _relay_stream(
         self,

@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -17,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.app import create_app
-from router.config import MOVED, ConfigError, Settings, load_settings
+from router.config import MOVED, ConfigError, S, Settings, load_settings
 from router.flags import add_moved_flags, add_settings_flags, given_settings
 from router.gateway import Gateway, is_loopback
 from router.logs import configure_logging
@@ -107,12 +108,21 @@ def main(argv: list[str], *, tuning: Tuning | None = None) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     with configure_logging(settings.log_level, settings.log_format):
-        return _serve(settings, args.config, overrides, tuning)
+        return supervise(settings, args.config, overrides, runner=lambda ready: run(ready, tuning))
 
 
-def _serve(
-    settings: Settings, config: str | None, overrides: dict[str, Any], tuning: Tuning | None
+def supervise(
+    settings: S,
+    config: str | None,
+    overrides: dict[str, Any],
+    *,
+    runner: Callable[[S], None] | None = None,
+    command: str = "kvgate serve",
 ) -> int:
+    """Run ``runner`` (default: the gateway) with ``settings`` until interrupted; with
+    ``--sim N``, the simulated replicas first (the settings rebuilt, as the same type, with
+    them as workers), stopped on the way out. The process's exit code."""
+    go: Callable[[S], None] = runner if runner is not None else run
     # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: ours
     # unwinds (stopping the simulated fleet, writing the queued log lines) instead of killing
     # the process with its subprocess left running and its last lines lost.
@@ -121,19 +131,20 @@ def _serve(
         if not settings.sim:
             if not settings.workers:
                 log.warning("no --worker given: add workers with POST /admin/workers")
-            run(settings, tuning)
+            go(settings)
             return 0
         with SimFleet(
             settings.sim, base_port=settings.sim_port, events_port=settings.sim_events_port
         ) as fleet:
-            settings = load_settings(config, fleet.settings_overrides(overrides))
+            overrides = fleet.settings_overrides(overrides)
+            settings = load_settings(config, overrides, model=type(settings))
             log.info("routing to %d simulated replicas", settings.sim)
-            run(settings, tuning)
+            go(settings)
     except ConfigError as exc:  # found while building the gateway (e.g. tracing's extra)
-        log.error("kvgate serve: %s", exc)
+        log.error("%s: %s", command, exc)
         return 2
     except SimFleetError as exc:
-        log.error("kvgate serve: %s", exc)
+        log.error("%s: %s", command, exc)
         return 1
     except _Terminated:
         log.info("terminated")

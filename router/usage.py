@@ -2,7 +2,8 @@
 (the Responses API's ``input_tokens``, ``input_tokens_details.cached_tokens`` and
 ``output_tokens`` alike).
 
-Non-streaming bodies are decoded into a tiny struct (msgspec skips every other field).
+Answers are decoded by ``index.jsonsafe`` (depth-safe: an engine's deep JSON is no usage,
+never an error); a non-streaming body's ``usage`` is converted into a tiny struct.
 Streams pass through ``SseUsageTap``, which frames SSE events at C speed and decodes only
 the event(s) whose bytes contain ``"usage"``; when kvgate itself asked for usage
 (``hide=True``), that event is removed before the client sees it.
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json, decode_json_as
 
 _USAGE = b'"usage"'
 _EVENT_END = b"\n\n"
@@ -37,8 +41,6 @@ class _Body(msgspec.Struct):
     usage: _Usage | None = None
 
 
-_decode_body = msgspec.json.Decoder(_Body).decode
-_decode_any = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -86,12 +88,15 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def usage_from_body(body: bytes) -> Usage | None:
-    """The ``usage`` of a non-streaming JSON response, if any."""
+    """The ``usage`` of a non-streaming JSON response, if any; ``JsonDecodeError`` when the
+    body nests deeper than ``index.jsonsafe.MAX_JSON_DEPTH`` (a broken answer)."""
     if _USAGE not in body:
         return None
     try:
-        return _from_struct(_decode_body(body).usage)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _from_struct(decode_json_as(body, _Body).usage)
+    except JsonDecodeError as exc:
+        if exc.too_deep:
+            raise
         return None
 
 
@@ -152,8 +157,8 @@ class SseUsageTap:
         if not sep:
             return event
         try:
-            obj = _decode_any(payload)
-        except msgspec.DecodeError:
+            obj = decode_json(payload)
+        except JsonDecodeError:
             return event
         if not isinstance(obj, dict):
             return event

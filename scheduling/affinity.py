@@ -20,8 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple, NewType
 
-import msgspec
-
+from index.errors import JsonDecodeError
+from index.jsonsafe import decode_json
 from index.types import WorkerId
 
 ClientKeyId = NewType("ClientKeyId", str)
@@ -30,7 +30,6 @@ ClientKeyId = NewType("ClientKeyId", str)
 _MAX_ID_CHARS = 256  # longer "ids" are not remembered
 _MAX_SCAN_BYTES = 64 * 1024  # of a stream's start, looked at for the id
 _EVENT_END = b"\n\n"
-_decode = msgspec.json.Decoder().decode
 
 
 class _Entry(NamedTuple):
@@ -145,8 +144,8 @@ class ResponseIdTap:
 
 def _parse(data: bytes) -> Any:
     try:
-        return _decode(data)
-    except msgspec.DecodeError:
+        return decode_json(data)
+    except JsonDecodeError:  # not JSON, or nested too deeply: no id to remember
         return None
 
 

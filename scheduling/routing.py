@@ -22,6 +22,7 @@ from index.types import NO_MATCH, PrefixMatch, WorkerId
 from scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
 from scheduling.errors import ModelNotFound, NoHealthyWorker
 from scheduling.ledger import Ledger
+from scheduling.tokenize_on import TokenizeOn, TokenizePlanner
 from scheduling.ttft import ttft_features, ttft_terms
 from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from scoring.cost import RequestSize, overlap_tokens, request_size
@@ -38,11 +39,13 @@ class Phases(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Domain:
-    """What a retry's ranking keeps of the first: the cache domain and the pinned worker."""
+    """What a retry's ranking keeps of the first: the cache domain, the pinned worker and the
+    conversation whose prompt an engine tokenized."""
 
     base_model: str
     adapter: str | None
     only: WorkerId | None
+    conversation: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,8 @@ class Routed:
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
     room_waived: bool = False  # KV-room refusals were lifted for it
+    # the key of its conversation when an engine tokenized its prompt (tokenize_on.py)
+    conversation: bytes | None = field(default=None, repr=False)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -141,6 +146,7 @@ class Router:
         self.block_index = block_index
         self.limits = limits or Limits()
         self.parts = parts or PartsTable()
+        self.tokenize_planner = TokenizePlanner(registry)
 
     async def decide(
         self,
@@ -157,23 +163,25 @@ class Router:
 
         A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
         chat template, block size) in the adapter's cache domain; only workers listing the
-        adapter are candidates. ``only``: that worker or none (a conversation it holds);
-        ``held``: workers the queue holds for other requests (refused). ``spans``
+        adapter are candidates, and a worker whose own relation for the name puts its blocks
+        in another domain gets no match. ``only``: that worker or none (a conversation it
+        holds); ``held``: workers the queue holds for other requests (refused). ``spans``
         (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         base, adapter = self.registry.base_model(model)
         index = self.block_index
         keys = None
         matches = None
+        tokenize_on = None
         if index is not None and prompt is not None:
             keyed = prompt if adapter is None else replace(prompt, lora_name=adapter)
-            keys = await index.keys_for(base, keyed)
+            tokenize_on = TokenizeOn(self.tokenize_planner, model, prompt, session_key, only)
+            keys = await index.keys_for(base, keyed, tokenize_on=tokenize_on)
             if spans is not None:
                 spans.phase("tokenize")
-            if keys.block_keys:
-                matches = index.match(keys.block_keys)
-                if spans is not None:
-                    spans.phase("index match")
+            matches = self._match(keys)
+            if matches is not None and spans is not None:
+                spans.phase("index match")
         request = RouteRequest(
             model=model,
             block_keys=keys.block_keys if keys is not None else (),
@@ -182,7 +190,8 @@ class Router:
             session_key=session_key,
             max_tokens=max_tokens,
         )
-        domain = _Domain(base, adapter, only)
+        conversation = tokenize_on.key if tokenize_on is not None else None
+        domain = _Domain(base, adapter, only, conversation)
         routed = self._rank(request, keys, matches, domain, held=held)  # after the await
         if spans is not None:
             spans.phase("score")
@@ -201,13 +210,31 @@ class Router:
         retry after failed attempts (a prefix cached on a failed worker counts for nothing)
         and for a queued request at dispatch (``held``: workers the queue holds for others;
         ``waive_room``: its wait for KV room is over)."""
-        matches = None
-        if self.block_index is not None and routed.request.block_keys:
-            matches = self.block_index.match(routed.request.block_keys)
-        domain = _Domain(routed.base_model, routed.adapter, routed.only)
+        matches = self._match(routed.keys)
+        domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
         return self._rank(
             routed.request, routed.keys, matches, domain, exclude, held=held, waive_room=waive_room
         )
+
+    def _match(self, keys: PromptKeys | None) -> Mapping[WorkerId, PrefixMatch] | None:
+        """Each worker's matched prefix of the prompt's keys as its own engine kind keys it
+        (``PromptKeys.keys_of``: engines that tokenize a prompt differently are never
+        credited with each other's blocks); None: nothing to match."""
+        index = self.block_index
+        if index is None or keys is None or not (keys.block_keys or keys.other_engines):
+            return None
+        matches = index.match(keys.block_keys) if keys.block_keys else {}
+        if not keys.other_engines:
+            return matches
+        merged = dict(matches)
+        for engine, theirs in keys.other_engines.items():
+            found = index.match(theirs) if theirs else {}
+            for worker in self.registry:
+                if worker.config.engine == engine:
+                    merged.pop(worker.id, None)
+                    if worker.id in found:
+                        merged[worker.id] = found[worker.id]
+        return merged
 
     def _rank(
         self,
@@ -220,13 +247,17 @@ class Router:
         held: frozenset[WorkerId] = frozenset(),
         waive_room: bool = False,
     ) -> Routed:
-        workers = self.registry.ready_for(request.model)
+        workers = self.registry.serving(request.model)
         if domain.only is not None:
             workers = [w for w in workers if w.id == domain.only]
         if exclude:
             workers = [w for w in workers if w.id not in exclude]
         if not workers:
             raise NoHealthyWorker(request.model)
+        if matches:  # a worker keying the model in another cache domain matches nothing
+            matches = self.registry.in_domain(
+                workers, request.model, matches, (domain.base_model, domain.adapter)
+            )
         candidates = self.ledger.candidates(workers, matches, request.block_keys)
         decision = self.policy.rank(request, candidates)
         size = request_size(request)
@@ -245,6 +276,7 @@ class Router:
             adapter=domain.adapter,
             only=domain.only,
             room_waived=verdicts.room_waived,
+            conversation=domain.conversation,
             _size=size,
         )
         if log.isEnabledFor(logging.DEBUG):
@@ -256,9 +288,21 @@ class Router:
             raise ModelNotFound(model)
 
     def record_sent(self, routed: Routed, worker: WorkerId) -> None:
-        """The request went to ``worker``: tell the index (approximate mode learns from it)."""
-        if self.block_index is not None and routed.keys is not None and routed.keys.block_keys:
-            self.block_index.record_routed(worker, routed.keys.block_keys)
+        """The request went to ``worker``: tell the index (approximate mode learns from it)
+        and, for a prompt an engine tokenized, the tokenize planner (its next turn is
+        tokenized there first)."""
+        if routed.conversation is not None:
+            self.tokenize_planner.sent(routed.conversation, worker)
+        keys = routed.keys
+        if self.block_index is None or keys is None:
+            return
+        if keys.other_engines:  # the worker's cache holds the prompt as its engine keys it
+            found = self.registry.find(worker)
+            own = keys.keys_of(found.config.engine) if found is not None else ()
+        else:
+            own = keys.block_keys
+        if own:
+            self.block_index.record_routed(worker, own)
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
@@ -281,6 +325,8 @@ class Router:
             "model": request.model,
             "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
             "tokenize_mode": keys.mode if keys is not None else None,
+            "tokenize_engine": keys.engine if keys is not None else None,
+            "engines_tokenizing_otherwise": sorted(keys.other_engines) if keys is not None else [],
             "block_size": request.block_size,
             "prompt_tokens": request.prompt_tokens,
             "request_blocks": len(request.block_keys),
@@ -348,6 +394,8 @@ def _ineligible_reason(model: str, worker: Worker) -> str:
         return "unhealthy"
     if worker.problems:
         return "not ready: " + "; ".join(worker.problems.values())
+    if not worker.ready_for(model):
+        return "not used for this model: " + "; ".join(worker.model_problems.values())
     return "not ranked by the policy"
 
 

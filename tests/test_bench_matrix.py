@@ -15,13 +15,16 @@ from bench.cli import build_parser
 from bench.fleet import sim_config
 
 
-def _summary(label: str, p99: float, hit: float, ok: int = 10) -> report.RunSummary:
+def _summary(
+    label: str, p99: float, hit: float, ok: int = 10, goodput: float = math.nan
+) -> report.RunSummary:
     return report.RunSummary(
         label=label, requests=10, ok=ok, failed=10 - ok, cancelled=0, prompt_tokens=100,
         cached_tokens=int(100 * hit), hit_rate=hit, hit_vs_oracle=hit, ttft_p50_s=p99 / 4,
         ttft_p99_s=p99, e2e_p50_s=1.0, throughput_rps=1.0, throughput_tok_s=1.0, busy_s={},
         busy_source="-", imbalance=1.0, fleet_busy=0.5, per_worker_requests={}, wall_s=10.0,
-        cpu={}, box_utilisation=0.3,
+        cpu={}, box_utilisation=0.3, window_s=10.0, answered_in_window=ok - 1,
+        window_goodput_rps=goodput, slo_s=5.0,
     )  # fmt: skip
 
 
@@ -96,7 +99,9 @@ def test_table_plot_and_resume(tmp_path: Path) -> None:
     table = matrix.write_matrix(results, cfg)
     lines = table.splitlines()
     assert len({line.count("|") for line in lines}) == 1  # header, rule and rows line up
-    assert "1.00 [0.90–3.00] / 0.25 / 0.800 (n=3)" in table  # p99 [range] / p50 / hit
+    # p99 [range] / p50 / hit / goodput in the load window / answered in it
+    assert "1.00 [0.90–3.00] / 0.25 / 0.800 / – / 9 (n=3)" in table
+    assert "floor p50 / p99 s" in table and "| 0.90 / 0.90 |" in table
     assert (tmp_path / "matrix.png").stat().st_size > 0
     assert (tmp_path / "matrix.json").stat().st_size > 0
     # a run already on disk is read back, not run again
@@ -173,3 +178,37 @@ def test_a_variant_built_in_code_serves_kv_with_its_tuning(tmp_path: Path) -> No
     flags = serve.build_parser().parse_args(list(busy.extra_args))
     chosen = load_settings(None, given_settings(flags, Settings))
     assert chosen.scheduling.max_pending_prefill_tokens == 16384
+
+
+def test_engine_cells_name_their_engine_and_form_a_set() -> None:
+    """The cells on engines we did not write: each parses as a compare slice, names its
+    engine, and ``--cells engines`` picks them all; the default run stays the simulator's."""
+    cells = matrix.engine_cells()
+    assert matrix.cell_engines(cells) == ["vllm", "dynamo-mocker"]
+    assert matrix.cell_engines(matrix.all_cells()) == ["sim"] * len(matrix.all_cells())
+    vllm = compare_parser().parse_args(list(cells[0].argv))
+    spec = fleet_spec(vllm)
+    assert (spec.engine, spec.replicas, spec.block_size % 32) == ("vllm", 2, 0)
+    assert spec.capacity_blocks is not None and vllm.max_output_tokens == 128
+    args = build_parser().parse_args(["matrix", "--cells", "engines,base", "--slo", "2"])
+    cfg = matrix.config_from_args(args, Path("/tmp/x"))
+    assert [c.name for c in cfg.cells] == ["vllm-cpu", "dynamo-mocker", "base"]
+    assert cfg.slo_s == 2.0
+    default = matrix.config_from_args(build_parser().parse_args(["matrix"]), Path("/tmp/x"))
+    assert {c.name for c in default.cells}.isdisjoint(matrix.CELL_SETS["engines"])
+    assert {"smg_cache_aware", "dynamo_kv"} <= set(default.routers)
+
+
+def test_goodput_aim_reads_the_load_window() -> None:
+    result = _result([1.0], [1.5], 0.5)
+    result.routers[0].runs = [_summary("kv", 1.0, 0.80, goodput=2.0)]
+    result.routers[1].runs = [_summary("peer", 1.5, 0.805, goodput=2.5)]
+    _met, missed = matrix._aims(result)
+    assert "goodput 0.80x best peer" in missed
+
+
+def test_measured_floor_is_marked_in_the_table(tmp_path: Path) -> None:
+    result = _result([1.0], [1.5], 0.5)
+    result.refs = report.References(0.9, [0.2, 0.4], None, None, "measured")
+    table = matrix.cell_table([result])
+    assert "0.30 / 0.40 (measured)" in table

@@ -64,9 +64,10 @@ def test_installs_every_package_with_constraints() -> None:
     for name in packages | build_files:
         assert (ROOT / name).exists(), name
     runs = " ".join(rest for kw, rest in build if kw == "RUN")
-    # pip and the build backend pinned too; tracing ready, off by default
+    # pip and the build backend pinned too; tracing ready, off by default; kvgate epp ready
     assert "pip install -c build-constraints.txt pip" in runs
-    assert "--build-constraint build-constraints.txt '.[otel]'" in runs
+    assert "--build-constraint build-constraints.txt '.[otel,epp]'" in runs
+    assert "kvgate epp --help" in runs
     # the index's native core is compiled in the build stage and checked to import there
     assert "gcc" in runs and "index._native" in runs
 

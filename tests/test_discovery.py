@@ -271,13 +271,18 @@ async def test_background_loop_follows_dns_and_stops() -> None:
 
 
 @pytest.mark.anyio
-async def test_failing_callback_stops_loop_visibly(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_failing_callback_costs_its_change_not_the_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     dns, registry = ScriptedDns(["10.0.0.1"]), CollectorRegistry()
     fleet = Fleet()
+    failures = 0
 
     async def broken_add(worker: DiscoveredWorker) -> None:
-        if worker.address == "10.0.0.2":
-            raise RuntimeError("gateway bug")
+        nonlocal failures
+        if worker.address == "10.0.0.2" and failures < 3:
+            failures += 1
+            raise RecursionError("a worker's answer nobody foresaw")
         await fleet.on_added(worker)
 
     discovery = DnsDiscovery(
@@ -290,10 +295,13 @@ async def test_failing_callback_stops_loop_visibly(caplog: pytest.LogCaptureFixt
     await discovery.start()
     try:
         dns.answer = ["10.0.0.1", "10.0.0.2"]
-        await wait_until(lambda: not discovery.running)
-        assert sample(registry, "kvgate_discovery_up") == 0
-        await wait_until(lambda: "callback failed" in caplog.text)
-        assert [w.address for w in discovery.workers] == ["10.0.0.1"]  # 10.0.0.2 not recorded
+        # each failed add is counted and tried again next round; the loop never stops
+        await wait_until(lambda: "http://10.0.0.2:8000" in fleet.workers)
+        assert discovery.running
+        assert sample(registry, "kvgate_discovery_up") == 1
+        assert sample(registry, "kvgate_discovery_failures_total", step="added") == 3
+        assert "added worker http://10.0.0.2:8000 failed" in caplog.text
+        assert [w.address for w in discovery.workers] == ["10.0.0.1", "10.0.0.2"]
     finally:
         await discovery.stop()
 

@@ -10,7 +10,7 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
 from fakes.wait import wait_until
 
-from index.api import PromptInput, PromptKeys
+from index.api import PromptInput, PromptKeys, TokenizeOn
 from index.types import BlockKey, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
@@ -141,7 +141,7 @@ async def test_scraped_load_reaches_candidates_and_metrics() -> None:
     async with fleet(engine) as f, kvgate(f.urls) as gw:
         await gw.gateway.health.scrape_all()
         registry = gw.gateway.registry
-        (candidate,) = gw.gateway.scheduler.ledger.candidates(registry.ready_for("fake-model"))
+        (candidate,) = gw.gateway.scheduler.ledger.candidates(registry.serving("fake-model"))
         assert candidate.load.scraped_running == 3
         assert candidate.load.scraped_waiting == 2
         assert candidate.load.scraped_kv_usage == 0.5
@@ -183,7 +183,9 @@ class TableIndex:
         self.blocks = blocks
         self.routed: list[tuple[str, int]] = []
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
         keys = [BlockKey(i + 1) for i in range(self.blocks)]
         return PromptKeys(keys, block_size=16, prompt_tokens=self.blocks * 16 + 5, mode="tokenizer")
 

@@ -115,18 +115,20 @@ async def test_engine_tokenize_asks_only_healthy_workers() -> None:
         fleet(a, b) as f,
         kvgate(f.urls, health=quiet_health(failure_threshold=1)) as gw,
     ):
+        engines = dict(zip(f.urls, (a, b), strict=True))
 
         def tokenized(engine: FakeEngine) -> int:
             return sum(1 for s in engine.seen if s.path == "/tokenize")
 
         assert (await gw.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        assert (tokenized(a), tokenized(b)) == (1, 0)  # the first worker answers
-        a.healthy = False
+        (asked,) = [url for url, engine in engines.items() if tokenized(engine)]  # one asked
+        (other,) = set(f.urls) - {asked}
+        engines[asked].healthy = False
         await gw.gateway.health.probe_all()
         for _ in range(2):
             answer = await gw.client.post("/v1/chat/completions", json=CHAT)
-            assert answer.headers["x-kvgate-worker"] == f.urls[1]
-        assert (tokenized(a), tokenized(b)) == (1, 2)
+            assert answer.headers["x-kvgate-worker"] == other
+        assert (tokenized(engines[asked]), tokenized(engines[other])) == (1, 2)
         engine_mode = {"model": "fake-model", "mode": "engine"}
         assert gw.metric("kvgate_tokenize_total", engine_mode) == 3
 

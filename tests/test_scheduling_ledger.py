@@ -74,12 +74,12 @@ def test_candidates_carry_the_prefix_a_request_in_flight_holds() -> None:
     fleet, reg, wid = _ledger()
     fleet.get(wid).healthy = True  # as after its first health probe
     sibling = reg.begin(wid, 0, 1_700, BS, keys=_keys(1_200, 500, 1))
-    (candidate,) = reg.candidates(fleet.ready_for("m"), keys=_keys(1_200, 240, 2))
+    (candidate,) = reg.candidates(fleet.serving("m"), keys=_keys(1_200, 240, 2))
     assert candidate.in_flight_prefix == 1_200
-    (unrelated,) = reg.candidates(fleet.ready_for("m"), keys=_keys(0, 240, 3))
+    (unrelated,) = reg.candidates(fleet.serving("m"), keys=_keys(0, 240, 3))
     assert unrelated.in_flight_prefix == 0
     sibling.finish()
-    (alone,) = reg.candidates(fleet.ready_for("m"), keys=_keys(1_200, 240, 2))
+    (alone,) = reg.candidates(fleet.serving("m"), keys=_keys(1_200, 240, 2))
     assert alone.in_flight_prefix == 0
 
 

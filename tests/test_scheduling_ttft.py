@@ -304,12 +304,12 @@ def test_tickets_keep_the_prefill_busy_share() -> None:
     b = sent.begin(worker.id, 100, 1)
     clock.now += half_life
     a.first_token()  # b still waits: busy
-    (candidate,) = sent.candidates(reg.ready_for("m"))
+    (candidate,) = sent.candidates(reg.serving("m"))
     assert candidate.load.prefill_busy_share == 0.5
     clock.now += half_life
     b.first_token()
     clock.now += half_life
-    (candidate,) = sent.candidates(reg.ready_for("m"))
+    (candidate,) = sent.candidates(reg.serving("m"))
     assert candidate.load.prefill_busy_share == pytest.approx(0.75 / 2, abs=0.01)
     entry = sent.of(worker)
     assert entry.pending_requests == 0 and entry.pending_prefill_tokens == 0

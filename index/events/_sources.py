@@ -16,11 +16,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import msgspec
 
 from index._http import call_engine
 from index.api import Endpoints, EngineWorker
-from index.errors import DiscoveryError, DiscoveryUnreachable, EngineCallError
+from index.errors import DiscoveryError, DiscoveryUnreachable, EngineCallError, JsonDecodeError
+from index.jsonsafe import decode_json
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,9 @@ class Discovery:
         if status != 200:
             raise DiscoveryError(f"GET {path}: HTTP {status}")
         try:
-            sources = msgspec.json.decode(body)
-        except (msgspec.DecodeError, RecursionError) as error:
-            raise DiscoveryError(f"GET {path}: not JSON") from error
+            sources = decode_json(body)
+        except JsonDecodeError as error:
+            raise DiscoveryError(f"GET {path}: {error}") from error
         declared = parse_sources(sources, worker.url)
         if len(declared) > _MAX_SOURCES:
             log.warning(

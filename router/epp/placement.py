@@ -1,0 +1,142 @@
+"""The one door from ``kvgate epp`` to kvgate's decision code: the scheduler
+``kvgate serve`` uses (``scheduling.scheduler.Scheduler``: its route, then its admission),
+not a copy of it.
+
+``Placer.place`` turns a request's facts into a ``Placement``: the workers Envoy is to try,
+in order (the order the scheduler granted: the chosen worker first, then at most
+``upstream.max_failover`` fallbacks), restricted to the endpoints the proxy allows (its
+subset hint) or the conformance suite forces. ``Placement.begin`` charges a worker with the
+request's load (``Grant.begin``: the scheduler's ledger, the queue's reservation handed
+over) and ``release`` gives the admission's share back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, replace
+
+from backends.registry import Worker
+from index.api import PromptInput
+from index.types import WorkerId
+from router.errors import NoHealthyWorker, from_scheduling
+from router.gateway import Gateway
+from scheduling.errors import SchedulingError
+from scheduling.grant import Grant
+from scheduling.ledger import LoadTicket
+from scheduling.routing import Routed
+from scheduling.scheduler import RequestFacts
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request's facts, as the decision needs them."""
+
+    model: str
+    prompt: PromptInput | None
+    session: str | None
+    max_tokens: int | None
+    key: str  # the client key id ("-" without client keys)
+    timeout_s: float | None  # the client's own timeout (the queue waits no longer)
+    queued: bool = True  # through the admission queue
+    only: WorkerId | None = None  # the worker holding a previous response
+    among: frozenset[WorkerId] | None = None  # the workers allowed (None: any)
+    size: int = 0  # the bytes of the body it holds while queued
+
+
+class Placement:
+    """Where one request goes, and its share of the admission until ``release``."""
+
+    __slots__ = ("_grant", "order", "routed")
+
+    def __init__(self, routed: Routed, grant: Grant, order: tuple[Worker, ...]) -> None:
+        self._grant = grant
+        self.routed = routed  # the ranking the order comes from
+        self.order = order  # chosen first, then the fallbacks
+
+    @property
+    def waited_s(self) -> float | None:
+        """Seconds the request waited in the queue (None: never queued)."""
+        return self._grant.waited_s
+
+    def begin(self, worker: Worker) -> LoadTicket:
+        """``worker`` takes the request: its load counted from now on (the queue's
+        reservation, if any, handed over) and the index told (approximate mode learns)."""
+        ticket = self._grant.begin(worker.id)
+        self._grant.sent(worker.id)
+        return ticket
+
+    def release(self) -> None:
+        """The request is over (idempotent): its admission share goes back."""
+        self._grant.release()
+
+
+class Placer:
+    """Places requests with the gateway's scheduler."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._fallbacks = gateway.settings.upstream.max_failover
+
+    async def place(self, ask: Ask, disconnected: Callable[[], Awaitable[None]]) -> Placement:
+        """``ModelNotFound`` / ``NoHealthyWorker`` (none allowed can serve), ``QueueFull``,
+        ``QueueTimeout``, ``ClientClosed`` as ``serve``'s scheduler raises them."""
+        gateway = self._gateway
+        retry = gateway.settings.retry_after_s
+        scheduler = gateway.scheduler
+        facts = RequestFacts(
+            ask.model,
+            ask.prompt,
+            session_key=ask.session,
+            max_tokens=ask.max_tokens,
+            only=ask.only,
+        )
+        try:
+            routed = _among(await scheduler.route(facts), ask.among, retry)
+            grant = await scheduler.admit(
+                routed,
+                key=ask.key,
+                session=ask.session,
+                timeout_s=ask.timeout_s,
+                disconnected=disconnected,
+                queued=ask.queued,
+                size=ask.size,
+            )
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=retry) from exc
+        try:  # at dispatch the queue ranked afresh: keep to the allowed workers
+            routed = _among(grant.routed, ask.among, retry)
+        except NoHealthyWorker:
+            grant.release()
+            raise
+        grant.routed = routed
+        order = []
+        for worker_id in routed.order[: 1 + self._fallbacks]:
+            worker = gateway.registry.find(worker_id)
+            if worker is not None:
+                order.append(worker)
+        if not order:
+            grant.release()
+            raise NoHealthyWorker(ask.model, retry_after_s=retry)
+        return Placement(routed, grant, tuple(order))
+
+
+def _among(routed: Routed, among: Collection[WorkerId] | None, retry_after_s: int) -> Routed:
+    """``routed`` with only the workers in ``among`` ranked (their order kept);
+    ``NoHealthyWorker`` when none of them is."""
+    if among is None:
+        return routed
+    order = [w for w in routed.order if w in among]
+    if not order:
+        raise NoHealthyWorker(routed.request.model, retry_after_s=retry_after_s)
+    if len(order) == len(routed.order):
+        return routed
+    decision = routed.decision
+    ranked = [w for w in decision.ranked if w in among]
+    scores = [s for s in decision.scores if s.worker in among]
+    return replace(
+        routed,
+        candidates={w: c for w, c in routed.candidates.items() if w in among},
+        decision=replace(decision, ranked=ranked, scores=scores),
+        order=order,
+        refused={w: r for w, r in routed.refused.items() if w in among},
+    )
