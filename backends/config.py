@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from index.types import WorkerId
+from kvgate.index.types import WorkerId
 
 EngineKind = Literal["vllm", "sglang", "openai"]
 

@@ -30,12 +30,12 @@ import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from backends.config import HealthConfig
-from backends.engines import EngineFacts, ScrapedLoad
-from backends.registry import Worker, WorkerRegistry
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json_as
-from index.types import WorkerId
+from kvgate.backends.config import HealthConfig
+from kvgate.backends.engines import EngineFacts, ScrapedLoad
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json_as
+from kvgate.index.types import WorkerId
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backends.config import HealthConfig, WorkerConfig, normalise_url
-from backends.engines import EngineAdapter, EngineFacts, ScrapedLoad, adapter_for
-from backends.errors import WorkerExists, WorkerNotFound
-from backends.facts import Declared, adapter_parents, agree_block_sizes
-from index.api import Endpoints, EngineWorker, WorkerListener
-from index.types import PrefixMatch, WorkerId
+from kvgate.backends.config import HealthConfig, WorkerConfig, normalise_url
+from kvgate.backends.engines import EngineAdapter, EngineFacts, ScrapedLoad, adapter_for
+from kvgate.backends.errors import WorkerExists, WorkerNotFound
+from kvgate.backends.facts import Declared, adapter_parents, agree_block_sizes
+from kvgate.index.api import Endpoints, EngineWorker, WorkerListener
+from kvgate.index.types import PrefixMatch, WorkerId
 
 log = logging.getLogger("kvgate.registry")
 

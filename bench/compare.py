@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 
-from bench import report
-from bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
-from bench.engines import start_bench_fleet
-from bench.fleet import (
+from kvgate.bench import report
+from kvgate.bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
+from kvgate.bench.engines import start_bench_fleet
+from kvgate.bench.fleet import (
     BenchFleet,
     FleetSpec,
     KvgateSpec,
@@ -28,10 +28,10 @@ from bench.fleet import (
     start_kvgate,
     system_cpu_times,
 )
-from bench.floor import measured_floor
-from bench.oracle import oracle, pooled_lru, ttft_floor
-from bench.peers import PEERS, RouterProcess, start_peer
-from bench.replay import (
+from kvgate.bench.floor import measured_floor
+from kvgate.bench.oracle import oracle, pooled_lru, ttft_floor
+from kvgate.bench.peers import PEERS, RouterProcess, start_peer
+from kvgate.bench.replay import (
     SAMPLED_METRICS,
     MetricsSample,
     ReplayConfig,
@@ -41,8 +41,8 @@ from bench.replay import (
     select_slice,
     write_records,
 )
-from bench.traces import TraceRequest
-from bench.variants import TUNINGS
+from kvgate.bench.traces import TraceRequest
+from kvgate.bench.variants import TUNINGS
 
 KVGATE_POLICIES = ("kv", "round_robin", "random", "least_loaded", "session")
 ALL_ROUTERS = (
@@ -74,7 +74,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
-those in ``bench.variants.TUNINGS`` are served by ``python -m bench.variants NAME``."""
+those in ``bench.variants.TUNINGS`` are served by ``python -m kvgate.bench.variants NAME``."""
 
 
 def is_peer(name: str) -> bool:

@@ -1,6 +1,6 @@
 """Router hot path micro-benchmark: the CPU one routing decision costs, stage by stage.
 
-    python -m bench.hotpath [--scale 1.0] [--rounds 3] [--cases short,chat2k,...] [--json PATH]
+    python -m kvgate.bench.hotpath [--scale 1.0] [--rounds 3] [--cases short,...] [--json PATH]
 
 In-process, no HTTP and no profiler: ``Router.decide`` (the scheduler's routing: keys,
 match, the policy's ranking and the capacity rule) end to end against a
@@ -56,20 +56,20 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from backends.config import WorkerConfig
-from backends.registry import WorkerRegistry
-from backends.sim.tokenizer import tokenizer_dir
-from backends.sim.vocab import generated_word
-from index.api import PromptInput, StoreBlocks
-from index.config import IndexConfig
-from index.keys import ModelTokenizer
-from index.service import KvIndexService
-from index.types import BlockKey, WorkerId, WorkerKey
-from router.requests import ChatBody, CompletionBody, decode_json_object, validate
-from scheduling.ledger import Ledger
-from scheduling.routing import Router
-from scoring.api import Policy
-from scoring.policies import make_policy
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.sim.vocab import generated_word
+from kvgate.index.api import PromptInput, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.keys import ModelTokenizer
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import BlockKey, WorkerId, WorkerKey
+from kvgate.router.requests import ChatBody, CompletionBody, decode_json_object, validate
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.routing import Router
+from kvgate.scoring.api import Policy
+from kvgate.scoring.policies import make_policy
 
 MODEL = "bench-model"
 WORKERS = 8
@@ -474,7 +474,7 @@ async def run(names: Sequence[str] | None, scale: float, rounds: int, seed: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.hotpath",
+        prog="python -m kvgate.bench.hotpath",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,7 +2,7 @@
 with other internal constants (``scheduling.config.Tuning``: its parts, the queue's dispatch
 order and patience), never a flag every user inherits.
 
-    python -m bench.variants NAME [kvgate serve flags...]
+    python -m kvgate.bench.variants NAME [kvgate serve flags...]
 
 runs ``kvgate serve`` with variant NAME's tuning (``bench compare --routers kv_nokvroom``
 starts it this way).
@@ -14,10 +14,10 @@ import sys
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from router import serve
-from scheduling.capacity import Parts
-from scheduling.config import Tuning
-from scheduling.dispatch_order import OrderConfig
+from kvgate.router import serve
+from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.dispatch_order import OrderConfig
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType(
     {
@@ -47,7 +47,7 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType(
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in TUNINGS:
-        print(f"usage: python -m bench.variants {{{','.join(TUNINGS)}}} [serve flags]")
+        print(f"usage: python -m kvgate.bench.variants {{{','.join(TUNINGS)}}} [serve flags]")
         return 2
     return serve.main(args[1:], tuning=TUNINGS[args[0]])
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from index.types import Tier
+from kvgate.index.types import Tier
 
 DEFAULT_MEDIUM_TIERS: dict[str, Tier] = {
     "GPU": Tier.GPU,

@@ -14,36 +14,36 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from backends.allowlist import WorkerAllowlist, host_of_url
-from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker, HealthMetrics
-from backends.registry import WorkerRegistry
-from index.api import BlockIndex
-from index.service import KvIndexService
-from router.accesslog import AccessLog, client_key_id
-from router.config import Settings
-from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
-from router.gateway import Gateway, error_response, json_response
-from router.index_watch import IndexWatch, IndexWatchMetrics
-from router.listener import ListenerLimits
-from router.metrics import (
+from kvgate.backends.allowlist import WorkerAllowlist, host_of_url
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.health import HealthChecker, HealthMetrics
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import BlockIndex
+from kvgate.index.service import KvIndexService
+from kvgate.router.accesslog import AccessLog, client_key_id
+from kvgate.router.config import Settings
+from kvgate.router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
+from kvgate.router.gateway import Gateway, error_response, json_response
+from kvgate.router.index_watch import IndexWatch, IndexWatchMetrics
+from kvgate.router.listener import ListenerLimits
+from kvgate.router.metrics import (
     GatewayMetrics,
     GatewayRegistry,
     MetricsPage,
     kvgate_version,
     register_worker_gauges,
 )
-from router.observe import Observer, start_tracing
-from router.passthrough import ROOT_PATHS, PassThroughPaths
-from router.proxy import Proxy
-from router.queue_metrics import QueueMetrics
-from router.requests import ChatBody, CompletionBody, check_path, decode_json
-from router.upstream import UpstreamPool
-from scheduling.affinity import ResponseAffinity
-from scheduling.config import Tuning
-from scheduling.scheduler import Scheduler
-from scoring.api import Policy
-from scoring.policies import make_policy
+from kvgate.router.observe import Observer, start_tracing
+from kvgate.router.passthrough import ROOT_PATHS, PassThroughPaths
+from kvgate.router.proxy import Proxy
+from kvgate.router.queue_metrics import QueueMetrics
+from kvgate.router.requests import ChatBody, CompletionBody, check_path, decode_json
+from kvgate.router.upstream import UpstreamPool
+from kvgate.scheduling.affinity import ResponseAffinity
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.scheduler import Scheduler
+from kvgate.scoring.api import Policy
+from kvgate.scoring.policies import make_policy
 
 log = logging.getLogger("kvgate")
 

@@ -9,12 +9,15 @@ from importlib import metadata
 
 # sub-command -> (module exposing ``main(argv: list[str]) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the gateway (``kvgate serve --sim 4`` for the embedded demo)"),
-    "epp": ("router.epp.cli", "be the endpoint picker of an Envoy gateway (ext_proc gRPC)"),
-    "sim": ("backends.sim.cli", "run a simulated vLLM-like engine fleet"),
-    "bench": ("bench.cli", "benchmarks: trace replay across routers and policies"),
+    "serve": (
+        "kvgate.router.serve",
+        "run the gateway (``kvgate serve --sim 4`` for the embedded demo)",
+    ),
+    "epp": ("kvgate.router.epp.cli", "be the endpoint picker of an Envoy gateway (ext_proc gRPC)"),
+    "sim": ("kvgate.backends.sim.cli", "run a simulated vLLM-like engine fleet"),
+    "bench": ("kvgate.bench.cli", "benchmarks: trace replay across routers and policies"),
     "engines": (
-        "backends.engines_cli",
+        "kvgate.backends.engines_cli",
         "install and run real vLLM or SGLang CPU replicas with a tiny model",
     ),
 }

@@ -33,14 +33,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from backends.allowlist import parse_allow_rule
-from backends.config import HealthConfig, WorkerConfig, check_secret, redact
-from backends.discovery import parse_discovery_url
-from index.config import IndexConfig
-from router.passthrough import check_extra_path
-from scheduling.config import QueueConfig, SchedulingConfig
-from scoring.config import KvPolicyConfig
-from scoring.policies import POLICY_NAMES
+from kvgate.backends.allowlist import parse_allow_rule
+from kvgate.backends.config import HealthConfig, WorkerConfig, check_secret, redact
+from kvgate.backends.discovery import parse_discovery_url
+from kvgate.index.config import IndexConfig
+from kvgate.router.passthrough import check_extra_path
+from kvgate.scheduling.config import QueueConfig, SchedulingConfig
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.policies import POLICY_NAMES
 
 _SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
 

@@ -63,11 +63,11 @@ from contextlib import contextmanager
 import httpx
 import msgspec
 
-from backends import errors as backend
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json
-from router.upstream import ResponseHeadTooLarge
-from scheduling import errors as scheduling
+from kvgate.backends import errors as backend
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
+from kvgate.router.upstream import ResponseHeadTooLarge
+from kvgate.scheduling import errors as scheduling
 
 _json_encode = msgspec.json.Encoder().encode
 _NOT_JSON = object()

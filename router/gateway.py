@@ -30,16 +30,16 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
-from backends.config import WorkerConfig
-from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker, HealthMetrics, unhealthy_reasons
-from backends.registry import Worker, WorkerRegistry
-from index.api import WorkerListener
-from index.types import WorkerId
-from router.accesslog import client_key_id
-from router.config import Settings, validation_problems
-from router.errors import (
+from kvgate.backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.health import HealthChecker, HealthMetrics, unhealthy_reasons
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.api import WorkerListener
+from kvgate.index.types import WorkerId
+from kvgate.router.accesslog import client_key_id
+from kvgate.router.config import Settings, validation_problems
+from kvgate.router.errors import (
     AdminDisabled,
     AdminRefused,
     ClientClosed,
@@ -54,13 +54,13 @@ from router.errors import (
     WorkerNotAllowed,
     from_scheduling,
 )
-from router.index_watch import IndexWatch
-from router.listener import ListenerLimits, timed_out_body
-from router.metrics import GatewayMetrics, forget_series
-from router.observe import Observation, Observer
-from router.passthrough import PassThroughPaths
-from router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
-from router.requests import (
+from kvgate.router.index_watch import IndexWatch
+from kvgate.router.listener import ListenerLimits, timed_out_body
+from kvgate.router.metrics import GatewayMetrics, forget_series
+from kvgate.router.observe import Observation, Observer
+from kvgate.router.passthrough import PassThroughPaths
+from kvgate.router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
+from kvgate.router.requests import (
     AnyModelBody,
     ChatBody,
     CompletionBody,
@@ -73,11 +73,11 @@ from router.requests import (
     upstream_target,
     validate,
 )
-from scheduling.affinity import ClientKeyId
-from scheduling.errors import QueueTimeout, SchedulingError
-from scheduling.grant import Grant
-from scheduling.routing import Routed
-from scheduling.scheduler import RequestFacts, Scheduler
+from kvgate.scheduling.affinity import ClientKeyId
+from kvgate.scheduling.errors import QueueTimeout, SchedulingError
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.scheduler import RequestFacts, Scheduler
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode

@@ -27,10 +27,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from backends.registry import WorkerRegistry
-from index.memo import BoundedMemo
-from router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
-from scheduling.ledger import Ledger
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.memo import BoundedMemo
+from kvgate.router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
+from kvgate.scheduling.ledger import Ledger
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 MAX_MODEL_LABELS = 32

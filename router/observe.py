@@ -18,16 +18,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from router.accesslog import AccessLog
-from router.config import ConfigError, Settings
-from router.errors import KvgateError
+from kvgate.router.accesslog import AccessLog
+from kvgate.router.config import ConfigError, Settings
+from kvgate.router.errors import KvgateError
 
 if TYPE_CHECKING:
-    from backends.registry import Worker
-    from router.metrics import RouteMetrics
-    from router.tracing import RequestSpans, Tracing
-    from router.usage import Usage
-    from scheduling.routing import Routed
+    from kvgate.backends.registry import Worker
+    from kvgate.router.metrics import RouteMetrics
+    from kvgate.router.tracing import RequestSpans, Tracing
+    from kvgate.router.usage import Usage
+    from kvgate.scheduling.routing import Routed
 
 Headers = list[tuple[bytes, bytes]]
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -80,7 +80,7 @@ def start_tracing(settings: Settings, environ: Mapping[str, str] | None = None) 
     if not tracing_requested(settings, environ):
         return None
     try:
-        from router.tracing import Tracing  # noqa: PLC0415 (the optional extra)
+        from kvgate.router.tracing import Tracing  # noqa: PLC0415 (the optional extra)
     except ImportError as exc:
         raise ConfigError(
             "tracing needs the OpenTelemetry SDK: pip install 'kvgate[otel]' (or unset the "

@@ -49,11 +49,11 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from backends.registry import Worker, WorkerRegistry
-from index.errors import JsonDecodeError
-from index.memo import BoundedMemo
-from index.types import WorkerId
-from router.commit import (
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import WorkerId
+from kvgate.router.commit import (
     AttemptFailed,
     Reason,
     StreamStart,
@@ -61,8 +61,8 @@ from router.commit import (
     error_events,
     failure_reason,
 )
-from router.config import UpstreamConfig
-from router.errors import (
+from kvgate.router.config import UpstreamConfig
+from kvgate.router.errors import (
     KvgateError,
     UpstreamConnectError,
     UpstreamHTTPError,
@@ -72,13 +72,13 @@ from router.errors import (
     UpstreamTimeout,
     from_httpx,
 )
-from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
-from router.observe import Observation
-from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
-from router.usage import SseUsageTap, Usage, usage_from_body
-from scheduling.grant import Grant
-from scheduling.ledger import LoadTicket
-from scheduling.routing import Routed
+from kvgate.router.metrics import REMOVED, GatewayMetrics, RouteMetrics
+from kvgate.router.observe import Observation
+from kvgate.router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
+from kvgate.router.usage import SseUsageTap, Usage, usage_from_body
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import LoadTicket
+from kvgate.scheduling.routing import Routed
 
 log = logging.getLogger("kvgate.proxy")
 

@@ -23,11 +23,11 @@ import msgspec
 import pydantic
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
-from index import jsonsafe
-from index.api import PromptInput
-from index.errors import JsonDecodeError
-from index.jsonsafe import MAX_JSON_DEPTH
-from router.errors import InvalidJSON, InvalidRequest
+from kvgate.index import jsonsafe
+from kvgate.index.api import PromptInput
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import MAX_JSON_DEPTH
+from kvgate.router.errors import InvalidJSON, InvalidRequest
 
 B = TypeVar("B", bound=BaseModel)
 

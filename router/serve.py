@@ -17,13 +17,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import create_app
-from router.config import MOVED, ConfigError, S, Settings, load_settings
-from router.flags import add_moved_flags, add_settings_flags, given_settings
-from router.gateway import Gateway, is_loopback
-from router.logs import configure_logging
-from router.simfleet import SimFleet, SimFleetError
-from scheduling.config import Tuning
+from kvgate.router.app import create_app
+from kvgate.router.config import MOVED, ConfigError, S, Settings, load_settings
+from kvgate.router.flags import add_moved_flags, add_settings_flags, given_settings
+from kvgate.router.gateway import Gateway, is_loopback
+from kvgate.router.logs import configure_logging
+from kvgate.router.simfleet import SimFleet, SimFleetError
+from kvgate.scheduling.config import Tuning
 
 log = logging.getLogger("kvgate")
 

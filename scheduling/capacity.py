@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from index.types import WorkerId
-from scoring.api import Candidate, WorkerLoad
-from scoring.cost import RequestSize
+from kvgate.index.types import WorkerId
+from kvgate.scoring.api import Candidate, WorkerLoad
+from kvgate.scoring.cost import RequestSize
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduling.capacity import Limits, Parts
-from scheduling.dispatch_order import OrderConfig
+from kvgate.scheduling.capacity import Limits, Parts
+from kvgate.scheduling.dispatch_order import OrderConfig
 
 ROOM_PATIENCE = 0.1
 """Share of its wait limit a queued request waits for KV room (3 s of the default 30 s);

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from index.types import WorkerId
-from scheduling.errors import NoHealthyWorker
-from scheduling.ledger import Ledger, LoadTicket
-from scheduling.routing import Routed, Router
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.errors import NoHealthyWorker
+from kvgate.scheduling.ledger import Ledger, LoadTicket
+from kvgate.scheduling.routing import Routed, Router
 
 
 class Grant:

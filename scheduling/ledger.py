@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from backends.engines import ScrapedLoad
-from backends.registry import Worker, WorkerRegistry
-from index.api import EngineWorker
-from index.keys import shared_prefix_blocks
-from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
-from scheduling.capacity import Limits, Parts, capacity_of, kv_overcommit
-from scheduling.ttft import (
+from kvgate.backends.engines import ScrapedLoad
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.api import EngineWorker
+from kvgate.index.keys import shared_prefix_blocks
+from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
+from kvgate.scheduling.capacity import Limits, Parts, capacity_of, kv_overcommit
+from kvgate.scheduling.ttft import (
     MAX_TOKENS,
     PRIOR_BASE_S,
     PRIOR_PREFILL_TOKENS_PER_S,
@@ -51,7 +51,7 @@ from scheduling.ttft import (
     attention_pairs,
     ttft_features,
 )
-from scoring.api import Candidate, WorkerLoad
+from kvgate.scoring.api import Candidate, WorkerLoad
 
 REUSE_REQUESTS = 32.0
 """Requests a worker's reuse (its recent cache hit share) averages over."""

@@ -37,14 +37,14 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from index.types import WorkerId
-from scheduling.capacity import busy
-from scheduling.config import QueueConfig, Tuning
-from scheduling.dispatch_order import next_to_dispatch
-from scheduling.errors import ClientGone, QueueFull, QueueTimeout, SchedulingError
-from scheduling.grant import Grant
-from scheduling.ledger import Ledger, LoadTicket
-from scheduling.routing import Routed, Router
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.capacity import busy
+from kvgate.scheduling.config import QueueConfig, Tuning
+from kvgate.scheduling.dispatch_order import next_to_dispatch
+from kvgate.scheduling.errors import ClientGone, QueueFull, QueueTimeout, SchedulingError
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import Ledger, LoadTicket
+from kvgate.scheduling.routing import Routed, Router
 
 REJECTIONS = (
     "queue_full",  # the whole queue is full

@@ -16,16 +16,16 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from backends.registry import Worker, WorkerRegistry
-from index.api import BlockIndex, PromptInput, PromptKeys
-from index.types import NO_MATCH, PrefixMatch, WorkerId
-from scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
-from scheduling.errors import ModelNotFound, NoHealthyWorker
-from scheduling.ledger import Ledger
-from scheduling.tokenize_on import TokenizeOn, TokenizePlanner
-from scheduling.ttft import ttft_features, ttft_terms
-from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
-from scoring.cost import RequestSize, overlap_tokens, request_size
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.api import BlockIndex, PromptInput, PromptKeys
+from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
+from kvgate.scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
+from kvgate.scheduling.errors import ModelNotFound, NoHealthyWorker
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.tokenize_on import TokenizeOn, TokenizePlanner
+from kvgate.scheduling.ttft import ttft_features, ttft_terms
+from kvgate.scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
+from kvgate.scoring.cost import RequestSize, overlap_tokens, request_size
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros

@@ -19,18 +19,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.registry import WorkerRegistry
-from index.api import BlockIndex, PromptInput
-from index.types import WorkerId
-from scheduling.affinity import ClientKeyId, ResponseAffinity
-from scheduling.capacity import PartsTable
-from scheduling.config import QueueConfig, SchedulingConfig, Tuning
-from scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable, ResponseUnknown
-from scheduling.grant import Grant
-from scheduling.ledger import Ledger
-from scheduling.queue import AdmissionQueue, QueueEvents
-from scheduling.routing import Phases, Routed, Router
-from scoring.api import Policy
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import BlockIndex, PromptInput
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.affinity import ClientKeyId, ResponseAffinity
+from kvgate.scheduling.capacity import PartsTable
+from kvgate.scheduling.config import QueueConfig, SchedulingConfig, Tuning
+from kvgate.scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable, ResponseUnknown
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.queue import AdmissionQueue, QueueEvents
+from kvgate.scheduling.routing import Phases, Routed, Router
+from kvgate.scoring.api import Policy
 
 
 @dataclass(frozen=True, slots=True)

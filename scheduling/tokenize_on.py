@@ -23,12 +23,12 @@ from typing import Any
 import msgspec
 import xxhash
 
-from backends.registry import WorkerRegistry
-from index.api import PromptInput
-from index.memo import BoundedMemo
-from index.types import WorkerId
-from scoring.api import RouteRequest
-from scoring.tiebreak import rendezvous_weight, session_hash_key
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import PromptInput
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import WorkerId
+from kvgate.scoring.api import RouteRequest
+from kvgate.scoring.tiebreak import rendezvous_weight, session_hash_key
 
 REMEMBERED_CONVERSATIONS = 65_536
 """Conversations whose last worker is remembered (about 100 bytes each)."""

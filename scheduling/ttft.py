@@ -42,10 +42,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from index.types import WorkerId
-from scheduling.capacity import held_blocks
-from scoring.api import WorkerLoad
-from scoring.cost import queued_prefill_tokens
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.capacity import held_blocks
+from kvgate.scoring.api import WorkerLoad
+from kvgate.scoring.cost import queued_prefill_tokens
 
 TOKENS_UNIT = 1000.0  # uncached and queued tokens enter the model in thousands
 PAIRS_UNIT = 1e8  # attention pairs in hundreds of millions (a fresh 14k-token prompt: 1)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
+from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from index.types import WorkerId
-from scoring.tiebreak import rendezvous_weight
+from kvgate.index.types import WorkerId
+from kvgate.scoring.tiebreak import rendezvous_weight
 
 
 class Costed(Protocol):

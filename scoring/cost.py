@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from index.types import PrefixMatch
-from scoring.api import Candidate, RouteRequest
-from scoring.config import KvPolicyConfig
+from kvgate.index.types import PrefixMatch
+from kvgate.scoring.api import Candidate, RouteRequest
+from kvgate.scoring.config import KvPolicyConfig
 
 WAITING_REQUEST_PREFILL_TOKENS = 512
 """Prefill tokens assumed for each request an engine reports waiting: the scraped waiting

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Mapping, Sequence
 
-from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
-from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
-from scoring.config import KvPolicyConfig
-from scoring.cost import Price, price_all, request_size
-from scoring.tiebreak import session_hash_key
+from kvgate.scoring.api import Candidate, Decision, RouteRequest, WorkerScore
+from kvgate.scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, price_all, request_size
+from kvgate.scoring.tiebreak import session_hash_key
 
 TIE_TOLERANCE = 1e-6
 """Costs (in blocks) within this much of the lowest count as tied: lower in-flight wins,

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import random
 
-from scoring.api import Policy
-from scoring.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy, SessionPolicy
-from scoring.config import KvPolicyConfig
-from scoring.kv import KvPolicy
+from kvgate.scoring.api import Policy
+from kvgate.scoring.baselines import (
+    LeastLoadedPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    SessionPolicy,
+)
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.kv import KvPolicy
 
 POLICY_NAMES: tuple[str, ...] = ("kv", "round_robin", "random", "least_loaded", "session")
 """Every policy ``make_policy`` knows; ``kv`` is cache-aware, the others are baselines."""

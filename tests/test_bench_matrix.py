@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import matrix, report
-from bench.args import compare_parser, fleet_spec, load_requests
-from bench.cli import build_parser
-from bench.fleet import sim_config
+from kvgate.bench import matrix, report
+from kvgate.bench.args import compare_parser, fleet_spec, load_requests
+from kvgate.bench.cli import build_parser
+from kvgate.bench.fleet import sim_config
 
 
 def _summary(
@@ -113,7 +113,7 @@ def test_table_plot_and_resume(tmp_path: Path) -> None:
 
 
 def _compare_config(out: Path) -> object:
-    from bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
 
     args = compare_parser().parse_args(["--trace", "synthetic"])
     return compare_config(args, 256, out, "t")
@@ -140,8 +140,8 @@ def test_missing_runs_are_not_medians() -> None:
 def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) -> None:
     """``kv_baseline`` (kvgate from another checkout, side by side) refuses to start without
     ``--baseline-tree`` instead of silently running this tree's kvgate under its name."""
-    from bench import compare  # noqa: PLC0415
-    from bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench import compare  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
 
     assert compare.router_label(compare.BASELINE_TREE) == "kvgate kv (baseline tree)"
     args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
@@ -154,14 +154,14 @@ def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) 
 
 def test_a_variant_built_in_code_serves_kv_with_its_tuning(tmp_path: Path) -> None:
     """A variant of ``bench.variants`` (its scheduler built in code, not a user flag) runs
-    ``python -m bench.variants NAME`` with kvgate serve's flags, labelled apart from ``kv``;
+    ``python -m kvgate.bench.variants NAME`` with kvgate serve's flags, labelled apart from ``kv``;
     a flag variant runs ``kvgate serve`` with its flags."""
-    from bench import compare, variants  # noqa: PLC0415
-    from bench.args import compare_config  # noqa: PLC0415
-    from bench.fleet import FleetSpec, SimFleet, kvgate_serve_argv  # noqa: PLC0415
-    from router import serve  # noqa: PLC0415
-    from router.config import Settings, load_settings  # noqa: PLC0415
-    from router.flags import given_settings  # noqa: PLC0415
+    from kvgate.bench import compare, variants  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench.fleet import FleetSpec, SimFleet, kvgate_serve_argv  # noqa: PLC0415
+    from kvgate.router import serve  # noqa: PLC0415
+    from kvgate.router.config import Settings, load_settings  # noqa: PLC0415
+    from kvgate.router.flags import given_settings  # noqa: PLC0415
 
     assert compare.router_label("kv_nokvroom") == "kvgate kv nokvroom"
     assert not variants.TUNINGS["kv_nokvroom"].parts.room_wait
@@ -171,7 +171,7 @@ def test_a_variant_built_in_code_serves_kv_with_its_tuning(tmp_path: Path) -> No
     spec = compare.kvgate_spec(compare.RouterRun("kv_nokvroom", "x"), config)
     assert (spec.policy, spec.variant) == ("kv", "kv_nokvroom")
     argv = kvgate_serve_argv(spec, fleet, 8000)
-    assert argv[1:4] == ["-m", "bench.variants", "kv_nokvroom"]
+    assert argv[1:4] == ["-m", "kvgate.bench.variants", "kv_nokvroom"]
     serve.build_parser().parse_args(argv[4:])  # the rest are kvgate serve's own flags
     busy = compare.kvgate_spec(compare.RouterRun("kv_busy16k", "y"), config)
     assert busy.variant is None

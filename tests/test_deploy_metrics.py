@@ -32,9 +32,9 @@ from fakes.wait import wait_until
 from kv_publisher import KvPublisher
 from prometheus_client.parser import text_string_to_metric_families
 
-from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockStored
-from index.types import EngineBlockHash
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import AllBlocksCleared, BlockStored
+from kvgate.index.types import EngineBlockHash
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvgate-dashboard.json"

@@ -9,8 +9,8 @@ import pytest
 from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 
-from backends.config import WorkerConfig
-from backends.discovery import (
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.discovery import (
     DiscoveredWorker,
     DiscoveryMetrics,
     DnsDiscovery,
@@ -19,7 +19,7 @@ from backends.discovery import (
     parse_discovery_url,
     worker_for_address,
 )
-from backends.errors import DiscoveryUrlError
+from kvgate.backends.errors import DiscoveryUrlError
 
 TARGET = "vllm.ns.svc.cluster.local:8000"
 

@@ -13,11 +13,11 @@ from fakes.gateway import Kvgate, kvgate
 from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
-from backends.engines import SGLANG, VLLM
-from backends.sim.tokenizer import tokenizer_dir
-from scheduling.capacity import Parts
-from scheduling.config import Tuning
-from scheduling.ledger import WorkerLedger
+from kvgate.backends.engines import SGLANG, VLLM
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.ledger import WorkerLedger
 
 MODEL = "kvgate-sim"
 

@@ -17,7 +17,7 @@ from fakes.gateway import quiet_health
 from fakes.simgate import MODEL, fleet_config, indexed, long_text, sim_fleets, until
 from openai import AsyncOpenAI
 
-from backends.sim.config import SimConfig, TimingConfig
+from kvgate.backends.sim.config import SimConfig, TimingConfig
 
 pytestmark = pytest.mark.anyio
 

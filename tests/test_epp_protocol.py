@@ -26,7 +26,7 @@ from fakes.epp import (
 from fakes.simgate import MODEL, fleet_config, long_text, sim_fleets, until, worker_specs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.epp.wire import endpoint_of
+from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.anyio
 

@@ -27,15 +27,15 @@ from hostile_cases import CASES, tokens_of
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
-from bench.hostile import BLOCK, payload, removed, stored
-from index.api import Endpoints, EngineWorker
-from index.config import IndexConfig
-from index.events import EventFeed, Subscriber
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.service import KvIndexService
-from index.table import EventIndex, TableKind, new_table
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.bench.hostile import BLOCK, payload, removed, stored
+from kvgate.index.api import Endpoints, EngineWorker
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import EventFeed, Subscriber
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.service import KvIndexService
+from kvgate.index.table import EventIndex, TableKind, new_table
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 HERE = Path(__file__).resolve().parent
 WORKER = WorkerId("http://127.0.0.1:1")

@@ -10,8 +10,8 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
 from fakes.wait import wait_until
 
-from index.api import PromptInput, PromptKeys, TokenizeOn
-from index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.index.api import PromptInput, PromptKeys, TokenizeOn
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.config import parse_worker_spec
-from router import serve
-from router.config import ConfigError, Settings, load_settings
-from router.flags import given_settings
+from kvgate.backends.config import parse_worker_spec
+from kvgate.router import serve
+from kvgate.router.config import ConfigError, Settings, load_settings
+from kvgate.router.flags import given_settings
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -228,7 +228,7 @@ def test_settings_without_a_flag_keep_their_variable(monkeypatch: pytest.MonkeyP
 
 
 def test_kvgate_version(capsys: pytest.CaptureFixture[str]) -> None:
-    from router import cli  # noqa: PLC0415
+    from kvgate.router import cli  # noqa: PLC0415
 
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out.strip()

@@ -21,10 +21,10 @@ from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from test_deploy_shutdown import MODEL, GatedEngine
 
-from backends.discovery import DiscoveredFleet
-from router.app import create_app
-from router.config import ConfigError, load_settings
-from router.gateway import Gateway
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.router.app import create_app
+from kvgate.router.config import ConfigError, load_settings
+from kvgate.router.gateway import Gateway
 
 pytestmark = pytest.mark.anyio
 

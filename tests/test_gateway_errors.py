@@ -12,9 +12,9 @@ from fakes.gateway import fleet, kvgate
 from fakes.server import unresponsive_port
 from fakes.wait import wait_until
 
-from backends import errors as backend
-from backends.process import free_port
-from router import errors
+from kvgate.backends import errors as backend
+from kvgate.backends.process import free_port
+from kvgate.router import errors
 
 pytestmark = pytest.mark.anyio
 

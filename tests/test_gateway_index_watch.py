@@ -12,12 +12,12 @@ from prometheus_client import CollectorRegistry
 from test_gateway_retry import CHAT, MODEL, PROMPT, replica_fault, sim_gateway
 from test_sim_support import refused
 
-from backends.config import WorkerConfig
-from backends.registry import Worker, WorkerRegistry
-from index.types import WorkerId
-from router.config import IndexWatchConfig
-from router.index_watch import IndexWatch, IndexWatchMetrics
-from router.usage import Usage
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.types import WorkerId
+from kvgate.router.config import IndexWatchConfig
+from kvgate.router.index_watch import IndexWatch, IndexWatchMetrics
+from kvgate.router.usage import Usage
 
 BLOCK = 16
 

@@ -13,8 +13,8 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.wait import wait_until
 
-from index.events import BlockStored, EventBatch, EventEncoder
-from index.types import EngineBlockHash
+from kvgate.index.events import BlockStored, EventBatch, EventEncoder
+from kvgate.index.types import EngineBlockHash
 
 pytestmark = pytest.mark.anyio
 

@@ -20,8 +20,8 @@ from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"

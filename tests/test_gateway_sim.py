@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from fakes.gateway import kvgate
 
-from backends.process import ChildProcess, free_port_range, wait_http, wait_until
-from router.config import load_settings
-from router.simfleet import SIM_MODEL, SimFleet
+from kvgate.backends.process import ChildProcess, free_port_range, wait_http, wait_until
+from kvgate.router.config import load_settings
+from kvgate.router.simfleet import SIM_MODEL, SimFleet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -125,7 +125,7 @@ def _serve_sim(log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``kvgate serve --sim 2`` on free ports, ready; yields it and its simulator's pid."""
     port = free_port_range(1, start=26500)
     base, events = free_port_range(2, start=27000), free_port_range(4, start=27500)
-    argv = [sys.executable, "-m", "router.cli", "serve", "--sim", "2", "--port", str(port),
+    argv = [sys.executable, "-m", "kvgate.router.cli", "serve", "--sim", "2", "--port", str(port),
             "--sim-port", str(base), "--sim-events-port", str(events)]  # fmt: skip
     serve = ChildProcess(argv, name="kvgate serve --sim", log_path=log, cwd=ROOT, own_group=False)
     proc = serve.start().popen

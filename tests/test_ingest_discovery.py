@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.events import BlockStored, _sources, parse_sources, resolve_endpoint
-from index.events._sources import on_worker_host
-from index.keys import _engine, block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import PrefixMatch, WorkerId
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import BlockStored, _sources, parse_sources, resolve_endpoint
+from kvgate.index.events._sources import on_worker_host
+from kvgate.index.keys import _engine, block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 

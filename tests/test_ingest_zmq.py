@@ -15,12 +15,12 @@ from fakes.wait import free_port, wait_until
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from index.keys import block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import PrefixMatch, WorkerId
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 

@@ -67,11 +67,20 @@ class Import:
 
     @property
     def source_package(self) -> str:
-        return self.source.split(".")[0]
+        return package_of(self.source)
 
     @property
     def target_package(self) -> str:
-        return self.target.split(".")[0]
+        return package_of(self.target)
+
+
+def package_of(module: str) -> str:
+    """The product package a module lands in: ``kvgate.router.app`` and ``router.app`` are
+    both in ``router`` (the folders are installed under ``kvgate``)."""
+    parts = module.split(".")
+    if parts[0] == "kvgate" and len(parts) > 1:
+        return parts[1]
+    return parts[0]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -252,6 +261,53 @@ def test_no_package_imports_one_above_it() -> None:
 def test_no_import_cycle_between_packages() -> None:
     cycles = package_cycles(product_imports())
     assert not cycles, f"import cycles between packages: {cycles}"
+
+
+def bare_imports(source: str, filename: str) -> list[str]:
+    """Absolute imports of a product package by its bare name (``router.app``): installed,
+    the packages are ``kvgate.router``, ``kvgate.index``, ...; a bare name would import
+    whatever else is installed under it, or nothing."""
+    problems = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names = [first.value]
+        problems += [
+            f"{filename}:{getattr(node, 'lineno', 0)}: {name}"
+            for name in names
+            if name.split(".")[0] in BELOW
+        ]
+    return problems
+
+
+def test_product_code_imports_its_packages_under_kvgate() -> None:
+    problems: list[str] = []
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            problems += bare_imports(text, str(path.relative_to(ROOT)))
+    assert not problems, "bare product imports:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("from router.config import Settings", True),
+        ("import index.types", True),
+        ("importlib.import_module('bench.fleet')", True),
+        ("from kvgate.router.config import Settings", False),
+        ("from .config import Settings", False),
+        ("import json", False),
+    ],
+)
+def test_a_bare_product_import_is_caught(source: str, bad: bool) -> None:
+    assert bool(bare_imports(source, "x.py")) is bad
 
 
 def test_scoring_and_scheduling_do_no_io() -> None:

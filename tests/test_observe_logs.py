@@ -29,8 +29,8 @@ from fakes.rawhttp import exchange
 from fakes.server import serve
 from fakes.wait import wait_until
 
-from router.accesslog import ACCESS_FIELDS, client_key_id
-from router.logs import (
+from kvgate.router.accesslog import ACCESS_FIELDS, client_key_id
+from kvgate.router.logs import (
     FIELDS,
     REPEAT_KEYS,
     LogOutput,

@@ -24,9 +24,9 @@ from prometheus_client import Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import build_gateway
-from router.config import load_settings
-from router.metrics import (
+from kvgate.router.app import build_gateway
+from kvgate.router.config import load_settings
+from kvgate.router.metrics import (
     MAX_MODEL_LABELS,
     OTHER_MODELS,
     GatewayRegistry,

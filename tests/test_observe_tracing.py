@@ -31,11 +31,11 @@ from fakes.wait import wait_until
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from backends.process import free_port
-from router.config import ConfigError, load_settings
-from router.logs import configure_logging
-from router.observe import client_trace_id, start_tracing, tracing_requested
-from router.tracing import OwnDraw
+from kvgate.backends.process import free_port
+from kvgate.router.config import ConfigError, load_settings
+from kvgate.router.logs import configure_logging
+from kvgate.router.observe import client_trace_id, start_tracing, tracing_requested
+from kvgate.router.tracing import OwnDraw
 
 pytestmark = pytest.mark.anyio
 
@@ -315,7 +315,7 @@ def test_misconfigured_export_stops_the_start(monkeypatch: pytest.MonkeyPatch) -
         start_tracing(flagged, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     with pytest.raises(ConfigError, match="otlp_traces_endpoint"):
         load_settings(overrides={"otlp_traces_endpoint": "collector:4318"})
-    monkeypatch.setitem(sys.modules, "router.tracing", None)  # the extra is not installed
+    monkeypatch.setitem(sys.modules, "kvgate.router.tracing", None)  # the extra is not installed
     with pytest.raises(ConfigError, match=r"kvgate\[otel\]"):
         start_tracing(flagged, {})
 
@@ -337,7 +337,7 @@ def test_the_base_install_never_loads_the_sdk() -> None:
         "import router.serve\n"
         "create_app(load_settings(overrides={}))\n"
         "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
-        "'opentelemetry.exporter', 'opentelemetry.proto', 'router.tracing'))]\n"
+        "'opentelemetry.exporter', 'opentelemetry.proto', 'kvgate.router.tracing'))]\n"
         "print(loaded)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVGATE_"))}

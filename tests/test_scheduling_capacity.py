@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from index.types import BlockKey, PrefixMatch, WorkerId
-from scheduling.capacity import (
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.scheduling.capacity import (
     HELD_TEXT,
     ROOM_TEXT,
     Limits,
@@ -20,12 +20,12 @@ from scheduling.capacity import (
     judge,
     kv_shortfall,
 )
-from scheduling.config import SchedulingConfig
-from scheduling.routing import admitted_first
-from scoring.api import Candidate, RouteRequest, WorkerLoad
-from scoring.config import KvPolicyConfig
-from scoring.cost import request_size
-from scoring.kv import KvPolicy
+from kvgate.scheduling.config import SchedulingConfig
+from kvgate.scheduling.routing import admitted_first
+from kvgate.scoring.api import Candidate, RouteRequest, WorkerLoad
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import request_size
+from kvgate.scoring.kv import KvPolicy
 
 BS = 16
 DEFAULT = SchedulingConfig().limits()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduling.dispatch_order import OrderConfig, dispatch_priority, next_to_dispatch
+from kvgate.scheduling.dispatch_order import OrderConfig, dispatch_priority, next_to_dispatch
 
 
 @dataclass(frozen=True)

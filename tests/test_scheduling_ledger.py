@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backends.config import WorkerConfig
-from backends.registry import WorkerRegistry
-from index.keys import shared_prefix_blocks
-from index.types import BlockKey, WorkerId
-from scheduling.capacity import Limits, Parts, kv_overcommit
-from scheduling.ledger import FLIGHTS_COMPARED, Ledger
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.keys import shared_prefix_blocks
+from kvgate.index.types import BlockKey, WorkerId
+from kvgate.scheduling.capacity import Limits, Parts, kv_overcommit
+from kvgate.scheduling.ledger import FLIGHTS_COMPARED, Ledger
 
 BS = 16
 

@@ -20,16 +20,16 @@ from fakes.rawhttp import request_bytes
 from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
-from backends.sim.tokenizer import tokenizer_dir
-from router.accesslog import client_key_id
-from router.config import Settings, load_settings
-from router.flags import given_settings
-from router.logs import configure_logging
-from router.serve import build_parser
-from scheduling.capacity import Parts
-from scheduling.config import Tuning
-from scheduling.dispatch_order import OrderConfig
-from scheduling.queue import AdmissionQueue
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.router.accesslog import client_key_id
+from kvgate.router.config import Settings, load_settings
+from kvgate.router.flags import given_settings
+from kvgate.router.logs import configure_logging
+from kvgate.router.serve import build_parser
+from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.dispatch_order import OrderConfig
+from kvgate.scheduling.queue import AdmissionQueue
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"

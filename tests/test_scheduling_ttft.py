@@ -10,11 +10,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from backends.config import WorkerConfig
-from backends.registry import Worker, WorkerRegistry
-from index.types import WorkerId
-from scheduling.ledger import UTILISATION_HALF_LIFE_S, Ledger
-from scheduling.ttft import (
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.ledger import UTILISATION_HALF_LIFE_S, Ledger
+from kvgate.scheduling.ttft import (
     MAX_TTFT_S,
     BusyShare,
     OnlineTtftModel,
@@ -25,7 +25,7 @@ from scheduling.ttft import (
     ttft_features,
     ttft_terms,
 )
-from scoring.api import WorkerLoad
+from kvgate.scoring.api import WorkerLoad
 
 PRIOR = TtftParams.prior(prefill_tokens_per_s=20_000.0, base_s=0.02)
 

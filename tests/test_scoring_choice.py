@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerLoad
-from scoring.config import KvPolicyConfig
-from scoring.kv import KvPolicy
-from scoring.tiebreak import rendezvous_weight, session_hash_key
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerLoad
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.kv import KvPolicy
+from kvgate.scoring.tiebreak import rendezvous_weight, session_hash_key
 
 BS = 16
 WORKERS = [f"http://127.0.0.1:{9001 + i}" for i in range(8)]

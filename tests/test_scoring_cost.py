@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, RouteRequest, WorkerLoad
-from scoring.config import KvPolicyConfig
-from scoring.cost import Price, clip_match, fleet_factor, overlap_tokens, request_size
-from scoring.kv import KvPolicy
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.scoring.api import Candidate, RouteRequest, WorkerLoad
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, clip_match, fleet_factor, overlap_tokens, request_size
+from kvgate.scoring.kv import KvPolicy
 
 BS = 16
 

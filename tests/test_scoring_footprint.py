@@ -7,13 +7,13 @@ import random
 import pytest
 from test_scoring_cost import cand, req
 
-from backends.config import WorkerConfig
-from backends.registry import WorkerRegistry
-from index.types import WorkerId
-from scheduling.ledger import FOOTPRINT_HALF_LIFE_S, Ledger
-from scoring.config import KvPolicyConfig
-from scoring.cost import Price, footprint_ratios, request_size
-from scoring.kv import KvPolicy
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.ledger import FOOTPRINT_HALF_LIFE_S, Ledger
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, footprint_ratios, request_size
+from kvgate.scoring.kv import KvPolicy
 
 ON = KvPolicyConfig(footprint_weight=0.5)
 

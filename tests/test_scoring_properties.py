@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, RouteRequest, WorkerLoad
-from scoring.config import KvPolicyConfig
-from scoring.cost import Price, request_size
-from scoring.kv import TIE_TOLERANCE, KvPolicy
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.scoring.api import Candidate, RouteRequest, WorkerLoad
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, request_size
+from kvgate.scoring.kv import TIE_TOLERANCE, KvPolicy
 
 tier_weights = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=3, max_size=3).map(
     lambda ws: dict(

@@ -21,11 +21,11 @@ from fakes.server import serve
 from fakes.simgate import MODEL, chat, fleet_config, gate, indexed, long_text, sim_fleets
 from starlette.types import Receive, Send
 
-from backends.config import WorkerConfig
-from backends.engines import EngineFacts
-from backends.facts import Declared, adapter_parents, agree_block_sizes
-from backends.registry import WorkerRegistry
-from index.types import NO_MATCH, PrefixMatch, WorkerId
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.engines import EngineFacts
+from kvgate.backends.facts import Declared, adapter_parents, agree_block_sizes
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 

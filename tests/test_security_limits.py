@@ -18,8 +18,8 @@ from fakes.rawhttp import exchange, parse_response, request_bytes
 from fakes.rawworker import raw_worker, write_until_closed
 from fakes.wait import wait_until
 
-from backends import health
-from router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
+from kvgate.backends import health
+from kvgate.router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 pytestmark = pytest.mark.anyio
 

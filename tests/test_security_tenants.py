@@ -22,8 +22,8 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.simgate import MODEL, fleet_config, gate, sim_fleets, worker_specs
 
-from router.accesslog import client_key_id
-from scoring.baselines import rendezvous_weight
+from kvgate.router.accesslog import client_key_id
+from kvgate.scoring.baselines import rendezvous_weight
 
 pytestmark = pytest.mark.anyio
 

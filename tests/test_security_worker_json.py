@@ -26,18 +26,18 @@ from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Send
 
-from backends.discovery import DiscoveredFleet
-from backends.engines import SGLANG
-from index.errors import JsonDecodeError
-from index.jsonsafe import MAX_JSON_DEPTH, decode_json, decode_json_as
-from index.types import WorkerId
-from router.app import create_app
-from router.commit import StreamStart, Verdict
-from router.config import load_settings
-from router.errors import UpstreamHTTPError
-from router.gateway import Gateway
-from router.usage import SseUsageTap, usage_from_body
-from scheduling.affinity import ClientKeyId, ResponseAffinity
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.engines import SGLANG
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import MAX_JSON_DEPTH, decode_json, decode_json_as
+from kvgate.index.types import WorkerId
+from kvgate.router.app import create_app
+from kvgate.router.commit import StreamStart, Verdict
+from kvgate.router.config import load_settings
+from kvgate.router.errors import UpstreamHTTPError
+from kvgate.router.gateway import Gateway
+from kvgate.router.usage import SseUsageTap, usage_from_body
+from kvgate.scheduling.affinity import ClientKeyId, ResponseAffinity
 
 pytestmark = pytest.mark.anyio
 DEPTH = 100_000

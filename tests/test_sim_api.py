@@ -14,9 +14,9 @@ from fakes.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_sim_support import EventLog, expected, sim_config, sim_fleet
 
-from backends.engines import VLLM
-from backends.sim.fleet import SimFleet
-from index.events import BlockStored, decode_event_batch
+from kvgate.backends.engines import VLLM
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.events import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"

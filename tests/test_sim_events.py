@@ -14,7 +14,7 @@ import zmq.asyncio
 from fakes.wait import wait_until
 from test_sim_support import EventLog, expected, rebuild, replay, sim_config, sim_fleet
 
-from index.events import BlockRemoved, BlockStored, decode_event_batch
+from kvgate.index.events import BlockRemoved, BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 

@@ -21,10 +21,10 @@ from test_sim_support import (
     sim_fleet,
 )
 
-from backends.sim.config import StartupFaults
-from backends.sim.faults import FaultError
-from backends.sim.fleet import SimFleet
-from index.events import AllBlocksCleared, decode_event_batch
+from kvgate.backends.sim.config import StartupFaults
+from kvgate.backends.sim.faults import FaultError
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.events import AllBlocksCleared, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 LABELS = {"model_name": "kvgate-sim", "engine": "0"}

@@ -15,14 +15,14 @@ from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from test_sim_support import EventLog, expected, sim_config, sim_fleet
 
-from backends.sim.config import LoraModule
-from backends.sim.fleet import SimFleet
-from index.config import IndexConfig
-from index.events import BlockStored, EventFeed, decode_event_batch
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.backends.sim.config import LoraModule
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import BlockStored, EventFeed, decode_event_batch
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 pytestmark = pytest.mark.anyio
 BASE = "kvgate-sim"

@@ -15,8 +15,8 @@ import pytest
 from fakes.wait import wait_until
 from test_sim_support import fault, refused, sim_config, sim_fleet, sse_lines
 
-from backends.sim.config import ApiConfig, StreamOpen
-from backends.sim.fleet import SimFleet
+from kvgate.backends.sim.config import ApiConfig, StreamOpen
+from kvgate.backends.sim.fleet import SimFleet
 
 pytestmark = pytest.mark.anyio
 MODES: tuple[StreamOpen, ...] = ("at_accept", "at_first_token")

@@ -19,11 +19,17 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from backends.sim.cache import CacheSnapshot
-from backends.sim.config import ApiConfig, EngineConfig, EventsConfig, SimConfig, TimingConfig
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import SimTokenizer
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
+from kvgate.backends.sim.cache import CacheSnapshot
+from kvgate.backends.sim.config import (
+    ApiConfig,
+    EngineConfig,
+    EventsConfig,
+    SimConfig,
+    TimingConfig,
+)
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import SimTokenizer
+from kvgate.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
 
 END_SEQ = 2**64 - 1
 Rebuilt = dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]

@@ -15,16 +15,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
-from backends.registry import Worker
-from index.api import PromptInput
-from index.types import WorkerId
-from router.errors import NoHealthyWorker, from_scheduling
-from router.gateway import Gateway
-from scheduling.errors import SchedulingError
-from scheduling.grant import Grant
-from scheduling.ledger import LoadTicket
-from scheduling.routing import Routed
-from scheduling.scheduler import RequestFacts
+from kvgate.backends.registry import Worker
+from kvgate.index.api import PromptInput
+from kvgate.index.types import WorkerId
+from kvgate.router.errors import NoHealthyWorker, from_scheduling
+from kvgate.router.gateway import Gateway
+from kvgate.scheduling.errors import SchedulingError
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import LoadTicket
+from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.scheduler import RequestFacts
 
 
 @dataclass(frozen=True, slots=True)

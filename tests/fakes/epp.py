@@ -14,20 +14,20 @@ from typing import Any
 import grpc
 import httpx
 
-from backends.process import free_port
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
-from bench.envoy import Envoy, bootstrap
 from fakes.gateway import quiet_health
 from fakes.server import serve
 from fakes.simgate import MODEL, worker_specs
-from router.config import load_settings
-from router.epp import messages as pb
-from router.epp.app import create_epp_app
-from router.epp.config import EppSettings
-from router.epp.wire import endpoint_of
-from router.gateway import Gateway
-from router.serve import uvicorn_config
+from kvgate.backends.process import free_port
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.router.config import load_settings
+from kvgate.router.epp import messages as pb
+from kvgate.router.epp.app import create_epp_app
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.epp.wire import endpoint_of
+from kvgate.router.gateway import Gateway
+from kvgate.router.serve import uvicorn_config
 
 
 @dataclass

@@ -12,14 +12,14 @@ import httpx
 
 from fakes.engine import FakeEngine
 from fakes.server import RunningServer, serve
-from index.api import BlockIndex
-from router.app import create_app
-from router.config import load_settings
-from router.gateway import Gateway
-from router.metrics import GatewayRegistry
-from router.serve import uvicorn_config
-from scheduling.config import Tuning
-from scheduling.ledger import WorkerLedger
+from kvgate.index.api import BlockIndex
+from kvgate.router.app import create_app
+from kvgate.router.config import load_settings
+from kvgate.router.gateway import Gateway
+from kvgate.router.metrics import GatewayRegistry
+from kvgate.router.serve import uvicorn_config
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.ledger import WorkerLedger
 
 
 @dataclass

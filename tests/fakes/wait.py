@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from backends.process import free_port
+from kvgate.backends.process import free_port
 
 __all__ = ["free_port", "wait_until"]
 

@@ -20,9 +20,9 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.engines import VLLM
-from backends.vllm_cpu.launch import Fleet, ReplicaSpec
-from index.events import BlockStored, EventDecoder
+from kvgate.backends.engines import VLLM
+from kvgate.backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from kvgate.index.events import BlockStored, EventDecoder
 
 pytestmark = pytest.mark.vllm
 

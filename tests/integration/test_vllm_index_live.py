@@ -21,13 +21,13 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.process import PortAllocator
-from backends.vllm_cpu.launch import Fleet, ReplicaSpec
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.keys import block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import WorkerId
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import WorkerId
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
