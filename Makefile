@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 ## demo-envoy: 4 simulated replicas, kvgate epp and a real Envoy on http://127.0.0.1:8080
 demo-envoy: $(STAMP)
-	$(BIN)/python -m bench.envoy demo
+	$(BIN)/python -m kvgate.bench.envoy demo
 
 ## test: lint, type-check, unit + integration tests (real vLLM and SGLang replicas included:
 ## their fixtures install both engines under .engines/ on first use, pinned)

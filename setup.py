@@ -12,7 +12,7 @@ NATIVE = Path("index/csrc")
 setup(
     ext_modules=[
         Extension(
-            "index._native",
+            "kvgate.index._native",
             sources=sorted(str(path) for path in NATIVE.glob("*.c")),
             depends=sorted(str(path) for path in NATIVE.glob("*.h")),
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from index.types import WorkerId
+from kvgate.index.types import WorkerId
 
 EngineKind = Literal["vllm", "sglang", "openai"]
 
@@ -185,18 +185,26 @@ class WorkerConfig(BaseModel):
 class HealthConfig(BaseModel):
     """Active health checks and load scraping."""
 
-    interval_s: float = Field(default=2.0, gt=0, description="seconds between GET /health probes")
+    interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="seconds between GET /health probes: lower it to notice a dead engine sooner",
+    )
     timeout_s: float = Field(default=1.0, gt=0, description="timeout of one probe or scrape")
     failure_threshold: int = Field(
         default=3,
         ge=1,
-        description="consecutive failures (probes or 5xx) before a worker is unhealthy",
+        description="consecutive failures (probes or 5xx) before a worker is taken out: raise "
+        "it on a flaky network",
     )
     recovery_threshold: int = Field(
         default=1, ge=1, description="consecutive successful probes before it is healthy again"
     )
     metrics_interval_s: float = Field(
-        default=1.0, ge=0, description="seconds between scrapes of each engine's /metrics (0: off)"
+        default=1.0,
+        ge=0,
+        description="seconds between scrapes of each engine's /metrics (its waiting queue and KV "
+        "usage): lower it for fresher load figures; 0: never scrape",
     )
     models_interval_s: float = Field(
         default=10.0,

@@ -35,8 +35,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backends.config import EngineKind
-from backends.errors import DiscoveryUrlError
+from kvgate.backends.config import EngineKind
+from kvgate.backends.errors import DiscoveryUrlError
 
 logger = logging.getLogger(__name__)
 

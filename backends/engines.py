@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.config import EngineKind
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json
+from kvgate.backends.config import EngineKind
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
 
 
 @dataclass(frozen=True, slots=True)

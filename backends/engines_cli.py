@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-ENGINES: dict[str, str] = {"vllm": "backends.vllm_cpu.cli", "sglang": "backends.sglang_cpu.cli"}
+ENGINES: dict[str, str] = {
+    "vllm": "kvgate.backends.vllm_cpu.cli",
+    "sglang": "kvgate.backends.sglang_cpu.cli",
+}
 ENGINE_HELP = "engine to install or run: vllm (default) or sglang"
 
 

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from index.types import WorkerId
+from kvgate.index.types import WorkerId
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,12 +30,12 @@ import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from backends.config import HealthConfig
-from backends.engines import EngineFacts, ScrapedLoad
-from backends.registry import Worker, WorkerRegistry
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json_as
-from index.types import WorkerId
+from kvgate.backends.config import HealthConfig
+from kvgate.backends.engines import EngineFacts, ScrapedLoad
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json_as
+from kvgate.index.types import WorkerId
 
 log = logging.getLogger("kvgate.health")
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a probe or /metrics page
@@ -297,25 +297,22 @@ class HealthChecker:
         path = worker.adapter.metrics_path
         if path is None:
             return
-        mark = worker.released_blocks  # requests that end from now on: not in this scrape
-        asked = self._registry.now()
+        asked = self._registry.scrape_begins(worker)
         try:
             response = await self._get(worker, path)
             if response.status_code != 200:
                 raise _ProbeFailed(f"GET {path} answered {response.status_code}")
-            worker.scraped = _with_capacity(worker.adapter.parse_load(response.text), worker)
-            worker.scrape_mark = mark
-            if worker.scraped.waiting == 0:
-                worker.unblock(asked)
+            load = _with_capacity(worker.adapter.parse_load(response.text), worker)
+            self._registry.scraped(worker, load, asked)
         except (httpx.HTTPError, _ProbeFailed, ValueError) as exc:
             self._metrics.scrape_failed(worker)
             log.debug("scrape of %s failed: %s", worker.url, exc)
-            worker.scraped = ScrapedLoad()
+            self._registry.scraped(worker, ScrapedLoad(), asked)
         except Exception:  # the worker's supervisor: this scrape is lost, not the others
             self._metrics.scrape_failed(worker)
             self._metrics.round_failed("scrape")
             log.exception("scrape of %s failed", worker.url)
-            worker.scraped = ScrapedLoad()
+            self._registry.scraped(worker, ScrapedLoad(), asked)
 
     def _timeout(self) -> float:
         return self._config.timeout_s

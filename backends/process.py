@@ -26,7 +26,7 @@ from typing import IO, Self
 
 import httpx
 
-from backends.errors import ProcessExited
+from kvgate.backends.errors import ProcessExited
 
 LOOPBACK = "127.0.0.1"
 _REAP_S = 5.0  # after the last signal, how long the leader may take to be reaped

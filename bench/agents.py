@@ -27,7 +27,7 @@ from itertools import count
 import httpx
 import msgspec
 
-from bench.traces import block_words
+from kvgate.bench.traces import block_words
 
 MODEL = "kvgate-sim"
 _SESSION_BLOCKS = 10_000  # block ids of session k: 10,000 (k + 1) onwards

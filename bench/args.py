@@ -8,10 +8,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from bench.compare import CompareConfig
-from bench.fleet import FleetSpec
-from bench.replay import ReplayConfig
-from bench.traces import (
+from kvgate.bench.compare import CompareConfig
+from kvgate.bench.fleet import FleetSpec
+from kvgate.bench.replay import ReplayConfig
+from kvgate.bench.traces import (
     TRACE_BLOCK_TOKENS,
     AgenticReplayOptions,
     SyntheticAgentOptions,

@@ -28,8 +28,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import matrix, report, room_wait, tail
-from bench.args import (
+from kvgate.bench import matrix, report, room_wait, tail
+from kvgate.bench.args import (
     compare_config,
     fleet_args,
     fleet_spec,
@@ -38,7 +38,7 @@ from bench.args import (
     replay_config,
     trace_args,
 )
-from bench.compare import (
+from kvgate.bench.compare import (
     ALL_ROUTERS,
     BASELINE_TREE,
     KVGATE_POLICIES,
@@ -48,14 +48,14 @@ from bench.compare import (
     references,
     router_label,
 )
-from bench.dynamo_peer import DYNAMO, DYNAMO_ROUTERS
-from bench.engines import needs_private_netns
-from bench.fleet import FleetSpec
-from bench.netns import only_loopback, reexec_private
-from bench.oracle import oracle
-from bench.overload import PointResult, run_point, write_ramp
-from bench.peers import ENGINES_DIR, PEERS, ensure_installed
-from bench.replay import replay, select_slice, write_records
+from kvgate.bench.dynamo_peer import DYNAMO, DYNAMO_ROUTERS
+from kvgate.bench.engines import needs_private_netns
+from kvgate.bench.fleet import FleetSpec
+from kvgate.bench.netns import only_loopback, reexec_private
+from kvgate.bench.oracle import oracle
+from kvgate.bench.overload import PointResult, run_point, write_ramp
+from kvgate.bench.peers import ENGINES_DIR, PEERS, ensure_installed
+from kvgate.bench.replay import replay, select_slice, write_records
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -360,16 +360,16 @@ def _enter_private_netns(args: argparse.Namespace, argv: list[str]) -> None:
     for package in [*packages.values(), DYNAMO]:
         ensure_installed(package, logs)
     print("running in a private network namespace (bench/netns.py)", file=sys.stderr)
-    reexec_private([sys.executable, "-m", "router.cli", "bench", *argv])
+    reexec_private([sys.executable, "-m", "kvgate.router.cli", "bench", *argv])
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["epp"]:  # its own parser: no trace, its own fleet, Envoy and load
-        from bench import epp  # noqa: PLC0415 - imported only for this sub-command
+        from kvgate.bench import epp  # noqa: PLC0415 - imported only for this sub-command
 
         return epp.cli(argv[1:])
     if argv[:1] == ["faults"]:  # its own parser: no trace, its own fleet and load
-        from bench import faults  # noqa: PLC0415 - imported only for this sub-command
+        from kvgate.bench import faults  # noqa: PLC0415 - imported only for this sub-command
 
         return faults.main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 
-from bench import report
-from bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
-from bench.engines import start_bench_fleet
-from bench.fleet import (
+from kvgate.bench import report
+from kvgate.bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
+from kvgate.bench.engines import start_bench_fleet
+from kvgate.bench.fleet import (
     BenchFleet,
     FleetSpec,
     KvgateSpec,
@@ -28,10 +28,10 @@ from bench.fleet import (
     start_kvgate,
     system_cpu_times,
 )
-from bench.floor import measured_floor
-from bench.oracle import oracle, pooled_lru, ttft_floor
-from bench.peers import PEERS, RouterProcess, start_peer
-from bench.replay import (
+from kvgate.bench.floor import measured_floor
+from kvgate.bench.oracle import oracle, pooled_lru, ttft_floor
+from kvgate.bench.peers import PEERS, RouterProcess, start_peer
+from kvgate.bench.replay import (
     SAMPLED_METRICS,
     MetricsSample,
     ReplayConfig,
@@ -41,7 +41,8 @@ from bench.replay import (
     select_slice,
     write_records,
 )
-from bench.traces import TraceRequest
+from kvgate.bench.traces import TraceRequest
+from kvgate.bench.variants import TUNINGS
 
 KVGATE_POLICIES = ("kv", "round_robin", "random", "least_loaded", "session")
 ALL_ROUTERS = (
@@ -63,52 +64,17 @@ BASELINE_TREE = "kv_baseline"
 
 KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_noqueue": ("kv", ("--no-queue-enabled",)),  # kv without the router-side queue
-    "kv_norefund": ("kv", ("--scoring-footprint-min-excess", "0")),  # no footprint discount
-    "kv_nofit": ("kv", ("--scoring-kv-fit-weight", "0")),  # no KV fit term
-    "kv_evictrisk": ("kv", ("--scoring-eviction-risk-weight", "1")),  # the eviction risk on
-    "kv_seconds": ("kv", ("--scoring-cost", "seconds")),  # kv, the cost in seconds deciding
     "kv_nofleet": ("kv", ("--scoring-fleet-prefill-weight", "0")),  # no fleet term
-    "kv_nofitguard": ("kv", ("--no-scoring-kv-fit-guard",)),  # the KV fit guard off
-    # a worker's blocked time (its oldest request sent lacking KV room, unstarted) priced as
-    # as much more wait ahead (off by default: measured and not adopted)
-    "kv_blockedwait": ("kv", ("--scoring-blocked-wait-weight", "1")),
-    "kv_kvheld": ("kv", ("--queue-busy-kv-held", "1")),  # busy: in-flight blocks fill the KV
-    "kv_nofitcached": ("kv", ("--no-scoring-kv-fit-cached",)),  # the fit: new blocks only
-    # busy: the request's blocks do not fit (the default since 2026-12-06, off before), with
-    # a patience of 10% of its wait limit (the default: 3 s of the default 30 s), 50% (the
-    # patience before 2026-12-06) and 3% (1 s); and off (the default before 2026-12-06)
-    "kv_kvroom": ("kv", ("--queue-busy-kv-room",)),
-    "kv_kvroom_p10": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.1")),
-    "kv_kvroom_p50": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.5")),
-    "kv_kvroom_p03": ("kv", ("--queue-busy-kv-room", "--queue-kv-room-patience", "0.033")),
-    "kv_nokvroom": ("kv", ("--no-queue-busy-kv-room",)),
-    # a request waiting for KV room holds its first choice against smaller queued requests
-    # (the default since 2026-12-06); kv_noroomhold: the former default, without the hold
-    "kv_roomhold": ("kv", ("--queue-kv-room-hold",)),
-    "kv_noroomhold": ("kv", ("--no-queue-kv-room-hold",)),
-    # the first requests waiting for KV room hold a worker each, all workers but one at most
-    # (measured 2026-12-06 and not adopted: the default holds one)
-    "kv_holdmost": ("kv", ("--queue-kv-room-holds", "1024")),
-    # busy_kv_room, dispatched first come first served (aging so fast that work never counts)
-    "kv_kvroom_fifo": ("kv", ("--queue-busy-kv-room", "--queue-aging-tokens-per-s", "1e9")),
-    "kv_fifo": ("kv", ("--queue-aging-tokens-per-s", "1e9")),  # the queue first come first served
-    # the dispatch order's aging: 4,096 tokens/s (the default before 2026-12-06, fifth
-    # session), 16,384, and 65,536 (the default since; kv_age64k names it for older mains)
-    "kv_age4k": ("kv", ("--queue-aging-tokens-per-s", "4096")),
-    "kv_age16k": ("kv", ("--queue-aging-tokens-per-s", "16384")),
-    "kv_age64k": ("kv", ("--queue-aging-tokens-per-s", "65536")),
-    # busy with 16k / 32k / 64k (the default since 2026-12-05) prompt tokens sent and not
-    # yet prefilled: 16k was the default before, the lower the earlier the queue engages
-    "kv_busy16k": ("kv", ("--queue-busy-pending-prefill-tokens", "16384")),
-    "kv_busy32k": ("kv", ("--queue-busy-pending-prefill-tokens", "32768")),
-    "kv_busy64k": ("kv", ("--queue-busy-pending-prefill-tokens", "65536")),
+    # busy with 16k / 32k prompt tokens sent and not yet prefilled (64k: the default)
+    "kv_busy16k": ("kv", ("--scheduling-max-pending-prefill-tokens", "16384")),
+    "kv_busy32k": ("kv", ("--scheduling-max-pending-prefill-tokens", "32768")),
     "kv_qp05": ("kv", ("--scoring-queued-prefill-weight", "0.5")),  # queued prefill at half
-    # held blocks: the prompts' only, not the blocks streamed answers have filled (the
-    # default before 2026-12-06, sixth session); kv_answerblocks names the new one for older mains
-    "kv_noanswerblocks": ("kv", ("--no-scoring-answer-blocks",)),
-    "kv_answerblocks": ("kv", ("--scoring-answer-blocks",)),
+    # built in code (bench.variants: the scheduler's parts, dispatch order or patience)
+    **{name: ("kv", ()) for name in TUNINGS},
+    "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
 }
-"""Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags)."""
+"""Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
+those in ``bench.variants.TUNINGS`` are served by ``python -m kvgate.bench.variants NAME``."""
 
 
 def is_peer(name: str) -> bool:
@@ -196,7 +162,7 @@ def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
         return KvgateSpec("kv", (), extra, cfg.baseline_tree)
     policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
     args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
-    return KvgateSpec(policy, (), args)
+    return KvgateSpec(policy, (), args, variant=run.name if run.name in TUNINGS else None)
 
 
 def _start_router(

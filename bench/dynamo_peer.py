@@ -31,16 +31,16 @@ from typing import Any
 
 import httpx
 
-from backends.process import LOOPBACK, wait_until
-from bench.fleet import (
+from kvgate.backends.process import LOOPBACK, wait_until
+from kvgate.bench.fleet import (
     BenchFleet,
     ManagedProcess,
     bench_port_range,
     tree_cpu_seconds,
     wait_own_http,
 )
-from bench.netns import only_loopback
-from bench.peers import BENCH_DIR, PeerPackage, ensure_installed
+from kvgate.bench.netns import only_loopback
+from kvgate.bench.peers import BENCH_DIR, PeerPackage, ensure_installed
 
 DYNAMO = PeerPackage(
     "dynamo",

@@ -26,18 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from backends.process import LOOPBACK
-from backends.sim.tokenizer import tokenizer_dir
-from backends.vllm_cpu.install import is_installed
-from backends.vllm_cpu.launch import (
+from kvgate.backends.process import LOOPBACK
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.vllm_cpu.install import is_installed
+from kvgate.backends.vllm_cpu.launch import (
     EngineOptions,
     EventsTransport,
     Fleet,
     plan_replicas,
     socket_dir,
 )
-from backends.vllm_cpu.layout import EngineLayout
-from bench.dynamo_peer import (
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.bench.dynamo_peer import (
     DYNAMO,
     ProcessSet,
     dynamo_env,
@@ -46,7 +46,7 @@ from bench.dynamo_peer import (
     require_private_netns,
     wait_serving,
 )
-from bench.fleet import (
+from kvgate.bench.fleet import (
     SIM_MODEL,
     BenchFleet,
     FleetSpec,
@@ -55,8 +55,8 @@ from bench.fleet import (
     start_fleet,
     tree_cpu_seconds,
 )
-from bench.netns import only_loopback
-from bench.peers import ensure_installed
+from kvgate.bench.netns import only_loopback
+from kvgate.bench.peers import ensure_installed
 
 ENGINES = ("sim", "vllm", "dynamo-mocker", "sglang")
 VLLM_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings

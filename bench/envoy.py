@@ -3,7 +3,7 @@ by ``deploy/envoy/envoy.yaml`` with other ports: the bootstrap is read, its addr
 rewritten (the listener, the admin port, the ext_proc endpoints, the pool's endpoints) and
 nothing else, so tests and benchmarks run the very file operators start from.
 
-    python -m bench.envoy demo      # make demo-envoy: kvgate epp --sim 4 + Envoy on :8080
+    python -m kvgate.bench.envoy demo      # make demo-envoy: kvgate epp --sim 4 + Envoy on :8080
 
 Used by tests/test_epp_*.py and bench/epp.py.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 
-from backends.process import ChildProcess, wait_http
+from kvgate.backends.process import ChildProcess, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP = ROOT / "deploy" / "envoy" / "envoy.yaml"
@@ -144,7 +144,7 @@ class Envoy:
 
 @contextmanager
 def _demo(replicas: int, log_dir: Path) -> Iterator[tuple[ChildProcess, Envoy]]:
-    from bench.fleet import kvgate_argv  # noqa: PLC0415
+    from kvgate.bench.fleet import kvgate_argv  # noqa: PLC0415
 
     config = yaml.safe_load(BOOTSTRAP.read_text())
     pool = config["static_resources"]["clusters"][1]["load_assignment"]["endpoints"][0]
@@ -165,7 +165,7 @@ def _demo(replicas: int, log_dir: Path) -> Iterator[tuple[ChildProcess, Envoy]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.envoy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvgate.bench.envoy", description=__doc__)
     parser.add_argument("command", choices=["demo"])
     parser.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "results" / "demo-envoy")
     args = parser.parse_args(argv)

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import httpx
 
-from backends.process import LOOPBACK, free_port
-from backends.sim.tokenizer import tokenizer_dir
-from bench.envoy import Envoy, bootstrap
-from bench.fleet import (
+from kvgate.backends.process import LOOPBACK, free_port
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.bench.fleet import (
     SIM_MODEL,
     FleetSpec,
     ManagedProcess,
@@ -53,7 +53,7 @@ from bench.fleet import (
     start_fleet,
     wait_own_http,
 )
-from bench.overhead import Connection, machine
+from kvgate.bench.overhead import Connection, machine
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite what you rely on. " * 8
 ANSWER = "Here is a short answer that the next turn keeps in its history. " * 3

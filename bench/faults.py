@@ -1,7 +1,7 @@
 """Fault benchmark: requests lost, phantom hits and recovery through crashes, restarts and
 lossy event wires (issue 14).
 
-    python -m bench.faults [--scenarios all] [--runs 3] [--seconds 50] [--fault-at 20]
+    python -m kvgate.bench.faults [--scenarios all] [--runs 3] [--seconds 50] [--fault-at 20]
                            [--json PATH] [--markdown PATH] [--out DIR]
     kvgate bench faults ...        (the same)
 
@@ -39,10 +39,10 @@ from typing import Any, TypeVar
 
 import httpx
 
-from backends.errors import ProcessExited
-from backends.process import LOOPBACK, free_port_range, wait_http
-from bench.agents import AgentLoad, AgentRun, Gateways, Record, Tally
-from bench.fleet import (
+from kvgate.backends.errors import ProcessExited
+from kvgate.backends.process import LOOPBACK, free_port_range, wait_http
+from kvgate.bench.agents import AgentLoad, AgentRun, Gateways, Record, Tally
+from kvgate.bench.fleet import (
     FleetSpec,
     KvgateSpec,
     ManagedProcess,
@@ -50,7 +50,7 @@ from bench.fleet import (
     kvgate_serve_argv,
     start_fleet,
 )
-from bench.report import percentile
+from kvgate.bench.report import percentile
 
 T = TypeVar("T")
 

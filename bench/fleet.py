@@ -20,10 +20,10 @@ from typing import Protocol
 
 import httpx
 
-from backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http, wait_until
-from backends.sim import cli as sim_cli
-from backends.sim.config import SimConfig
-from backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.process import LOOPBACK, ChildProcess, free_port_range, wait_http, wait_until
+from kvgate.backends.sim import cli as sim_cli
+from kvgate.backends.sim.config import SimConfig
+from kvgate.backends.sim.tokenizer import tokenizer_dir
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIM_MODEL = "kvgate-sim"
@@ -174,7 +174,7 @@ class ManagedProcess(ChildProcess):
 
 def kvgate_argv(*args: str) -> list[str]:
     """Run a kvgate sub-command with this interpreter (no reliance on PATH)."""
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "kvgate.router.cli", *args]
 
 
 # --- the simulated fleet ------------------------------------------------------------------
@@ -394,16 +394,23 @@ class KvgateSpec:
     extra_args: tuple[str, ...] = ()
     tree: Path | None = None
     """Run kvgate from this checkout instead of this one (an older commit, side by side):
-    ``python -m router.cli`` started in it imports its packages first."""
+    ``python -m kvgate.router.cli`` started in it imports its packages first."""
+    variant: str | None = None
+    """A variant built in code (``bench.variants``): ``python -m kvgate.bench.variants NAME``."""
 
 
 def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[str]:
-    """``kvgate serve`` wired to the fleet's replicas, events and tokenizer."""
+    """``kvgate serve`` wired to the fleet's replicas, events and tokenizer (a variant built
+    in code: ``python -m kvgate.bench.variants NAME`` with the same flags)."""
     model = fleet.model
-    argv = kvgate_argv(
-        "serve", "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
+    flags = [
+        "--host", LOOPBACK, "--port", str(port), "--policy", spec.policy,
         "--tokenizer", f"{model}={fleet.tokenizer}", "--log-level", "warning",
-    )  # fmt: skip
+    ]  # fmt: skip
+    if spec.variant is not None:
+        argv = [sys.executable, "-m", "kvgate.bench.variants", spec.variant, *flags]
+    else:
+        argv = kvgate_argv("serve", *flags)
     for url, events, replay in zip(
         fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, strict=True
     ):

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.engines import start_bench_fleet
-from bench.fleet import FleetSpec
-from bench.oracle import OracleResult
-from bench.replay import ReplayConfig, RequestRecord, send_one
-from bench.traces import TraceRequest
+from kvgate.bench.engines import start_bench_fleet
+from kvgate.bench.fleet import FleetSpec
+from kvgate.bench.oracle import OracleResult
+from kvgate.bench.replay import ReplayConfig, RequestRecord, send_one
+from kvgate.bench.traces import TraceRequest
 
 FLOOR_FILE = "ttft_floor.json"
 

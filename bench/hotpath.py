@@ -1,8 +1,9 @@
 """Router hot path micro-benchmark: the CPU one routing decision costs, stage by stage.
 
-    python -m bench.hotpath [--scale 1.0] [--rounds 3] [--cases short,chat2k,...] [--json PATH]
+    python -m kvgate.bench.hotpath [--scale 1.0] [--rounds 3] [--cases short,...] [--json PATH]
 
-In-process, no HTTP and no profiler: ``Router.decide`` end to end against a
+In-process, no HTTP and no profiler: ``Router.decide`` (the scheduler's routing: keys,
+match, the policy's ranking and the capacity rule) end to end against a
 ``KvIndexService`` loaded with the simulator's tokenizer (``backends.sim.tokenizer``) and an
 event index holding chains for 8 workers (the request's own prefix on some of them, plus
 background chains), with the ``kv`` policy. Cases:
@@ -55,19 +56,20 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from backends.config import WorkerConfig
-from backends.registry import WorkerRegistry
-from backends.sim.tokenizer import tokenizer_dir
-from backends.sim.vocab import generated_word
-from index.api import PromptInput, StoreBlocks
-from index.config import IndexConfig
-from index.keys import ModelTokenizer
-from index.service import KvIndexService
-from index.types import BlockKey, WorkerId, WorkerKey
-from router.requests import ChatBody, CompletionBody, decode_json_object, validate
-from router.routing import Router
-from scoring.api import Policy
-from scoring.policies import make_policy
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.sim.vocab import generated_word
+from kvgate.index.api import PromptInput, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.keys import ModelTokenizer
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import BlockKey, WorkerId, WorkerKey
+from kvgate.router.requests import ChatBody, CompletionBody, decode_json_object, validate
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.routing import Router
+from kvgate.scoring.api import Policy
+from kvgate.scoring.policies import make_policy
 
 MODEL = "bench-model"
 WORKERS = 8
@@ -277,6 +279,7 @@ class TimedPolicy:
 class Bench:
     service: KvIndexService
     registry: WorkerRegistry
+    ledger: Ledger
     policies: dict[str, Policy]
     tokenizer: ModelTokenizer
     http: httpx.AsyncClient
@@ -288,14 +291,16 @@ class Bench:
         config = IndexConfig(tokenizers={MODEL: tokenizer_dir()}, engine_tokenize=False)
         service = KvIndexService(config, CollectorRegistry(), http)
         registry = WorkerRegistry()
+        ledger = Ledger(registry)
         for port in range(9001, 9001 + WORKERS):
             worker = registry.add(
                 WorkerConfig(url=f"http://127.0.0.1:{port}", engine="vllm", models=[MODEL])
             )
             worker.healthy = True
-            worker.in_flight = rng.randrange(4)
-            worker.pending_prefill_tokens = rng.randrange(4000)
-            worker.active_decode_blocks = rng.randrange(400)
+            sent = ledger.of(worker)
+            sent.in_flight = rng.randrange(4)
+            sent.pending_prefill_tokens = rng.randrange(4000)
+            sent.active_decode_blocks = rng.randrange(400)
         policies = {
             "kv": make_policy("kv", seed=1),
             "round_robin": make_policy("round_robin", seed=1),
@@ -303,7 +308,7 @@ class Bench:
         tokenizer = await service._keyer._tokenizer(MODEL)  # bench-only: the loaded tokenizer
         if tokenizer is None:
             raise RuntimeError("the simulator tokenizer did not load")
-        bench = cls(service, registry, policies, tokenizer, http, rng)
+        bench = cls(service, registry, ledger, policies, tokenizer, http, rng)
         bench.add_noise()
         return bench
 
@@ -345,7 +350,7 @@ async def run_case(bench: Bench, case: Case, rounds: int) -> dict[str, Any]:
 
     policy = bench.policies[case.policy]
     index = bench.service if case.indexed else None
-    plain = Router(bench.registry, policy, index)
+    plain = Router(bench.registry, bench.ledger, policy, index)
 
     # Warm-up: the tokenizer, the prefix cache (the "previous turn"), and the index.
     for raw in bodies(5):
@@ -385,7 +390,7 @@ async def run_case(bench: Bench, case: Case, rounds: int) -> dict[str, Any]:
 
     clock = StageClock()
     timed_index = TimedIndex(bench.service, clock) if case.indexed else None
-    timed = Router(bench.registry, TimedPolicy(policy, clock), timed_index)
+    timed = Router(bench.registry, bench.ledger, TimedPolicy(policy, clock), timed_index)
     tokenizer = bench.tokenizer  # timed through instance attributes, removed afterwards
     setattr(tokenizer, "render", clock.sync("render", tokenizer.render))  # noqa: B010
     setattr(tokenizer, "tokenize", clock.coro("tokenize", tokenizer.tokenize))  # noqa: B010
@@ -469,7 +474,7 @@ async def run(names: Sequence[str] | None, scale: float, rounds: int, seed: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.hotpath",
+        prog="python -m kvgate.bench.hotpath",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

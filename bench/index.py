@@ -34,10 +34,10 @@ import httpx
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from index import _native
-from index.api import PromptInput, StoreBlocks
-from index.config import IndexConfig
-from index.events import (
+from kvgate.index import _native
+from kvgate.index.api import PromptInput, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -45,17 +45,17 @@ from index.events import (
     EventFeed,
     KvEvent,
 )
-from index.keys import block_keys
-from index.metrics import IndexMetrics
-from index.service import KvIndexService
-from index.table import (
+from kvgate.index.keys import block_keys
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.service import KvIndexService
+from kvgate.index.table import (
     BlockTable,
     EventIndex,
     NativeBlockTable,
     TableKind,
     new_table,
 )
-from index.types import BlockKey, WorkerId, WorkerKey
+from kvgate.index.types import BlockKey, WorkerId, WorkerKey
 
 BLOCK = 16
 RESULTS: dict[str, Any] = {}

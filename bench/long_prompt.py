@@ -1,8 +1,8 @@
 """Time to first token of long fresh prompts through kvgate against the same replica directly.
 
     kvgate serve --sim 1 --port 8000 &          # one simulated replica on 127.0.0.1:9001
-    python -m bench.long_prompt --words 26000 --requests 8
-    python -m bench.long_prompt --words 20000 --requests 5 --grow
+    python -m kvgate.bench.long_prompt --words 26000 --requests 8
+    python -m kvgate.bench.long_prompt --words 20000 --requests 5 --grow
 
 Each request is a streaming ``/v1/completions`` of fresh simulator words (one token each),
 sent alternately to kvgate and to the replica after one uncounted warm-up request each,
@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from backends.sim.vocab import GENERATED_WORDS, generated_word
+from kvgate.backends.sim.vocab import GENERATED_WORDS, generated_word
 
 
 async def _ttft(client: httpx.AsyncClient, url: str, model: str, text: str) -> float:
@@ -58,7 +58,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.long_prompt", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvgate.bench.long_prompt", description=__doc__)
     parser.add_argument("--kvgate", default="http://127.0.0.1:8000")
     parser.add_argument("--direct", default="http://127.0.0.1:9001")
     parser.add_argument("--words", type=int, default=26_000)

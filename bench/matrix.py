@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench import report
-from bench.args import compare_config, compare_parser, load_requests
-from bench.compare import CompareConfig, RouterRun, references, router_label, run_one
-from bench.floor import lowest, read_floor
-from bench.replay import select_slice
-from bench.traces import TraceRequest
+from kvgate.bench import report
+from kvgate.bench.args import compare_config, compare_parser, load_requests
+from kvgate.bench.compare import CompareConfig, RouterRun, references, router_label, run_one
+from kvgate.bench.floor import lowest, read_floor
+from kvgate.bench.replay import select_slice
+from kvgate.bench.traces import TraceRequest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -509,7 +509,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routers",
         default=",".join(ROUTERS),
-        help="comma list of routers: kv, kv_seconds (kv, the cost in seconds), kv_baseline, "
+        help="comma list of routers: kv, its variants (bench compare's kv_*: kv_noqueue, "
+        "kv_plain, kv_nofit, ...), kv_baseline, "
         f"{', '.join(PEER_ROUTERS)}",
     )
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")
@@ -561,6 +562,6 @@ def config_from_args(args: argparse.Namespace, default_out: Path) -> MatrixConfi
 
 
 if __name__ == "__main__":
-    from bench.cli import main
+    from kvgate.bench.cli import main
 
     raise SystemExit(main(["matrix", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ therefore runs whole, fleet, routers and load generator, in a network namespace 
 0.0.0.0 there is reachable from nothing but that loopback, and the namespace ends with the
 run. Package installs happen before (the namespace has no route to a registry).
 
-    python -m bench.netns CMD ARGS...   # loopback up, check, then exec CMD
+    python -m kvgate.bench.netns CMD ARGS...   # loopback up, check, then exec CMD
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def private_argv(command: Sequence[str]) -> list[str]:
     unshare = shutil.which("unshare")
     if unshare is None:
         raise NetnsError("a private network namespace needs unshare (util-linux)")
-    return [unshare, "--net", "--", sys.executable, "-m", "bench.netns", *command]
+    return [unshare, "--net", "--", sys.executable, "-m", "kvgate.bench.netns", *command]
 
 
 def reexec_private(command: Sequence[str]) -> None:
@@ -66,7 +66,7 @@ def reexec_private(command: Sequence[str]) -> None:
 
 def main(argv: Sequence[str]) -> int:
     if not argv:
-        print("usage: python -m bench.netns CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m kvgate.bench.netns CMD [ARGS...]", file=sys.stderr)
         return 2
     if not only_loopback():
         print(f"not a private network namespace: interfaces {interfaces()}", file=sys.stderr)

@@ -11,9 +11,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backends.sim.config import SimConfig, StartupFaults, TimingConfig
-from backends.sim.timing import StepWork, prefill_pairs, step_seconds
-from bench.traces import TRACE_BLOCK_TOKENS, TraceRequest
+from kvgate.backends.sim.config import SimConfig, StartupFaults, TimingConfig
+from kvgate.backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from kvgate.bench.traces import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Gateway overhead: the latency kvgate adds in front of an engine, and its top request rate.
 
-    python -m bench.overhead [--sequential 1000] [--concurrent 64] [--per-stream 25]
+    python -m kvgate.bench.overhead [--sequential 1000] [--concurrent 64] [--per-stream 25]
                              [--rps-requests 6400] [--rounds 1] [--only NAME ...]
                              [--baseline DIR] [--json results.json]
 
@@ -280,10 +280,10 @@ def _targets(
     engine_url: str, log_dir: Path, baseline: Path | None
 ) -> list[tuple[str, Callable[[], Any]]]:
     """(name, start) per routed target; ``start`` returns (process, port)."""
-    from backends.process import free_port_range, wait_http  # noqa: PLC0415
-    from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
-    from bench.fleet import ManagedProcess, kvgate_argv  # noqa: PLC0415
-    from bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
+    from kvgate.backends.process import free_port_range, wait_http  # noqa: PLC0415
+    from kvgate.backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
+    from kvgate.bench.fleet import ManagedProcess, kvgate_argv  # noqa: PLC0415
+    from kvgate.bench.peers import SGLANG_ROUTER, ensure_installed  # noqa: PLC0415
 
     def kvgate(
         policy: str, *extra: str, label: str = "", cwd: Path | None = None
@@ -348,13 +348,13 @@ def run_all(
     baseline: Path | None = None,
 ) -> list[list[TargetResult]]:
     """Every target's results, one list per target (direct first), one entry per round."""
-    from backends.process import free_port_range, wait_http  # noqa: PLC0415
-    from bench.fleet import ManagedProcess  # noqa: PLC0415
+    from kvgate.backends.process import free_port_range, wait_http  # noqa: PLC0415
+    from kvgate.bench.fleet import ManagedProcess  # noqa: PLC0415
 
     engine_port = free_port_range(1, start=18000)
     engine = ManagedProcess(
         "overhead-engine",
-        [sys.executable, "-m", "bench.overhead", "engine", "--port", str(engine_port)],
+        [sys.executable, "-m", "kvgate.bench.overhead", "engine", "--port", str(engine_port)],
         log_dir / "overhead-engine.log",
     ).start()
     running: list[tuple[str, int, Callable[[], float], Any]] = []
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         run_engine(parser.parse_args(args[1:]).port)
         return 0
     parser = argparse.ArgumentParser(
-        prog="python -m bench.overhead",
+        prog="python -m kvgate.bench.overhead",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

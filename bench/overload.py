@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.compare import CompareConfig, RouterRun, RunOutput, compare
-from bench.replay import RequestRecord
-from bench.report import percentile, window_counts
-from bench.traces import TraceRequest
+from kvgate.bench.compare import CompareConfig, RouterRun, RunOutput, compare
+from kvgate.bench.replay import RequestRecord
+from kvgate.bench.report import percentile, window_counts
+from kvgate.bench.traces import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from backends.process import LOOPBACK
-from bench.fleet import BenchFleet, ManagedProcess, bench_port_range, wait_own_http
+from kvgate.backends.process import LOOPBACK
+from kvgate.bench.fleet import BenchFleet, ManagedProcess, bench_port_range, wait_own_http
 
 ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
 BENCH_DIR = Path(__file__).resolve().parent

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from bench.traces import TRACE_BLOCK_TOKENS, TraceRequest, prompt_text
+from kvgate.bench.traces import TRACE_BLOCK_TOKENS, TraceRequest, prompt_text
 
 WORKER_HEADERS = ("x-kvgate-worker", "x-sim-replica", "x-sim-worker")
 """Response headers naming the replica that served a request, first found wins."""

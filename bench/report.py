@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.replay import MetricsSample, RequestRecord
+from kvgate.bench.replay import MetricsSample, RequestRecord
 
 BUSY_METRIC = "kvgate_sim_busy_seconds_total"
 LATE_METRIC = "kvgate_sim_late_seconds_total"

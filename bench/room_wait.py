@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.replay import request_id
-from bench.tail import queued_ms_of, read_access, read_records
+from kvgate.bench.replay import request_id
+from kvgate.bench.tail import queued_ms_of, read_access, read_records
 
 NEVER = math.inf
 

@@ -26,9 +26,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from backends.process import LOOPBACK, free_port_range, wait_http
-from backends.sim.vocab import GENERATED_WORDS, generated_word
-from bench.fleet import ManagedProcess, kvgate_argv
+from kvgate.backends.process import LOOPBACK, free_port_range, wait_http
+from kvgate.backends.sim.vocab import GENERATED_WORDS, generated_word
+from kvgate.bench.fleet import ManagedProcess, kvgate_argv
 
 
 @dataclass

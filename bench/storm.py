@@ -1,6 +1,6 @@
 """Event storm: kvgate routing a steady request stream while one extra publisher floods it.
 
-    python -m bench.storm [--replicas 2] [--seconds 20] [--rate 8] [--seed 1] [--json PATH]
+    python -m kvgate.bench.storm [--replicas 2] [--seconds 20] [--rate 8] [--seed 1] [--json PATH]
 
 Two runs side by side, each on a fresh simulated fleet (``replicas`` honest replicas and one
 more whose worker's KV events come from the storm publisher instead), a fresh storm publisher
@@ -46,8 +46,8 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from backends.process import LOOPBACK
-from bench.fleet import (
+from kvgate.backends.process import LOOPBACK
+from kvgate.bench.fleet import (
     SIM_MODEL,
     FleetSpec,
     ManagedProcess,
@@ -56,8 +56,8 @@ from bench.fleet import (
     start_fleet,
     wait_own_http,
 )
-from bench.hostile import BLOCK, Attacker, payload, stored
-from bench.traces import block_words
+from kvgate.bench.hostile import BLOCK, Attacker, payload, stored
+from kvgate.bench.traces import block_words
 
 SYSTEM_BLOCKS = 16  # shared by every session: a branch point with many children
 OVERSIZED_BYTES = 2**19  # over this, a payload counts as oversized (kvgate's bound: 1 MiB)
@@ -80,8 +80,8 @@ def prompt_paths(texts: list[str]) -> tuple[list[list[int]], list[list[int]], in
     """Token ids and kvgate keys of the honest prompts, as kvgate computes them."""
     from tokenizers import Tokenizer  # noqa: PLC0415 - only in the publisher process
 
-    from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
-    from index.keys import block_keys, cache_seed  # noqa: PLC0415
+    from kvgate.backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
+    from kvgate.index.keys import block_keys, cache_seed  # noqa: PLC0415
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
     seed = cache_seed(None, None)
@@ -335,7 +335,7 @@ def run_once(mode: str, args: argparse.Namespace, log_dir: Path) -> RunResult:
         prompts.write_text(json.dumps(texts))
         storm = ManagedProcess(
             "storm",
-            [sys.executable, "-m", "bench.storm", "publish", "--mode", mode,
+            [sys.executable, "-m", "kvgate.bench.storm", "publish", "--mode", mode,
              "--events-port", str(events_port), "--replay-port", str(events_port + 1),
              "--seconds", str(args.seconds + 3), "--seed", str(args.seed),
              "--prompts", str(prompts)],
@@ -409,7 +409,7 @@ def storm_sent(log: Path) -> int:
 
 
 def tokenizer_path() -> Path:
-    from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
+    from kvgate.backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415
 
     return tokenizer_dir()
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.replay import request_id
+from kvgate.bench.replay import request_id
 
 FIRST_TURN = "first turn"
 HISTORY_KEPT = "history kept"

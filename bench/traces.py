@@ -18,7 +18,7 @@ from pathlib import Path
 
 import xxhash
 
-from backends.sim.vocab import GENERATED_WORDS, generated_word
+from kvgate.backends.sim.vocab import GENERATED_WORDS, generated_word
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per trace hash id (Mooncake and agentic traces both use 512)."""

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from index.api import EngineWorker
-from index.errors import EngineCallError
+from kvgate.index.api import EngineWorker
+from kvgate.index.errors import EngineCallError
 
 
 async def call_engine(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
+from kvgate.index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from index.types import Tier
+from kvgate.index.types import Tier
 
 DEFAULT_MEDIUM_TIERS: dict[str, Tier] = {
     "GPU": Tier.GPU,
@@ -24,9 +24,9 @@ class IndexConfig(BaseModel):
     block_size: int = Field(
         16,
         gt=0,
-        description="Engine KV block size in tokens. Unset: each model's engines' own "
-        "(vllm:cache_config_info, KV events) is adopted, 16 until one is known; set: an engine "
-        "declaring another is not ready.",
+        description="the engines' KV block size in tokens: leave it unset to adopt each "
+        "model's engines' own (vllm:cache_config_info, KV events); set it only for engines that "
+        "declare none (an engine declaring another is then not ready)",
     )
     model_block_sizes: dict[str, int] = Field(
         default_factory=dict, description="Per-model block sizes (set: as block_size)."
@@ -41,8 +41,9 @@ class IndexConfig(BaseModel):
     max_entries: int = Field(
         2_000_000,
         gt=0,
-        description="Cap on (block, cache domain) entries (about 150-350 bytes each); "
-        "least recently stored leaves are pruned past it.",
+        description="cap on the block index's entries (about 150-350 bytes each; the least "
+        "recently stored are pruned past it): bounds kvgate's memory; raise it when your "
+        "engines' caches hold more blocks in all",
     )
     table: Literal["auto", "native", "python"] = Field(
         "auto",

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic_core import from_json
 
-from index.errors import JsonDecodeError
+from kvgate.index.errors import JsonDecodeError
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from index.api import TokenizeMode
-from index.types import SlotStats
+from kvgate.index.api import TokenizeMode
+from kvgate.index.types import SlotStats
 
 
 class _EntriesCollector(Collector):

@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeOn
-from index.config import IndexConfig
-from index.events import Discovery, EndpointCheck, Subscriber, Subscriptions
-from index.keys import PromptKeyer
-from index.metrics import IndexMetrics
-from index.table import ApproxIndex, EventIndex, new_table
-from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
+from kvgate.index.api import EngineWorker, PromptInput, PromptKeys, TokenizeOn
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import Discovery, EndpointCheck, Subscriber, Subscriptions
+from kvgate.index.keys import PromptKeyer
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import ApproxIndex, EventIndex, new_table
+from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 import random
 from typing import Any
 
-from router.logs import FIELDS
+from kvgate.router.logs import FIELDS
 
 log = logging.getLogger("kvgate.access")
 

@@ -14,36 +14,36 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from backends.allowlist import WorkerAllowlist, host_of_url
-from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker, HealthMetrics
-from backends.registry import WorkerRegistry
-from index.api import BlockIndex
-from index.service import KvIndexService
-from router.accesslog import AccessLog, client_key_id
-from router.admission import AdmissionQueue, gauge_of
-from router.affinity import ResponseAffinity
-from router.config import Settings
-from router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
-from router.gateway import Gateway, error_response, json_response
-from router.index_watch import IndexWatch, IndexWatchMetrics
-from router.listener import ListenerLimits
-from router.metrics import (
+from kvgate.backends.allowlist import WorkerAllowlist, host_of_url
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.health import HealthChecker, HealthMetrics
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import BlockIndex
+from kvgate.index.service import KvIndexService
+from kvgate.router.accesslog import AccessLog, client_key_id
+from kvgate.router.config import Settings
+from kvgate.router.errors import InvalidRequest, KvgateError, NotFound, backend_errors
+from kvgate.router.gateway import Gateway, error_response, json_response
+from kvgate.router.index_watch import IndexWatch, IndexWatchMetrics
+from kvgate.router.listener import ListenerLimits
+from kvgate.router.metrics import (
     GatewayMetrics,
     GatewayRegistry,
     MetricsPage,
     kvgate_version,
     register_worker_gauges,
 )
-from router.observe import Observer, start_tracing
-from router.passthrough import ROOT_PATHS, PassThroughPaths
-from router.proxy import Proxy
-from router.queue_metrics import QueueMetrics
-from router.requests import ChatBody, CompletionBody, check_path, decode_json
-from router.routing import Router
-from router.upstream import UpstreamPool
-from scoring.api import Policy
-from scoring.policies import make_policy
+from kvgate.router.observe import Observer, start_tracing
+from kvgate.router.passthrough import ROOT_PATHS, PassThroughPaths
+from kvgate.router.proxy import Proxy
+from kvgate.router.queue_metrics import QueueMetrics
+from kvgate.router.requests import ChatBody, CompletionBody, check_path, decode_json
+from kvgate.router.upstream import UpstreamPool
+from kvgate.scheduling.affinity import ResponseAffinity
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.scheduler import Scheduler
+from kvgate.scoring.api import Policy
+from kvgate.scoring.policies import make_policy
 
 log = logging.getLogger("kvgate")
 
@@ -71,18 +71,23 @@ def build_gateway(
     block_index: BlockIndex | None = None,
     policy: Policy | None = None,
     metrics_registry: CollectorRegistry | None = None,
+    tuning: Tuning | None = None,
 ) -> Gateway:
-    """Assemble the gateway's parts (no I/O happens until ``Gateway.start``)."""
+    """Assemble the gateway's parts (no I/O happens until ``Gateway.start``). ``tuning``:
+    the scheduler's internal constants (benchmarks and tests; users never set them)."""
     metrics_registry = metrics_registry if metrics_registry is not None else GatewayRegistry()
     registry = WorkerRegistry(
-        settings.health,
-        scoring=settings.scoring,
-        explicit_block_size=settings.index.explicit_block_size,
+        settings.health, explicit_block_size=settings.index.explicit_block_size
     )
     for worker in settings.workers:
         registry.add(worker)
     if policy is None:
-        policy = make_policy(settings.policy, seed=settings.seed, kv_config=settings.scoring)
+        policy = make_policy(
+            settings.policy,
+            seed=settings.seed,
+            kv_config=settings.scoring,
+            kv_capacity_blocks=settings.scheduling.kv_capacity_blocks,
+        )
     client = _http_client(settings)
     allowlist = WorkerAllowlist(
         settings.worker_allow, static_hosts=[host_of_url(w.url) for w in settings.workers]
@@ -97,9 +102,29 @@ def build_gateway(
             on_block_size=registry.observe_block_size,
         )
         block_index = index
-    router = Router(registry, policy, block_index, retry_after_s=settings.retry_after_s)
+    keys = [client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"]
+    queue_metrics = QueueMetrics(metrics_registry)
+    queue_metrics.declare(keys)
+    scheduler = Scheduler(
+        registry,
+        policy,
+        block_index,
+        config=settings.scheduling,
+        queue=settings.queue,
+        events=queue_metrics,
+        tuning=tuning,
+        affinity=ResponseAffinity(
+            settings.responses.affinity_max_ids,
+            settings.responses.affinity_ttl_s,
+            keys=len(settings.api_keys),
+        ),
+        keys=keys,
+    )
+    queue_metrics.watch(
+        scheduler.queue, lambda: {model for worker in registry for model in worker.models}
+    )
     metrics = GatewayMetrics(metrics_registry, native_core=settings.index.table != "python")
-    register_worker_gauges(metrics_registry, registry, metrics)
+    register_worker_gauges(metrics_registry, registry, scheduler.ledger, metrics)
     health_metrics = HealthMetrics(metrics_registry)
     health = HealthChecker(registry, client, settings.health, health_metrics)
     upstream = UpstreamPool(
@@ -107,12 +132,12 @@ def build_gateway(
         read_timeout=settings.upstream.read_timeout_s,
         max_idle_per_origin=settings.upstream.max_keepalive,
     )
-    proxy = Proxy(upstream, registry, router, metrics, settings.upstream)
+    proxy = Proxy(upstream, registry, metrics, settings.upstream)
     access = AccessLog(settings.access_log_sample_rate) if settings.access_log else None
     gateway = Gateway(
         settings=settings,
         registry=registry,
-        router=router,
+        scheduler=scheduler,
         proxy=proxy,
         health=health,
         metrics=metrics,
@@ -121,23 +146,9 @@ def build_gateway(
         allowlist=allowlist,
         listener=ListenerLimits(settings.client, metrics, retry_after_s=settings.retry_after_s),
         index=index,
-        admission=AdmissionQueue(
-            settings.queue,
-            router,
-            registry,
-            QueueMetrics(metrics_registry),
-            gauge=gauge_of(settings.queue, settings.scoring.kv_capacity_blocks),
-            keys=[client_key_id(k.get_secret_value()) for k in settings.api_keys] or ["-"],
-            retry_after_s=settings.retry_after_s,
-        ),
         worker_series=[health_metrics] + ([index.metrics] if index is not None else []),
         observer=Observer(access, start_tracing(settings)),
         health_metrics=health_metrics,
-        affinity=ResponseAffinity(
-            settings.responses.affinity_max_ids,
-            settings.responses.affinity_ttl_s,
-            keys=len(settings.api_keys),
-        ),
         pass_paths=PassThroughPaths(settings.pass_through_paths),
     )
     if index is not None:
@@ -197,16 +208,22 @@ def create_app(
     block_index: BlockIndex | None = None,
     policy: Policy | None = None,
     metrics_registry: CollectorRegistry | None = None,
+    tuning: Tuning | None = None,
 ) -> FastAPI:
     """The kvgate ASGI app; ``app.state.gateway`` holds its parts.
 
     Without ``block_index``, kvgate builds its own ``KvIndexService`` (tokenizers, KV events,
     approximate fallback) when ``settings.kv_index`` is on, and keeps it in step with the
     workers; a given ``block_index`` is used as is (the caller runs it). ``policy``
-    overrides ``settings.policy``; metrics go to ``metrics_registry`` (a fresh one if None).
+    overrides ``settings.policy``; metrics go to ``metrics_registry`` (a fresh one if None);
+    ``tuning``: the scheduler's internal constants (benchmarks and tests).
     """
     gateway = build_gateway(
-        settings, block_index=block_index, policy=policy, metrics_registry=metrics_registry
+        settings,
+        block_index=block_index,
+        policy=policy,
+        metrics_registry=metrics_registry,
+        tuning=tuning,
     )
 
     @asynccontextmanager
@@ -327,14 +344,14 @@ def _add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         spec: Any = decode_json(await gateway.read_body(request))
         with backend_errors():
             worker = await gateway.admit_worker(spec)
-        return json_response(worker.describe(), 201)
+        return json_response(gateway.describe_worker(worker), 201)
 
     @app.delete("/admin/workers/{worker_id:path}", tags=["admin"])
     async def remove_worker(request: Request, worker_id: str) -> Response:
         gateway.check_admin(request)
         with backend_errors():
             worker = await gateway.remove_worker(worker_id)
-        return json_response(worker.describe())
+        return json_response(gateway.describe_worker(worker))
 
     @app.post("/debug/route", tags=["admin"])
     async def debug_route(request: Request) -> Response:

@@ -37,10 +37,10 @@ from typing import Any
 
 import httpx
 
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json
-from router.errors import KvgateError
-from router.upstream import ResponseHeadTooLarge
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
+from kvgate.router.errors import KvgateError
+from kvgate.router.upstream import ResponseHeadTooLarge
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_END = re.compile(rb"\r\n|\n|\r")

@@ -4,7 +4,9 @@ Precedence, highest first: command-line flags, environment (``KVGATE_PORT``, nes
 ``__`` as in ``KVGATE_HEALTH__INTERVAL_S``), the ``--config`` YAML file, defaults.
 Each package owns its section's model: ``workers`` and ``health`` are ``backends.config``'s
 (a worker's compact CLI form is parsed there), ``index`` is ``index.config``'s, ``scoring``
-``scoring.config``'s; the HTTP side (``upstream``, ``client``, the top level) is here.
+``scoring.config``'s, ``scheduling`` and ``queue`` ``scheduling.config``'s; the HTTP side
+(``upstream``, ``client``, the top level) is here. Settings that moved keep their old
+spelling (``MOVED``).
 
 Secrets (client keys, the admin token, engine keys, URL credentials) live in ``SecretStr``
 fields only: they are refused when empty and never echoed in errors.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
@@ -30,14 +33,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from backends.allowlist import parse_allow_rule
-from backends.config import HealthConfig, WorkerConfig, check_secret, redact
-from backends.discovery import parse_discovery_url
-from index.config import IndexConfig
-from router.passthrough import check_extra_path
-from scoring.config import KvPolicyConfig
-from scoring.dispatch_order import AGING_TOKENS_PER_S, BASE_TOKENS
-from scoring.policies import POLICY_NAMES
+from kvgate.backends.allowlist import parse_allow_rule
+from kvgate.backends.config import HealthConfig, WorkerConfig, check_secret, redact
+from kvgate.backends.discovery import parse_discovery_url
+from kvgate.index.config import IndexConfig
+from kvgate.router.passthrough import check_extra_path
+from kvgate.scheduling.config import QueueConfig, SchedulingConfig
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.policies import POLICY_NAMES
 
 _SECRET_FIELDS = {"api_key", "api_keys", "admin_token", "basic_auth"}
 
@@ -56,9 +59,17 @@ class ResponsesConfig(BaseModel):
 class UpstreamConfig(BaseModel):
     """How kvgate talks to engines."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect timeout")
+    connect_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="TCP connect timeout to an engine: lower it to fail over sooner from a host "
+        "that does not answer",
+    )
     read_timeout_s: float = Field(
-        default=600.0, gt=0, description="longest wait for the response or the next streamed chunk"
+        default=600.0,
+        gt=0,
+        description="longest wait for an engine's answer or its next streamed chunk: raise it "
+        "for engines that queue requests for longer",
     )
     max_connections: int = Field(
         default=1024,
@@ -69,13 +80,17 @@ class UpstreamConfig(BaseModel):
         default=256, ge=0, description="idle keep-alive connections kept per engine"
     )
     max_failover: int = Field(
-        default=2, ge=0, description="further workers tried when one fails before answering"
+        default=2,
+        ge=0,
+        description="further workers tried when one fails before the first token; 0: never "
+        "retry elsewhere",
     )
     response_timeout_s: float = Field(
         default=3600.0,
         gt=0,
         description="longest one request's whole exchange with engines may take, streamed or "
-        "not (504 before the answer starts, an error event inside a stream after)",
+        "not (504 before the answer starts, an error event inside a stream after): bounds a "
+        "stuck stream",
     )
     max_response_bytes: int = Field(
         default=64 * 1024 * 1024,
@@ -123,127 +138,55 @@ class ClientConfig(BaseModel):
     max_connections: int = Field(
         default=4096,
         ge=1,
-        description="client connections served at once; requests on any further one get 503",
+        description="client connections served at once (requests on any further one get "
+        "503): size it to your file-descriptor limit and expected clients",
     )
 
 
-class QueueConfig(BaseModel):
-    """Admission control: the router-side queue (docs/scoring.md, *Admission and the queue*).
+MOVED: Mapping[tuple[str, str], tuple[str, ...]] = MappingProxyType(
+    {
+        ("scoring", "seed"): ("seed",),
+        ("scoring", "kv_capacity_blocks"): ("scheduling", "kv_capacity_blocks"),
+        ("scoring", "max_waiting_requests"): ("scheduling", "max_waiting_requests"),
+        ("scoring", "max_kv_usage"): ("scheduling", "max_kv_usage"),
+        ("queue", "busy_waiting_requests"): ("scheduling", "max_waiting_requests"),
+        ("queue", "busy_pending_prefill_tokens"): ("scheduling", "max_pending_prefill_tokens"),
+        ("queue", "busy_in_flight"): ("scheduling", "max_in_flight"),
+    }
+)
+"""Settings that moved (section, field) -> their place now: the old spelling is still read
+from the config file, the environment and (``router.flags``) the command line."""
 
-    A request waits in kvgate when every eligible worker is busy (at or over one of the
-    ``busy_*`` limits) or its API key or model is at its concurrency limit; it is sent when
-    a worker frees up, to the best worker not busy then. While any worker is free the
-    policy's choice stands. A worker is busy by default with eight full steps of vLLM's
-    default prefill budget (8 x 8192 tokens) sent and not yet prefilled, or as many waiting
-    requests as the kv policy's busy guard allows (``scoring.max_waiting_requests``, 32);
-    and busy for one request when its KV blocks do not fit there (``busy_kv_room``), which
-    holds a request that fits nowhere for its patience at most (``kv_room_patience``, a
-    share of its wait limit); the first such request in the dispatch order keeps other
-    queued requests off the worker it waits for (``kv_room_hold``).
-    """
 
-    enabled: bool = Field(default=True, description="hold requests in kvgate when all are busy")
-    max_length: int = Field(
-        default=1024,
-        ge=0,
-        description="requests queued at once; more get 429 (queue_full). Shared fairly "
-        "between API keys: when it is full, a request of a key holding fewer queued requests "
-        "than another key takes the place of that key's newest one (which gets 429), so one "
-        "key cannot keep the others out; a key alone (one key, or none configured) may use "
-        "all of it",
-    )
-    max_bytes: int = Field(
-        default=256 * 1024 * 1024,
-        ge=1,
-        description="request body bytes queued at once (a queued request holds its body and "
-        "its block keys: two to three times the body in memory); more get 429 "
-        "(queue_bytes_full), shared between keys as max_length is. Raise it with kvgate's "
-        "memory limit",
-    )
-    max_wait_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="longest a request waits queued (503 queue_timeout past it); a client's "
-        "own shorter timeout (X-Request-Timeout or X-Stainless-Timeout, seconds) wins",
-    )
-    busy_pending_prefill_tokens: int | None = Field(
-        default=65536,
-        ge=1,
-        description="a worker is busy with this many predicted prompt tokens sent and not "
-        "yet prefilled (none: no limit)",
-    )
-    busy_in_flight: int | None = Field(
-        default=None, ge=1, description="a worker is busy with this many requests in flight"
-    )
-    busy_waiting_requests: int | None = Field(
-        default=32,
-        ge=1,
-        description="a worker is busy when its engine reports this many waiting requests",
-    )
-    busy_kv_usage: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="a worker is busy when its engine reports this KV-cache usage (0..1)",
-    )
-    busy_kv_held: float | None = Field(
-        default=None,
-        gt=0,
-        description="a worker is busy when its requests in flight (sent, unfinished: kvgate's "
-        "prediction, or the scraped usage if more) need this share of its KV capacity",
-    )
-    busy_kv_room: bool = Field(
-        default=True,
-        description="a worker is busy for a request whose new KV blocks do not fit there now "
-        "beside its requests in flight (the kv policy's KV fit): a request that fits nowhere "
-        "waits in kvgate for the first worker with room, up to its kv_room_patience",
-    )
-    kv_room_patience: float = Field(
-        default=0.1,
-        ge=0,
-        le=1,
-        description="busy_kv_room: the share of its wait limit (max_wait_s, or the client's "
-        "shorter timeout) a request waits in kvgate for KV room; then it goes as the policy "
-        "ranked it and waits in that engine's queue (smaller requests that fit cannot keep "
-        "it waiting until its deadline)",
-    )
-    kv_room_hold: bool = Field(
-        default=True,
-        description="busy_kv_room: the request waiting for KV room that comes first in the "
-        "dispatch order holds the policy's first choice for it: no other queued request is "
-        "sent there while it waits, so the room that frees there is its (as an engine's "
-        "first-come-first-served queue would keep it) instead of smaller requests' that "
-        "overtake it",
-    )
-    kv_room_holds: int = Field(
-        default=1,
-        ge=1,
-        description="kv_room_hold: how many workers may be held at once, each by one of the "
-        "first requests waiting for KV room in the dispatch order (never every worker of a "
-        "request that has more than one)",
-    )
-    aging_tokens_per_s: float = Field(
-        default=AGING_TOKENS_PER_S,
-        gt=0,
-        description="dispatch order: each second queued counts as this many prompt tokens "
-        "less work (bounds how long a large prefill can be passed by cheaper requests: a "
-        "32k-token one for half a second at the default)",
-    )
-    base_tokens: int = Field(
-        default=BASE_TOKENS, ge=0, description="dispatch order: work counted for every request"
-    )
-    max_in_flight_per_key: int | None = Field(
-        default=None, ge=1, description="requests one API key may have in flight; more wait"
-    )
-    max_queued_per_key: int | None = Field(
-        default=None, ge=0, description="requests one API key may have queued; more get 429"
-    )
-    max_in_flight_per_model: int | None = Field(
-        default=None, ge=1, description="requests one model may have in flight; more wait"
-    )
-    max_queued_per_model: int | None = Field(
-        default=None, ge=0, description="requests one model may have queued; more get 429"
-    )
+def _moved_settings(data: Any) -> Any:
+    """``data`` (the merged sources, before validation) with moved settings in their new
+    place; one setting given in its old and its new place with two values is an error."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for (section, name), target in MOVED.items():
+        old = data.get(section)
+        if not isinstance(old, dict) or name not in old:
+            continue
+        value = old[name]
+        data[section] = {k: v for k, v in old.items() if k != name}
+        *parents, leaf = target
+        node = data
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                if child is not None:  # a model instance given as is: leave it to validation
+                    raise ValueError(f"{section}.{name} moved to {'.'.join(target)}")
+                child = {}
+            node[part] = child = dict(child)
+            node = child
+        if leaf in node and node[leaf] != value:
+            raise ValueError(
+                f"{section}.{name} (now {'.'.join(target)}) is given twice: "
+                f"{value!r} and {node[leaf]!r}"
+            )
+        node[leaf] = value
+    return data
 
 
 def _split_words(value: Any) -> Any:
@@ -279,8 +222,12 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
-    host: str = Field(default="127.0.0.1", description="bind address")
-    port: int = Field(default=8000, ge=0, le=65535, description="bind port")
+    host: str = Field(
+        default="127.0.0.1",
+        description="address to listen on: 0.0.0.0 (or a pod IP) to serve beyond this machine "
+        "(then /admin and /debug need --admin-token)",
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     workers: Annotated[list[WorkerConfig], NoDecode] = Field(
         default_factory=list, description="engine replicas (see --worker)"
     )
@@ -288,22 +235,32 @@ class Settings(BaseSettings):
         default_factory=list,
         description="DNS discovery of engine replicas (see --discover, docs/deploy.md)",
     )
-    policy: str = Field(default="kv", description=f"routing policy: {' | '.join(POLICY_NAMES)}")
-    seed: int | None = Field(default=None, description="seed of randomised policies")
+    policy: str = Field(
+        default="kv",
+        description="routing policy: kv (cache-aware), or a cache-unaware baseline to compare "
+        f"against: {' | '.join(POLICY_NAMES)}",
+    )
+    seed: int | None = Field(
+        default=None,
+        description="seed of the random choices (scoring temperature above 0, the random "
+        "policy): set it for runs you can repeat",
+    )
     tokenizers: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description="tokenizer dir per model ('*': every model); flag form PATH or MODEL=PATH",
     )
     max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, ge=1, description="request body limit (413)"
+        default=32 * 1024 * 1024,
+        ge=1,
+        description="largest request body (413 beyond): raise it for prompts past 32 MiB of JSON",
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="client API keys (Bearer); none: no client auth"
     )
     admin_token: SecretStr | None = Field(
         default=None,
-        description="token protecting /admin and /debug (Bearer); none: those answer only "
-        "when kvgate listens on loopback alone",
+        description="token that opens /admin and /debug (Bearer): set it to use them when "
+        "kvgate listens beyond loopback (without one they answer on loopback alone)",
     )
     metrics_auth: bool = Field(
         default=False,
@@ -326,26 +283,32 @@ class Settings(BaseSettings):
     )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 503 answers")
     capture_usage: bool = Field(
-        default=True, description="request usage upstream on streams to measure engine cache hits"
+        default=True,
+        description="ask engines for usage on streams whose client did not (and hide it from "
+        "the client) to measure their cache hits; turn it off for engines that refuse "
+        "stream_options",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        default="info", description="log level"
+        default="info",
+        description="log level; debug logs every routing decision with its terms",
     )
     log_format: Literal["text", "json", "logfmt"] = Field(
         default="text",
         description="format of every log line (kvgate's, uvicorn's, the access log), "
-        "written to stdout; json: one object per line (docs/observability.md)",
+        "written to stdout: json (one object per line) or logfmt for a log pipeline "
+        "(docs/observability.md)",
     )
     access_log: bool = Field(
         default=True,
-        description="one line per /v1 request on the kvgate.access logger (info level)",
+        description="one line per /v1 request on the kvgate.access logger (worker, cache hit, "
+        "TTFT, queue wait); turn it off to save log volume",
     )
     access_log_sample_rate: float = Field(
         default=1.0,
         ge=0,
         le=1,
-        description="share of successful (2xx) requests given an access-log line; every "
-        "other status is always logged",
+        description="share of successful (2xx) requests given an access-log line (every "
+        "other status always is): lower it at high request rates",
     )
     otlp_traces_endpoint: str | None = Field(
         default=None,
@@ -365,31 +328,42 @@ class Settings(BaseSettings):
         description="with --trace-sample-rate, follow the sampled flag of the client's "
         "traceparent (when every client is a trusted service whose traces you want whole)",
     )
-    sim: int = Field(default=0, ge=0, description="start N simulated replicas and route to them")
+    sim: int = Field(
+        default=0,
+        ge=0,
+        description="start N simulated replicas and route to them: a demo, or a test bed "
+        "without GPUs",
+    )
     sim_port: int = Field(
-        default=9001, ge=1, le=65535, description="--sim: HTTP port of replica 0 (+i)"
+        default=9001,
+        ge=1,
+        le=65535,
+        description="--sim: HTTP port of replica 0 (+i); move it when those ports are taken",
     )
     sim_events_port: int = Field(
         default=5557,
         ge=1,
         le=65535,
-        description="--sim: KV-event PUB port of replica 0 (+2i), replay on the next port",
+        description="--sim: KV-event PUB port of replica 0 (+2i), replay on the next port; "
+        "move it when those ports are taken",
     )
     shutdown_timeout_s: int = Field(
         default=30,
         ge=1,
-        description="after SIGTERM, seconds in-flight requests may take before they are cut",
+        description="after SIGTERM, seconds in-flight requests may take before they are cut: "
+        "match your orchestrator's grace period",
     )
     kv_index: bool = Field(
         default=True,
-        description="keep the KV block index (tokenize prompts, follow engine KV events); "
-        "off: no cache prediction (baseline policies only need load)",
+        description="keep the KV block index (tokenize prompts, follow the engines' KV "
+        "events); turn it off when only a baseline policy is used (they need load only)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
     index_watch: IndexWatchConfig = Field(default_factory=IndexWatchConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
@@ -479,6 +453,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"{worker.url} is listed twice")
             seen.add(worker.url)
         return workers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _moved_settings(data)
 
     @model_validator(mode="after")
     def _tokenizers_into_index(self) -> Settings:

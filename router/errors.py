@@ -40,9 +40,11 @@ the OpenAI error ``type``, a machine ``code`` and the offending ``param``::
 
 Errors of the layers below are mapped here, where HTTP is known, with ``raise ... from exc``:
 ``from_httpx`` for engine failures, ``from_backend`` (and the ``backend_errors`` block) for
-the worker registry's refusals. Before a response has started the error becomes a JSON
-response; once a stream has started (at its first token, ``router.commit``) it goes inside
-the stream as an SSE ``data: {"error": ...}`` event (``sse_bytes``).
+the worker registry's refusals, ``from_scheduling`` (and ``scheduling_errors``) for the
+scheduler's (no worker, the queue full or timed out, a stored response's worker gone).
+Before a response has started the error becomes a JSON response; once a stream has started
+(at its first token, ``router.commit``) it goes inside the stream as an SSE
+``data: {"error": ...}`` event (``sse_bytes``).
 
 Not client errors, and so outside the tree: ``router.config.ConfigError`` (invalid settings
 at start-up), ``router.simfleet.SimFleetError`` (``--sim`` replicas did not come up) and
@@ -61,10 +63,11 @@ from contextlib import contextmanager
 import httpx
 import msgspec
 
-from backends import errors as backend
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json
-from router.upstream import ResponseHeadTooLarge
+from kvgate.backends import errors as backend
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
+from kvgate.router.upstream import ResponseHeadTooLarge
+from kvgate.scheduling import errors as scheduling
 
 _json_encode = msgspec.json.Encoder().encode
 _NOT_JSON = object()
@@ -503,3 +506,38 @@ def backend_errors() -> Iterator[None]:
         yield
     except backend.BackendError as exc:
         raise from_backend(exc) from exc
+
+
+def from_scheduling(exc: scheduling.SchedulingError, *, retry_after_s: int = 1) -> KvgateError:
+    """Map a refusal of the scheduler to its client error (``retry_after_s``: the
+    Retry-After of the 429 and 503 answers)."""
+    retry = retry_after_s
+    match exc:
+        case scheduling.ModelNotFound():
+            return ModelNotFound(exc.model)
+        case scheduling.NoHealthyWorker():
+            return NoHealthyWorker(exc.model, retry_after_s=retry)
+        case scheduling.QueueFull():
+            return QueueFull(exc.message, code=exc.code, retry_after_s=retry)
+        case scheduling.QueueTimeout():
+            return QueueTimeout(exc.waited_s, retry_after_s=retry)
+        case scheduling.ClientGone():
+            return ClientClosed()
+        case scheduling.ResponseUnknown():
+            return ResponseNotFound(exc.response_id, param=exc.param)
+        case scheduling.ResponseHolderGone():
+            return PreviousResponseGone(exc.response_id, exc.worker)
+        case scheduling.ResponseHolderUnavailable():
+            return PreviousResponseUnavailable(
+                exc.response_id, exc.worker, exc.why, retry_after_s=retry
+            )
+    return KvgateError(str(exc))
+
+
+@contextmanager
+def scheduling_errors(retry_after_s: int = 1) -> Iterator[None]:
+    """A block whose scheduler refusals reach the client as kvgate errors."""
+    try:
+        yield
+    except scheduling.SchedulingError as exc:
+        raise from_scheduling(exc, retry_after_s=retry_after_s) from exc

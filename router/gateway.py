@@ -1,4 +1,4 @@
-"""The gateway's request handlers: authenticate, parse, route, hand over to the proxy.
+"""The gateway's request handlers: authenticate, parse, schedule, hand over to the proxy.
 
 Admin and debug calls need the admin token; without one they are served only when kvgate
 listens on loopback alone (the demo), else refused, and then only to a request naming a
@@ -8,7 +8,7 @@ or ``text/plain`` POST needs no preflight). Workers added through the admin API 
 hosts ``--worker-allow`` admits, their event endpoints too (``tcp://`` only).
 
 Tenants: with client keys, the Responses API's stored responses are bound to the key whose
-request created them (``router.affinity``), and session keys (``x-session-id``, ``user``)
+request created them (``scheduling.affinity``), and session keys (``x-session-id``, ``user``)
 are namespaced by the client key's id. Without client keys every client is one tenant.
 """
 
@@ -30,18 +30,16 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
-from backends.config import WorkerConfig
-from backends.discovery import DiscoveredFleet
-from backends.health import HealthChecker, HealthMetrics, unhealthy_reasons
-from backends.registry import Worker, WorkerRegistry
-from index.api import WorkerListener
-from index.types import WorkerId
-from router.accesslog import client_key_id
-from router.admission import AdmissionQueue, Grant, client_timeout_s, disconnect_of
-from router.affinity import ClientKeyId, ResponseAffinity
-from router.config import Settings, validation_problems
-from router.errors import (
+from kvgate.backends.allowlist import WorkerAllowlist, host_of_endpoint, host_of_url
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.health import HealthChecker, HealthMetrics, unhealthy_reasons
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.api import WorkerListener
+from kvgate.index.types import WorkerId
+from kvgate.router.accesslog import client_key_id
+from kvgate.router.config import Settings, validation_problems
+from kvgate.router.errors import (
     AdminDisabled,
     AdminRefused,
     ClientClosed,
@@ -50,33 +48,36 @@ from router.errors import (
     ModelNotFound,
     PathNotPassedThrough,
     PayloadTooLarge,
-    PreviousResponseGone,
-    PreviousResponseUnavailable,
-    QueueTimeout,
     RequestTimeout,
-    ResponseNotFound,
     Unauthorized,
     UnsupportedMediaType,
     WorkerNotAllowed,
+    from_scheduling,
 )
-from router.index_watch import IndexWatch
-from router.listener import ListenerLimits, timed_out_body
-from router.metrics import GatewayMetrics, forget_series
-from router.observe import Observation, Observer
-from router.passthrough import PassThroughPaths
-from router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
-from router.requests import (
+from kvgate.router.index_watch import IndexWatch
+from kvgate.router.listener import ListenerLimits, timed_out_body
+from kvgate.router.metrics import GatewayMetrics, forget_series
+from kvgate.router.observe import Observation, Observer
+from kvgate.router.passthrough import PassThroughPaths
+from kvgate.router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
+from kvgate.router.requests import (
     AnyModelBody,
     ChatBody,
     CompletionBody,
     ResponsesBody,
+    client_timeout_s,
     decode_json_object,
+    disconnect_of,
     normalised_path,
     raw_with_usage_requested,
     upstream_target,
     validate,
 )
-from router.routing import Routed, Router
+from kvgate.scheduling.affinity import ClientKeyId
+from kvgate.scheduling.errors import QueueTimeout, SchedulingError
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.scheduler import RequestFacts, Scheduler
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -208,7 +209,7 @@ class Gateway:
 
     settings: Settings
     registry: WorkerRegistry
-    router: Router
+    scheduler: Scheduler  # the decision core: ledger, policy, capacity rule, queue
     proxy: Proxy
     health: HealthChecker
     metrics: GatewayMetrics
@@ -219,9 +220,7 @@ class Gateway:
     index: IndexLifecycle | None = None  # owned: started, stopped, subscribed to the registry
     discovery: DiscoveredFleet | None = None  # --discover targets, started and stopped here
     index_watch: IndexWatch | None = None  # resyncs workers whose entries may be stale
-    admission: AdmissionQueue | None = None  # the router-side queue (settings.queue)
     request_ids: RequestIds = field(default_factory=RequestIds)
-    affinity: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 3600.0))
     # metric holders whose series labelled with a worker go when it is removed
     worker_series: list[object] = field(default_factory=list)
     observer: Observer = field(default_factory=lambda: Observer(None, None))
@@ -323,12 +322,14 @@ class Gateway:
             stream = bool(parsed.stream)
             call.parsed(parsed.model, len(raw), stream)
             session = self._session(call, parsed.user)
-            routed = await self.router.decide(
-                parsed.model,
-                parsed.prompt_input(),
-                session_key=session,
-                max_tokens=parsed.output_limit,
-                spans=call.observation.spans,
+            routed = await self._route(
+                RequestFacts(
+                    parsed.model,
+                    parsed.prompt_input(),
+                    session_key=session,
+                    max_tokens=parsed.output_limit,
+                    spans=call.observation.spans,
+                )
             )
             usage_mode, body = UsageMode.BODY, raw
             if stream:
@@ -340,10 +341,10 @@ class Gateway:
                 else:
                     usage_mode = UsageMode.NONE
             del raw, data, parsed  # a queued request holds its body to send, not its JSON too
-            grant = await self._admit(call, routed, session, len(body))
+            grant = await self._admit(call, routed, len(body))
         except KvgateError as exc:
             return self._refuse(exc, call)
-        return self._send(call, routed, grant, body=body, usage_mode=usage_mode)
+        return self._send(call, grant, body=body, usage_mode=usage_mode)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: keyed like a chat when kvgate renders its prompt as the
@@ -364,45 +365,35 @@ class Gateway:
             prompt, _ = parsed.prompt_input()
             session = self._session(call, parsed.user)
             key = ClientKeyId(call.observation.client)
-            routed = await self.router.decide(
-                parsed.model,
-                prompt,
-                session_key=session,
-                max_tokens=parsed.output_limit,
-                spans=call.observation.spans,
-                only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+            routed = await self._route(
+                RequestFacts(
+                    parsed.model,
+                    prompt,
+                    session_key=session,
+                    max_tokens=parsed.output_limit,
+                    spans=call.observation.spans,
+                    only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+                )
             )
             stored = parsed.store is not False  # store=false: its id is not recorded
-            del parsed, prompt  # a queued request holds its body, not its JSON too
-            grant = await self._admit(call, routed, session, len(raw))
+            del data, parsed, prompt  # a queued request holds its body, not its JSON too
+            grant = await self._admit(call, routed, len(raw))
         except KvgateError as exc:
             return self._refuse(exc, call)
         usage_mode = UsageMode.TAP if call.stream else UsageMode.BODY
-        tap = self.affinity.tap(key) if stored else None
-        return self._send(call, routed, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
+        tap = self.scheduler.affinity.tap(key) if stored else None
+        return self._send(call, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
     def _holder(
         self, response_id: str | None, key: ClientKeyId | None, param: str
     ) -> WorkerId | None:
-        """The worker holding a stored response of client ``key`` (None: the admin's view,
-        any key's). With client keys an id kvgate does not hold for ``key`` is a 404;
-        without, it is routed by load and the engine answers for it. A holder that left or
-        is down is a clear error."""
-        if response_id is None:
-            return None
-        holder = self.affinity.worker_of(response_id, key)
-        if holder is None:
-            if key is not None and self.tenants:
-                raise ResponseNotFound(response_id, param=param)
-            return None
-        worker = self.registry.find(holder)
-        if worker is None:
-            raise PreviousResponseGone(response_id, holder)
-        if not worker.ready:
-            why = "not ready" if worker.healthy else "unhealthy"
-            retry = self.settings.retry_after_s
-            raise PreviousResponseUnavailable(response_id, worker.url, why, retry_after_s=retry)
-        return holder
+        """The worker holding a stored response of client ``key`` (``Scheduler.holder``;
+        None: the admin's view, any key's). With client keys an id kvgate does not hold for
+        ``key`` is a 404; without, it is routed by load and the engine answers for it."""
+        try:
+            return self.scheduler.holder(response_id, key, param=param, strict=self.tenants)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
 
     async def pass_through(self, request: Request) -> Response:
         """Any other ``/v1/*`` request: to a worker serving the body's (or query's) model.
@@ -417,14 +408,14 @@ class Gateway:
             stored, holder = self._stored_response(path, ClientKeyId(call.observation.client))
             call.parsed(stored or self._model_of(request, raw), len(raw), False)
             session = self._session(call, None)
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 call.model, None, session_key=session, spans=call.observation.spans, only=holder
             )
-            post = request.method == "POST"
-            grant = await self._admit(call, routed, session, len(raw)) if post else None
+            routed = await self._route(facts)
+            grant = await self._admit(call, routed, len(raw), queued=request.method == "POST")
         except KvgateError as exc:
             return self._refuse(exc, call)
-        return self._send(call, routed, grant, body=raw, usage_mode=UsageMode.NONE, path=target)
+        return self._send(call, grant, body=raw, usage_mode=UsageMode.NONE, path=target)
 
     def _session(self, call: _Call, user: str | None) -> str | None:
         """The request's session key (``x-session-id``, else the body's ``user``), in its
@@ -454,41 +445,49 @@ class Gateway:
         call.observation.client = self.check_client(call.request)
         return await self.read_body(call.request)
 
-    async def _admit(
-        self, call: _Call, routed: Routed, session: str | None, size: int
-    ) -> Grant | None:
-        """Through the router-side queue (``router/admission.py``), when it is on; ``size``:
-        the bytes of the body it holds while queued."""
-        queue = self.admission
-        if queue is None or not queue.config.enabled:
-            return None
+    async def _route(self, facts: RequestFacts) -> Routed:
+        """The scheduler's routing decision (``Scheduler.route``: keys, matches, the
+        policy's ranking, the capacity rule)."""
         try:
-            grant = await queue.admit(
+            return await self.scheduler.route(facts)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
+
+    async def _admit(self, call: _Call, routed: Routed, size: int, *, queued: bool = True) -> Grant:
+        """``routed`` through the router-side queue (``Scheduler.admit``) when it is on and
+        ``queued``, else at once; ``size``: the bytes of the body it holds while queued. The
+        two halves of ``Scheduler.schedule``, apart so that the handler drops the request's
+        JSON before it may wait."""
+        headers = call.request.headers
+        timeout_s = client_timeout_s(headers) if queued else None
+        try:
+            grant = await self.scheduler.admit(
                 routed,
                 key=call.observation.client,
-                session=session,
-                timeout_s=client_timeout_s(call.request.headers),
+                session=routed.request.session_key,
+                timeout_s=timeout_s,
                 disconnected=disconnect_of(call.request.receive),
+                queued=queued,
                 size=size,
             )
-        except QueueTimeout as exc:
-            call.observation.queued = exc.waited_s
-            raise
+        except SchedulingError as exc:
+            if isinstance(exc, QueueTimeout):
+                call.observation.queued = exc.waited_s
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
         call.observation.queued = grant.waited_s
         return grant
 
     def _send(
         self,
         call: _Call,
-        routed: Routed,
-        grant: Grant | None,
+        grant: Grant,
         *,
         body: bytes,
         usage_mode: UsageMode,
         path: str | None = None,
         answer_tap: AnswerTap | None = None,
     ) -> Response:
-        """Proxy the accepted request (to the worker its queue grant chose, if it waited)."""
+        """Proxy the accepted request to the workers its grant names, in order."""
         request = call.request
         return self.proxy.respond(
             Exchange(
@@ -498,13 +497,12 @@ class Gateway:
                 body=body,
                 headers=forwardable_headers(request.headers.raw),
                 model=call.model,
-                routed=routed if grant is None else grant.routed,
+                grant=grant,
                 stream=call.stream if path is None else True,
                 usage_mode=usage_mode,
                 received_at=call.received_at,
                 observation=call.observation,
                 answer_tap=answer_tap,
-                admission=grant,
             )
         )
 
@@ -550,7 +548,10 @@ class Gateway:
         for card in self.registry.model_cards():
             if card.get("id") == model:
                 return json_response(card)
-        self.router.require_servable(model)  # 404 when nobody serves it
+        try:
+            self.scheduler.router.require_servable(model)  # 404 when nobody serves it
+        except SchedulingError as exc:
+            raise from_scheduling(exc) from exc
         return json_response({"id": model, "object": "model", "owned_by": "kvgate"})
 
     def ready(self) -> Response:
@@ -581,9 +582,13 @@ class Gateway:
     # -- admin --------------------------------------------------------------------------
     def describe_workers(self) -> dict[str, Any]:
         return {
-            "policy": self.router.policy.name,
-            "workers": [w.describe() for w in self.registry],
+            "policy": self.scheduler.policy.name,
+            "workers": [self.describe_worker(w) for w in self.registry],
         }
+
+    def describe_worker(self, worker: Worker) -> dict[str, Any]:
+        """The admin view of a worker: the fleet's facts and what kvgate has in flight there."""
+        return worker.describe() | self.scheduler.ledger.describe(worker.id)
 
     async def admit_worker(self, spec: Any) -> Worker:
         """``POST /admin/workers``: a worker on an allowed host, with allowed ``tcp://``
@@ -624,34 +629,41 @@ class Gateway:
         return worker
 
     async def explain(self, request: Request) -> Response:
-        """``POST /debug/route``: the routing decision for a body, without sending it."""
+        """``POST /debug/route``: the scheduler's decision for a body, without sending it
+        (the queue's view for the client key in X-Api-Key: Bearer is the admin's)."""
         self.check_admin(request)
         data = decode_json_object(await self.read_body(request))
         key = self._key_id(request.headers.get("x-api-key")) or "-"  # Bearer is admin's
         session = request.headers.get("x-session-id")
+        extra: dict[str, Any] = {}
         if "input" in data:  # a Responses API body
             body = validate(ResponsesBody, data)
             prompt, keyed = body.prompt_input()
-            routed = await self.router.decide(
+            facts = RequestFacts(
                 body.model,
                 prompt,
                 session_key=self._namespaced(key, session or body.user),
                 max_tokens=body.output_limit,
                 only=self._holder(body.previous_response_id, None, "previous_response_id"),
             )
-            return json_response({**self.router.explain(routed), "responses_prompt": keyed})
-        parsed: ChatBody | CompletionBody
-        parsed = validate(ChatBody, data) if "messages" in data else validate(CompletionBody, data)
-        routed = await self.router.decide(
-            parsed.model,
-            parsed.prompt_input(),
-            session_key=self._namespaced(key, session or parsed.user),
-            max_tokens=parsed.output_limit,
-        )
-        explained = self.router.explain(routed)
-        if self.admission is not None:  # for the client key in X-Api-Key
-            explained["admission"] = self.admission.explain(routed, key)
-        return json_response(explained)
+            extra["responses_prompt"] = keyed
+        else:
+            parsed: ChatBody | CompletionBody
+            if "messages" in data:
+                parsed = validate(ChatBody, data)
+            else:
+                parsed = validate(CompletionBody, data)
+            facts = RequestFacts(
+                parsed.model,
+                parsed.prompt_input(),
+                session_key=self._namespaced(key, session or parsed.user),
+                max_tokens=parsed.output_limit,
+            )
+        try:
+            explained = await self.scheduler.explain(facts, key)
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
+        return json_response(explained | extra)
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:
@@ -694,8 +706,7 @@ class Gateway:
                 self.registry.subscribe(self.index_watch)
             await self.index.settled()
         self.health.start()
-        if self.admission is not None:
-            self.admission.start()
+        self.scheduler.start()
         if self.discovery is not None:
             await self.discovery.start()
 
@@ -705,8 +716,7 @@ class Gateway:
         await self.health.stop()
         if self.index_watch is not None:
             self.registry.unsubscribe(self.index_watch)
-        if self.admission is not None:
-            self.admission.stop()
+        self.scheduler.stop()
         if self.index is not None:
             self.registry.unsubscribe(self.index)
             await self.index.stop()

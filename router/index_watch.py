@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from backends.registry import Worker
-from index.api import EngineWorker
-from index.types import WorkerId
-from router.config import IndexWatchConfig
-from router.usage import Usage
+from kvgate.backends.registry import Worker
+from kvgate.index.api import EngineWorker
+from kvgate.index.types import WorkerId
+from kvgate.router.config import IndexWatchConfig
+from kvgate.router.usage import Usage
 
 log = logging.getLogger("kvgate.index_watch")
 

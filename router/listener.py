@@ -30,15 +30,15 @@ from typing import Any, Literal
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router.config import ClientConfig
-from router.errors import (
+from kvgate.router.config import ClientConfig
+from kvgate.router.errors import (
     InvalidRequest,
     KvgateError,
     RequestHeadTooLarge,
     RequestTimeout,
     TooManyConnections,
 )
-from router.metrics import GatewayMetrics
+from kvgate.router.metrics import GatewayMetrics
 
 Phase = Literal["header", "body"]
 _BODY_TIMED_OUT = "kvgate.body_timed_out"  # scope key set when the listener cut a body

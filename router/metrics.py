@@ -27,9 +27,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from backends.registry import WorkerRegistry
-from index.memo import BoundedMemo
-from router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.memo import BoundedMemo
+from kvgate.router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
+from kvgate.scheduling.ledger import Ledger
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
 MAX_MODEL_LABELS = 32
@@ -280,10 +281,12 @@ class RouteMetrics:
 
 
 class WorkerStateCollector(Collector):
-    """Per-worker gauges read from the registry when Prometheus scrapes."""
+    """Per-worker gauges read from the registry and the scheduler's ledger when Prometheus
+    scrapes."""
 
-    def __init__(self, workers: WorkerRegistry, metrics: GatewayMetrics) -> None:
+    def __init__(self, workers: WorkerRegistry, ledger: Ledger, metrics: GatewayMetrics) -> None:
         self._workers = workers
+        self._ledger = ledger
         self._metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -297,8 +300,9 @@ class WorkerStateCollector(Collector):
             "(/ready says why)",
             labels=["worker", "fact"],
         )
-        calibrator = self._workers.calibrator
+        calibrator = self._ledger.calibrator
         for w in self._workers:
+            sent = self._ledger.of(w)
             labels = [w.url]
             params = calibrator.params(w.id)
             gauges["rate"].add_metric(labels, params.prefill_tokens_per_s)
@@ -309,10 +313,10 @@ class WorkerStateCollector(Collector):
                 gauges["abs_error"].add_metric(labels, error.mean_abs_s)
                 gauges["bias"].add_metric(labels, error.bias_s)
             gauges["healthy"].add_metric(labels, 1.0 if w.healthy else 0.0)
-            gauges["in_flight"].add_metric(labels, w.in_flight)
-            gauges["prefill"].add_metric(labels, w.pending_prefill_tokens)
-            gauges["decode"].add_metric(labels, w.active_decode_blocks)
-            gauges["blocked"].add_metric(labels, w.blocked_requests)
+            gauges["in_flight"].add_metric(labels, sent.in_flight)
+            gauges["prefill"].add_metric(labels, sent.pending_prefill_tokens)
+            gauges["decode"].add_metric(labels, sent.active_decode_blocks)
+            gauges["blocked"].add_metric(labels, sent.blocked_requests)
             if w.scraped.waiting is not None:
                 gauges["waiting"].add_metric(labels, w.scraped.waiting)
             if w.scraped.kv_usage is not None:
@@ -481,9 +485,9 @@ def forget_series(metrics: Iterable[object], worker: str) -> None:
 
 
 def register_worker_gauges(
-    registry: CollectorRegistry, workers: WorkerRegistry, metrics: GatewayMetrics
+    registry: CollectorRegistry, workers: WorkerRegistry, ledger: Ledger, metrics: GatewayMetrics
 ) -> None:
-    registry.register(WorkerStateCollector(workers, metrics))
+    registry.register(WorkerStateCollector(workers, ledger, metrics))
 
 
 def kvgate_version() -> str:

@@ -18,16 +18,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from router.accesslog import AccessLog
-from router.config import ConfigError, Settings
-from router.errors import KvgateError
+from kvgate.router.accesslog import AccessLog
+from kvgate.router.config import ConfigError, Settings
+from kvgate.router.errors import KvgateError
 
 if TYPE_CHECKING:
-    from backends.registry import Worker
-    from router.metrics import RouteMetrics
-    from router.routing import Routed
-    from router.tracing import RequestSpans, Tracing
-    from router.usage import Usage
+    from kvgate.backends.registry import Worker
+    from kvgate.router.metrics import RouteMetrics
+    from kvgate.router.tracing import RequestSpans, Tracing
+    from kvgate.router.usage import Usage
+    from kvgate.scheduling.routing import Routed
 
 Headers = list[tuple[bytes, bytes]]
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -80,7 +80,7 @@ def start_tracing(settings: Settings, environ: Mapping[str, str] | None = None) 
     if not tracing_requested(settings, environ):
         return None
     try:
-        from router.tracing import Tracing  # noqa: PLC0415 (the optional extra)
+        from kvgate.router.tracing import Tracing  # noqa: PLC0415 (the optional extra)
     except ImportError as exc:
         raise ConfigError(
             "tracing needs the OpenTelemetry SDK: pip install 'kvgate[otel]' (or unset the "
@@ -147,7 +147,7 @@ class Observation:
         self.attempts = 0
         self.ttft: float | None = None
         self.queued: float | None = None
-        """Seconds waited in kvgate's queue (router/admission.py); None: never queued."""
+        """Seconds waited in kvgate's queue (scheduling/queue.py); None: never queued."""
         self._events = 0
         self._tail = b""
 
@@ -275,7 +275,7 @@ class Observation:
         }
         if routed is not None and worker is not None:
             fields["reason"] = _reason(routed, worker)
-            fields["failover"] = worker.id != routed.decision.chosen
+            fields["failover"] = worker.id != routed.chosen
             fields["predicted_cached_tokens"] = routed.predicted_cached_tokens(worker.id)
         if routed is not None and routed.keys is not None:
             fields["prompt_tokens"] = routed.request.prompt_tokens
@@ -294,8 +294,12 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _reason(routed: Routed, worker: Worker) -> str | None:
+    """The policy's reason for the worker, and the capacity rule's refusal of it, if any."""
+    refusal = routed.refused.get(worker.id)
     for score in routed.decision.scores:
         if score.worker == worker.id:
+            if refusal is not None:
+                return f"{score.reason}; {refusal.text}" if score.reason else refusal.text
             return score.reason or None
     return None
 

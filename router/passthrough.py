@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from router.errors import InvalidRequest
-from router.requests import normalised_path
+from kvgate.router.errors import InvalidRequest
+from kvgate.router.requests import normalised_path
 
 _DEFAULT = frozenset(
     ("POST", path) for path in ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score")

@@ -11,8 +11,8 @@ One exchange, step by step (each step a method, so hooks have a defined place)::
       _attempt               one worker: LoadTicket, upstream request, relay
         _relay_body          non-streaming: the whole body, then commit
         _relay_stream        streaming: hold until the first content event, commit, relay
-        AttemptFailed       before the commit: worker marked, the router ranks again
-                             (``Router.reroute``, failed workers excluded), next attempt;
+        AttemptFailed        before the commit: worker marked, the scheduler ranks again
+                             (``Grant.reroute``, failed workers excluded), next attempt;
                              a 5xx or an error event is charged to its worker only when
                              another worker answers, and ends the failover when a second
                              worker fails alike (the request's fault, ``_failed_alike``)
@@ -43,17 +43,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from backends.registry import LoadTicket, Worker, WorkerRegistry
-from index.errors import JsonDecodeError
-from index.memo import BoundedMemo
-from index.types import WorkerId
-from router.commit import (
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import WorkerId
+from kvgate.router.commit import (
     AttemptFailed,
     Reason,
     StreamStart,
@@ -61,10 +61,9 @@ from router.commit import (
     error_events,
     failure_reason,
 )
-from router.config import UpstreamConfig
-from router.errors import (
+from kvgate.router.config import UpstreamConfig
+from kvgate.router.errors import (
     KvgateError,
-    NoHealthyWorker,
     UpstreamConnectError,
     UpstreamHTTPError,
     UpstreamProtocolError,
@@ -73,14 +72,13 @@ from router.errors import (
     UpstreamTimeout,
     from_httpx,
 )
-from router.metrics import REMOVED, GatewayMetrics, RouteMetrics
-from router.observe import Observation
-from router.routing import Routed, Router
-from router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
-from router.usage import SseUsageTap, Usage, usage_from_body
-
-if TYPE_CHECKING:
-    from router.admission import Grant
+from kvgate.router.metrics import REMOVED, GatewayMetrics, RouteMetrics
+from kvgate.router.observe import Observation
+from kvgate.router.upstream import BodyTooLarge, Origin, UpstreamPool, UpstreamResponse
+from kvgate.router.usage import SseUsageTap, Usage, usage_from_body
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import LoadTicket
+from kvgate.scheduling.routing import Routed
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -126,13 +124,12 @@ class Exchange:
     body: bytes
     headers: list[tuple[bytes, bytes]]  # client headers safe to forward
     model: str
-    routed: Routed
+    grant: Grant  # where to send it (the scheduler's decision), its share until it ends
     stream: bool  # relay chunk by chunk (else read the whole body first)
     usage_mode: UsageMode
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
     answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
-    admission: Grant | None = None  # from the router-side queue: released when it ends
 
 
 class AnswerTap(Protocol):
@@ -174,19 +171,18 @@ def _relay_headers(response: UpstreamResponse) -> list[tuple[bytes, bytes]]:
 
 
 class Proxy:
-    """Shared state of all forwards: the upstream pool, the registry, metrics and limits."""
+    """Shared state of all forwards: the upstream pool, the registry (passive health),
+    metrics and limits."""
 
     def __init__(
         self,
         upstream: UpstreamPool,
         registry: WorkerRegistry,
-        router: Router,
         metrics: GatewayMetrics,
         config: UpstreamConfig,
     ) -> None:
         self.upstream = upstream
         self.registry = registry
-        self.router = router
         self.metrics = metrics
         self.config = config
         self.served_listeners: list[ServedListener] = []
@@ -237,7 +233,8 @@ class ProxyResponse(Response):
         self.raw_headers = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        outcome = _Outcome(self._x.routed, first_choice=self._x.routed.decision.chosen)
+        routed = self._x.grant.routed
+        outcome = _Outcome(routed, first_choice=routed.chosen)
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -255,8 +252,7 @@ class ProxyResponse(Response):
         finally:
             deadline.cancel()
             watcher.cancel()
-            if self._x.admission is not None:
-                self._x.admission.release()
+            self._x.grant.release()
             self._record(outcome)
 
     def _too_late(self, task: asyncio.Task[None]) -> None:
@@ -294,7 +290,7 @@ class ProxyResponse(Response):
         tried: list[WorkerId] = []
         failure: AttemptFailed | None = None
         for attempt in range(attempts):
-            worker = proxy.registry.find(routed.decision.chosen)
+            worker = proxy.registry.find(routed.chosen)
             usable = worker is not None and (worker.healthy or attempt == 0)
             if worker is not None and usable:  # else removed, or marked down meanwhile
                 outcome.routed, outcome.worker = routed, worker
@@ -306,8 +302,8 @@ class ProxyResponse(Response):
                     self._x.observation.attempt_failed(exc.error)
                     if not exc.error.retryable or self._failed_alike(worker, exc):
                         break
-            tried.append(routed.decision.chosen)
-            next_routed = self._reroute(routed, tried) if attempt + 1 < attempts else None
+            tried.append(routed.chosen)
+            next_routed = self._x.grant.reroute(tried) if attempt + 1 < attempts else None
             if next_routed is None:
                 break
             routed = next_routed
@@ -337,12 +333,6 @@ class ProxyResponse(Response):
         self._uncharged.append((worker, failure.reason, failure.charge))
         return False
 
-    def _reroute(self, routed: Routed, tried: list[WorkerId]) -> Routed | None:
-        try:
-            return self._proxy.router.reroute(routed, tried)
-        except NoHealthyWorker:
-            return None
-
     def _count_retry(self, worker: Worker, failure: AttemptFailed) -> None:
         label = self._proxy.worker_label(worker)
         self._proxy.metrics.retries.labels(label, failure.reason).inc()
@@ -356,18 +346,7 @@ class ProxyResponse(Response):
         proxy, x = self._proxy, self._x
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
-        if x.admission is not None:
-            # the queue's reservation of a worker, counted by the ticket below from now on
-            # (released first: the request's own reservation is no load ahead of it)
-            x.admission.started()
-        ticket = proxy.registry.begin(
-            worker.id,
-            routed.predicted_uncached_tokens(worker.id),
-            routed.load_blocks,
-            routed.request.block_size,
-            routed.request.prompt_tokens,
-            keys=routed.request.block_keys,
-        )
+        ticket = x.grant.begin(worker.id)  # the scheduler's ledger counts it there
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
@@ -385,7 +364,7 @@ class ProxyResponse(Response):
                 raise self._transport_failed(worker, exc) from exc
             if spans is not None:
                 spans.head(response.status_code)
-            proxy.router.record_sent(routed, worker.id)
+            x.grant.sent(worker.id)
             try:
                 await self._relay(worker, response, ticket, send, outcome)
             finally:

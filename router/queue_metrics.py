@@ -8,26 +8,14 @@ of ``REJECTIONS``. Queue lengths and in-flight shares are read from the queue at
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from router.admission import AdmissionQueue
+from kvgate.scheduling.queue import REJECTIONS, AdmissionQueue
 
-REJECTIONS = (
-    "queue_full",  # the whole queue is full (429)
-    "queue_bytes_full",  # the queue's body bytes are at queue.max_bytes (429)
-    "key_share",  # its place went to a key holding fewer queued requests (or bytes) (429)
-    "key_queue_full",  # the key's share of the queue is full (429)
-    "model_queue_full",  # the model's share of the queue is full (429)
-    "deadline",  # waited until its deadline (503)
-    "client_gone",  # the client disconnected while queued (499)
-    "no_worker",  # no healthy worker for its model was left at dispatch (503)
-)
 _WAIT_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
@@ -64,8 +52,9 @@ class QueueMetrics:
             for reason in REJECTIONS:
                 self.rejections.labels(key, reason)
 
-    def watch(self, queue: AdmissionQueue) -> None:
-        self._registry.register(_QueueCollector(queue))
+    def watch(self, queue: AdmissionQueue, models: Callable[[], set[str]]) -> None:
+        """Read ``queue``'s lengths (for every key and each of ``models()``) at scrape time."""
+        self._registry.register(_QueueCollector(queue, models))
 
     def entered(self, key: str) -> None:
         self.entered_total.labels(key).inc()
@@ -79,8 +68,9 @@ class QueueMetrics:
 
 
 class _QueueCollector(Collector):
-    def __init__(self, queue: AdmissionQueue) -> None:
+    def __init__(self, queue: AdmissionQueue, models: Callable[[], set[str]]) -> None:
         self._queue = queue
+        self._models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         length = GaugeMetricFamily(
@@ -88,7 +78,7 @@ class _QueueCollector(Collector):
             "Requests waiting in the router-side queue",
             labels=["key", "model"],
         )
-        for key, model, n in self._queue.queued_by():
+        for key, model, n in self._queue.queued_by(self._models()):
             length.add_metric([key, model], n)
         flying = GaugeMetricFamily(
             "kvgate_key_in_flight",

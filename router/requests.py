@@ -11,8 +11,11 @@ crafted depth recursively), and completion token ids must fit an engine's uint32
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
 from array import array
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
@@ -20,11 +23,11 @@ import msgspec
 import pydantic
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
-from index import jsonsafe
-from index.api import PromptInput
-from index.errors import JsonDecodeError
-from index.jsonsafe import MAX_JSON_DEPTH
-from router.errors import InvalidJSON, InvalidRequest
+from kvgate.index import jsonsafe
+from kvgate.index.api import PromptInput
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import MAX_JSON_DEPTH
+from kvgate.router.errors import InvalidJSON, InvalidRequest
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -292,3 +295,44 @@ def upstream_target(path: str, query: bytes) -> str:
         raise InvalidRequest("the query string holds spaces, control or non-ASCII bytes")
     target = quote(path, safe=_PATH_SAFE)
     return f"{target}?{query.decode('ascii')}" if query else target
+
+
+# -- request headers and the connection --------------------------------------------------
+
+TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+"""Headers in which a client states its own timeout, in seconds (the OpenAI SDKs send the
+second): a queued request waits no longer than that."""
+_MAX_HEADER_CHARS = 32
+
+
+def client_timeout_s(headers: Mapping[str, str]) -> float | None:
+    """The client's own timeout from ``TIMEOUT_HEADERS`` (first found), or None; a value
+    that is not a positive finite number of seconds is a 400 naming the header."""
+    for name in TIMEOUT_HEADERS:
+        text = headers.get(name)
+        if text is None:
+            continue
+        try:
+            value = float(text) if len(text) <= _MAX_HEADER_CHARS else math.nan
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidRequest(f"{name}: expected a positive number of seconds", param=name)
+        return value
+    return None
+
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+def disconnect_of(receive: Receive) -> Callable[[], Awaitable[None]]:
+    """An awaitable factory that returns when the ASGI client disconnects (the request
+    body already read: the next message is the disconnect)."""
+
+    async def disconnected() -> None:
+        for _ in range(1_000_000):  # bounded; a body-less message may come before
+            if (await receive())["type"] == "http.disconnect":
+                return
+        await asyncio.Event().wait()  # never: a client flooding empty messages waits out
+
+    return disconnected

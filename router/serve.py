@@ -17,12 +17,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import create_app
-from router.config import ConfigError, S, Settings, load_settings
-from router.flags import add_settings_flags, given_settings
-from router.gateway import Gateway, is_loopback
-from router.logs import configure_logging
-from router.simfleet import SimFleet, SimFleetError
+from kvgate.router.app import create_app
+from kvgate.router.config import MOVED, ConfigError, S, Settings, load_settings
+from kvgate.router.flags import add_moved_flags, add_settings_flags, given_settings
+from kvgate.router.gateway import Gateway, is_loopback
+from kvgate.router.logs import configure_logging
+from kvgate.router.simfleet import SimFleet, SimFleetError
+from kvgate.scheduling.config import Tuning
 
 log = logging.getLogger("kvgate")
 
@@ -31,6 +32,8 @@ Run the kvgate gateway: an OpenAI-compatible router in front of vLLM / SGLang re
 
 Settings come from (highest precedence first) these flags, KVGATE_* environment variables
 (nested with __, e.g. KVGATE_HEALTH__INTERVAL_S=1), the --config YAML file, and defaults.
+The options most users need come first; --help-all also lists the settings read only from
+the config file and the environment.
 """
 
 _EXAMPLES = """\
@@ -49,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML settings file")
-    add_settings_flags(parser, Settings)
+    first = parser.add_argument_group()
+    first.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML settings file: every setting, those without a flag too (--help-all)",
+    )
+    add_settings_flags(parser, Settings, first)
+    add_moved_flags(parser, Settings, MOVED)
     return parser
 
 
@@ -76,9 +85,9 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def run(settings: Settings) -> None:
-    """Serve until interrupted."""
-    app = create_app(settings)
+def run(settings: Settings, tuning: Tuning | None = None) -> None:
+    """Serve until interrupted (``tuning``: the scheduler's internal constants, benchmarks)."""
+    app = create_app(settings, tuning=tuning)
     if settings.admin_token is None and not is_loopback(settings.host):
         log.warning(
             "listening on %s without an admin token: /admin and /debug are disabled "
@@ -88,7 +97,9 @@ def run(settings: Settings) -> None:
     uvicorn.Server(uvicorn_config(app, settings)).run()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, tuning: Tuning | None = None) -> int:
+    """``kvgate serve``; ``tuning``: the scheduler's internal constants (benchmarks build a
+    variant through ``bench.variants``, never a user)."""
     args = build_parser().parse_args(argv)
     overrides: dict[str, Any] = given_settings(args, Settings)
     try:
@@ -97,7 +108,7 @@ def main(argv: list[str]) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     with configure_logging(settings.log_level, settings.log_format):
-        return supervise(settings, args.config, overrides)
+        return supervise(settings, args.config, overrides, runner=lambda ready: run(ready, tuning))
 
 
 def supervise(

@@ -12,8 +12,8 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from backends.errors import ProcessExited
-from backends.process import ChildProcess, wait_http
+from kvgate.backends.errors import ProcessExited
+from kvgate.backends.process import ChildProcess, wait_http
 
 log = logging.getLogger("kvgate.sim")
 
@@ -42,7 +42,7 @@ class SimFleet:
     @property
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "router.cli", "sim",
+            sys.executable, "-m", "kvgate.router.cli", "sim",
             "--replicas", str(self.replicas),
             "--port", str(self.base_port),
             "--events-port", str(self.events_port),
@@ -61,7 +61,7 @@ class SimFleet:
 
     def settings_overrides(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """``overrides`` plus the simulated workers and the simulator's tokenizer."""
-        from backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415 - only with --sim
+        from kvgate.backends.sim.tokenizer import tokenizer_dir  # noqa: PLC0415 - only with --sim
 
         tokenizers = [*(overrides.get("tokenizers") or []), f"{SIM_MODEL}={tokenizer_dir()}"]
         workers = [*(overrides.get("workers") or []), *self.worker_specs()]

@@ -70,8 +70,8 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from router.config import ConfigError
-from router.metrics import kvgate_version
+from kvgate.router.config import ConfigError
+from kvgate.router.metrics import kvgate_version
 
 _PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 _DEFAULT_SERVICE = "unknown_service"  # the SDK's name of a service nobody named (+ ":python")

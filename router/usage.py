@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json, decode_json_as
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json, decode_json_as
 
 _USAGE = b'"usage"'
 _EVENT_END = b"\n\n"

@@ -1,9 +1,10 @@
 """The policy interface: what a policy is given, and what it returns.
 
-A policy never performs I/O. The gateway builds a ``RouteRequest`` (block keys already
-computed and matched against the index) and one ``Candidate`` per eligible, healthy worker,
-then asks the policy for a ``Decision``: every candidate, ranked best first, with the cost
-terms that led there. The gateway tries ``Decision.ranked`` in order (failover).
+A policy never performs I/O and never filters. The scheduler (``scheduling``) builds a
+``RouteRequest`` (block keys already computed and matched against the index) and one
+``Candidate`` per ready worker, then asks the policy for a ``Decision``: every candidate,
+ranked best first by price, with the terms that led there. Whether a worker may take the
+request now is the capacity rule's question (``scheduling.capacity``), not the policy's.
 """
 
 from __future__ import annotations
@@ -12,11 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
-from scoring.calibration import TtftParams
-
-DEFAULT_TTFT = TtftParams.prior(prefill_tokens_per_s=20_000.0, base_s=0.02)
-"""The TTFT model of a worker nothing was learned about yet (KvPolicyConfig's defaults)."""
+from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, WorkerId
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,36 +21,28 @@ class WorkerLoad:
     """Live load of one worker as kvgate sees it.
 
     ``in_flight``, ``pending_prefill_tokens`` (and their attention pairs) and
-    ``active_decode_blocks`` are predicted by kvgate from its own routing decisions; the
-    ``scraped_*`` fields come from the engine's /metrics (``None`` until the first successful
-    scrape) and include traffic kvgate did not route.
+    ``active_decode_blocks`` are kvgate's own accounting of what it sent (the scheduler's
+    ledger); the ``scraped_*`` fields come from the engine's /metrics (``None`` until the
+    first successful scrape) and include traffic kvgate did not route.
     """
 
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     pending_prefill_pairs: float = 0.0  # attention pairs of that pending prefill
+    # blocks held by its requests in flight: their prompts' (shared prefixes once) and what
+    # their streamed answers filled so far
     active_decode_blocks: int = 0
     scraped_running: int | None = None
     scraped_waiting: int | None = None
     # 0..1; less the blocks of kvgate's requests that ended there since the scrape was sent
-    # (the engine's capacity known: backends.registry.Worker.kv_usage_now)
     scraped_kv_usage: float | None = None
     kv_capacity_blocks: int | None = None  # the engine's GPU KV blocks (scraped), if known
     # prompt blocks routed here recently, exponentially decayed, on a scale shared by every
-    # worker of the registry (only ratios between workers mean anything)
+    # worker (only ratios between workers mean anything)
     footprint: float = 0.0
     # share of recent time with at least one request sent here and not yet started (its
     # first token not back): the worker's prefill utilisation, exponentially weighted
     prefill_busy_share: float = 0.0
-    # share of the prompt tokens of recent requests sent here that were cached there
-    # (kvgate's prediction; exponentially weighted over about 32 requests)
-    reuse: float = 0.0
-    # requests sent here lacking KV room (kvgate's prediction when it sent them) and not
-    # started yet: an engine admits its queue in order, so nothing sent after them starts
-    # before they do, however small (docs/scoring.md, "KV fit")
-    blocked_requests: int = 0
-    # seconds the oldest of them has waited so far (0 with none)
-    blocked_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +53,6 @@ class Candidate:
     url: str
     load: WorkerLoad = WorkerLoad()
     match: PrefixMatch = NO_MATCH  # best over the worker's data-parallel ranks
-    ttft: TtftParams = DEFAULT_TTFT  # the worker's learned TTFT model
     # leading blocks of the request that a request in flight on the worker holds (they are
     # among its held blocks: referenced, not copied, by a request that shares them)
     in_flight_prefix: int = 0
@@ -98,14 +86,6 @@ class Decision:
 
     ranked: Sequence[WorkerId]
     scores: Sequence[WorkerScore] = ()
-    # workers the policy ranks after all the others as failover only (its busy guard: busy,
-    # or lacking KV room where another has room); empty when it sets none aside, or when
-    # every worker is busy and so none is
-    set_aside: frozenset[WorkerId] = frozenset()
-    # workers where the request's new KV blocks fit now beside their requests in flight (the
-    # kv policy's KV fit; every worker when no capacity is known); None: the policy does not
-    # say (the router-side queue's busy_kv_room reads it)
-    room: frozenset[WorkerId] | None = None
 
     @property
     def chosen(self) -> WorkerId:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
+from kvgate.scoring.api import Candidate, Decision, RouteRequest, WorkerScore
 
 
 def _decision(ranked: list[tuple[Candidate, float, str]], term: str) -> Decision:

@@ -1,35 +1,38 @@
-"""The ``kv`` policy: cache overlap versus load, costed in blocks (default) or in seconds of
-predicted TTFT (``cost_model``); lowest cost wins (docs/scoring.md)."""
+"""The ``kv`` policy: cache overlap versus load, priced in KV blocks (``scoring.cost``);
+lowest cost first (docs/scoring.md)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
 
-from scoring.api import Candidate, Decision, RouteRequest, WorkerScore
-from scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled, split_busy
-from scoring.config import KvPolicyConfig
-from scoring.cost import Quote, kv_shortfalls, quote_workers
-from scoring.cost_parts import request_size
-from scoring.tiebreak import session_hash_key
+from kvgate.scoring.api import Candidate, Decision, RouteRequest, WorkerScore
+from kvgate.scoring.choice import order_lowest_cost, rank_lowest_cost, rank_sampled
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, price_all, request_size
+from kvgate.scoring.tiebreak import session_hash_key
+
+TIE_TOLERANCE = 1e-6
+"""Costs (in blocks) within this much of the lowest count as tied: lower in-flight wins,
+then the rendezvous hash of the session key."""
 
 
 class CostTerms(Mapping[str, float]):
-    """A worker's named cost terms (``Quote.full().terms()``, plus ``probability`` when
-    sampled), built on first access: routing itself never reads them, only ``/debug/route``
-    and the decision log line do."""
+    """A worker's named cost terms (``Price.terms()``, plus ``probability`` when sampled),
+    built on first access: routing itself never reads them, only ``/debug/route`` and the
+    decision log line do."""
 
-    __slots__ = ("_probability", "_quote", "_terms")
+    __slots__ = ("_price", "_probability", "_terms")
 
-    def __init__(self, quote: Quote, probability: float | None) -> None:
-        self._quote = quote
+    def __init__(self, price: Price, probability: float | None) -> None:
+        self._price = price
         self._probability = probability
         self._terms: dict[str, float] | None = None
 
     def _built(self) -> dict[str, float]:
         terms = self._terms
         if terms is None:
-            terms = self._quote.full().terms()
+            terms = self._price.terms()
             if self._probability is not None:
                 terms["probability"] = self._probability
             self._terms = terms
@@ -48,49 +51,49 @@ class CostTerms(Mapping[str, float]):
         return repr(self._built())
 
 
-def _score(quote: Quote, reason: str, probability: float | None = None) -> WorkerScore:
-    return WorkerScore(quote.worker, quote.cost, CostTerms(quote, probability), reason)
+def _score(price: Price, reason: str, probability: float | None = None) -> WorkerScore:
+    return WorkerScore(price.worker, price.cost, CostTerms(price, probability), reason)
 
 
 class KvPolicy:
-    """Cost every candidate (``scoring.cost``: blocks or seconds); rank them all.
+    """Price every candidate (``scoring.cost``); rank them all, lowest cost first.
 
-    ``rng`` is used only when ``config.temperature > 0``.
+    ``rng`` is used only when ``config.temperature > 0``; ``kv_capacity_blocks``: a
+    configured KV capacity that turns engines' scraped KV usage into decode blocks.
     """
 
     name: str = "kv"
 
-    def __init__(self, config: KvPolicyConfig, rng: random.Random) -> None:
+    def __init__(
+        self,
+        config: KvPolicyConfig,
+        rng: random.Random,
+        *,
+        kv_capacity_blocks: int | None = None,
+    ) -> None:
         self.config = config
+        self.kv_capacity_blocks = kv_capacity_blocks
         self._rng = rng
 
     @classmethod
-    def from_config(cls, config: KvPolicyConfig) -> KvPolicy:
-        """A policy whose random source is seeded from ``config.seed``."""
-        return cls(config, random.Random(config.seed))
+    def from_config(cls, config: KvPolicyConfig, seed: int | None = None) -> KvPolicy:
+        """A policy whose random source is seeded from ``seed``."""
+        return cls(config, random.Random(seed))
 
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
-        size = request_size(request)
-        shortfalls = kv_shortfalls(size, candidates, config)
-        quotes = quote_workers(size, candidates, config, shortfalls)
+        prices = price_all(request_size(request), candidates, config, self.kv_capacity_blocks)
         session = session_hash_key(request)
-        set_aside = frozenset(quote.worker for quote in split_busy(quotes)[1])
-        room = frozenset(c.worker for c, s in zip(candidates, shortfalls, strict=True) if s <= 0)
         if config.temperature > 0:
-            scale = max(sum(q.scale for q in quotes) / len(quotes), 1e-6)
-            by_cost = rank_lowest_cost(quotes, session, config.tie_tolerance)
+            scale = prices[0].scale
+            by_cost = rank_lowest_cost(prices, session, TIE_TOLERANCE)
             ranked = rank_sampled(by_cost, config.temperature, scale, self._rng)
             return Decision(
                 ranked=[r.cost.worker for r in ranked],
                 scores=[_score(r.cost, r.reason, r.probability) for r in ranked],
-                set_aside=set_aside,
-                room=room,
             )
-        ordered = order_lowest_cost(quotes, session, config.tie_tolerance)
+        ordered = order_lowest_cost(prices, session, TIE_TOLERANCE)
         return Decision(
-            ranked=[quote.worker for quote, _ in ordered],
-            scores=[_score(quote, reason) for quote, reason in ordered],
-            set_aside=set_aside,
-            room=room,
+            ranked=[price.worker for price, _ in ordered],
+            scores=[_score(price, reason) for price, reason in ordered],
         )

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import random
 
-from scoring.api import Policy
-from scoring.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy, SessionPolicy
-from scoring.config import KvPolicyConfig
-from scoring.kv import KvPolicy
+from kvgate.scoring.api import Policy
+from kvgate.scoring.baselines import (
+    LeastLoadedPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    SessionPolicy,
+)
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.kv import KvPolicy
 
 POLICY_NAMES: tuple[str, ...] = ("kv", "round_robin", "random", "least_loaded", "session")
 """Every policy ``make_policy`` knows; ``kv`` is cache-aware, the others are baselines."""
@@ -19,20 +24,20 @@ def make_policy(
     seed: int | None = None,
     rng: random.Random | None = None,
     kv_config: KvPolicyConfig | None = None,
+    kv_capacity_blocks: int | None = None,
 ) -> Policy:
     """A new policy named ``name``.
 
     ``rng`` (else a ``random.Random(seed)``) feeds randomised choices; ``kv_config`` holds the
-    ``kv`` policy's knobs (its own ``seed``, when set, wins over ``seed``).
+    ``kv`` policy's knobs and ``kv_capacity_blocks`` a configured KV capacity it prices decode
+    load with (``scheduling.kv_capacity_blocks``).
     """
     if rng is None:
         rng = random.Random(seed)
     match name:
         case "kv":
             config = kv_config if kv_config is not None else KvPolicyConfig()
-            if config.seed is not None:
-                rng = random.Random(config.seed)
-            return KvPolicy(config, rng)
+            return KvPolicy(config, rng, kv_capacity_blocks=kv_capacity_blocks)
         case "round_robin":
             return RoundRobinPolicy()
         case "random":

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import xxhash
 
-from index.types import WorkerId
-from scoring.api import RouteRequest
+from kvgate.index.types import WorkerId
+from kvgate.scoring.api import RouteRequest
 
 
 def session_hash_key(request: RouteRequest) -> bytes:

@@ -40,14 +40,14 @@ if __name__ == "__main__":  # run as a script: find the repository (after PYTHON
 
 from prometheus_client import CollectorRegistry
 
-from bench.hostile import BLOCK, Attacker, engine_hash, payload, removed, stored
-from index.api import BatchResult
-from index.config import IndexConfig
-from index.events import EventFeed
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex, NativeBlockTable, TableKind, new_table
-from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+from kvgate.bench.hostile import BLOCK, Attacker, engine_hash, payload, removed, stored
+from kvgate.index.api import BatchResult
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import EventFeed
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex, NativeBlockTable, TableKind, new_table
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
 ATTACKER, VICTIM = WorkerId("http://attacker"), WorkerId("http://victim")

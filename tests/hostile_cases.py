@@ -18,14 +18,21 @@ if __name__ == "__main__":  # run as a script: find the repository (after PYTHON
 
 from prometheus_client import CollectorRegistry
 
-from bench.hostile import BLOCK, colliding_engine_hashes, forge_block, payload, removed, stored
-from index.api import RemoveBlocks, StoreBlocks
-from index.config import IndexConfig
-from index.events import EventFeed
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex, TableKind, new_table
-from index.types import BlockKey, WorkerId, WorkerKey
+from kvgate.bench.hostile import (
+    BLOCK,
+    colliding_engine_hashes,
+    forge_block,
+    payload,
+    removed,
+    stored,
+)
+from kvgate.index.api import RemoveBlocks, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import EventFeed
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex, TableKind, new_table
+from kvgate.index.types import BlockKey, WorkerId, WorkerKey
 
 WORKER = WorkerId("http://attacker")
 DOMAIN = WorkerKey(WORKER, 0)

@@ -13,7 +13,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from index.events import EventBatch, EventEncoder, KvEvent
+from kvgate.index.events import EventBatch, EventEncoder, KvEvent
 
 END = (0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
 

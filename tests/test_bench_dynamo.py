@@ -20,10 +20,10 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from backends.process import wait_until
-from backends.sim.tokenizer import tokenizer_dir
-from bench import dynamo_peer, netns
-from bench.dynamo_peer import (
+from kvgate.backends.process import wait_until
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.bench import dynamo_peer, netns
+from kvgate.bench.dynamo_peer import (
     DYNAMO,
     DYNAMO_ROUTERS,
     DynamoError,
@@ -35,9 +35,9 @@ from bench.dynamo_peer import (
     start_dynamo_router,
     worker_argv,
 )
-from bench.fleet import FleetSpec, SimFleet, start_fleet
-from bench.peers import installed, venv_python
-from bench.traces import prompt_text
+from kvgate.bench.fleet import FleetSpec, SimFleet, start_fleet
+from kvgate.bench.peers import installed, venv_python
+from kvgate.bench.traces import prompt_text
 
 IN_NETNS = "KVGATE_TEST_IN_NETNS"
 

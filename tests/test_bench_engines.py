@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.vllm_cpu.layout import EngineLayout
-from bench import engines, floor
-from bench.args import compare_parser, fleet_spec, load_requests
-from bench.fleet import FleetSpec, start_fleet
-from bench.oracle import oracle
-from bench.traces import TraceRequest
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.bench import engines, floor
+from kvgate.bench.args import compare_parser, fleet_spec, load_requests
+from kvgate.bench.fleet import FleetSpec, start_fleet
+from kvgate.bench.oracle import oracle
+from kvgate.bench.traces import TraceRequest
 
 
 def test_vllm_replicas_serve_the_bench_model_with_capped_kv(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.agents import Record, Tally
-from bench.faults import main as faults_main
-from bench.faults import markdown_table, recovery_s, reuse_before, reuse_windows
+from kvgate.bench.agents import Record, Tally
+from kvgate.bench.faults import main as faults_main
+from kvgate.bench.faults import markdown_table, recovery_s, reuse_before, reuse_windows
 
 SCENARIOS = ("crash", "abort", "http_5xx", "stop_events")
 

@@ -8,8 +8,8 @@ import pytest
 from fakes.gateway import kvgate
 from test_sim_support import sim_config, sim_fleet
 
-from backends.sim.tokenizer import tokenizer_dir
-from bench import long_prompt
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.bench import long_prompt
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"

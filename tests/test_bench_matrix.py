@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import matrix, report
-from bench.args import compare_parser, fleet_spec, load_requests
-from bench.cli import build_parser
-from bench.fleet import sim_config
+from kvgate.bench import matrix, report
+from kvgate.bench.args import compare_parser, fleet_spec, load_requests
+from kvgate.bench.cli import build_parser
+from kvgate.bench.fleet import sim_config
 
 
 def _summary(
@@ -113,7 +113,7 @@ def test_table_plot_and_resume(tmp_path: Path) -> None:
 
 
 def _compare_config(out: Path) -> object:
-    from bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
 
     args = compare_parser().parse_args(["--trace", "synthetic"])
     return compare_config(args, 256, out, "t")
@@ -140,8 +140,8 @@ def test_missing_runs_are_not_medians() -> None:
 def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) -> None:
     """``kv_baseline`` (kvgate from another checkout, side by side) refuses to start without
     ``--baseline-tree`` instead of silently running this tree's kvgate under its name."""
-    from bench import compare  # noqa: PLC0415
-    from bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench import compare  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
 
     assert compare.router_label(compare.BASELINE_TREE) == "kvgate kv (baseline tree)"
     args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
@@ -152,23 +152,32 @@ def test_the_baseline_router_needs_a_tree_and_is_labelled_apart(tmp_path: Path) 
         compare._start_router(run, None, config, tmp_path)  # type: ignore[arg-type]
 
 
-def test_the_seconds_router_serves_kv_with_the_cost_in_seconds(tmp_path: Path) -> None:
-    """``kv_seconds`` is kvgate ``kv`` whose ``kvgate serve`` flags choose the cost in
-    seconds (the default cost is the block-unit one), labelled apart from ``kv``."""
-    from bench import compare  # noqa: PLC0415
-    from bench.args import compare_config  # noqa: PLC0415
-    from router import serve  # noqa: PLC0415
-    from router.config import Settings, load_settings  # noqa: PLC0415
-    from router.flags import given_settings  # noqa: PLC0415
+def test_a_variant_built_in_code_serves_kv_with_its_tuning(tmp_path: Path) -> None:
+    """A variant of ``bench.variants`` (its scheduler built in code, not a user flag) runs
+    ``python -m kvgate.bench.variants NAME`` with kvgate serve's flags, labelled apart from ``kv``;
+    a flag variant runs ``kvgate serve`` with its flags."""
+    from kvgate.bench import compare, variants  # noqa: PLC0415
+    from kvgate.bench.args import compare_config  # noqa: PLC0415
+    from kvgate.bench.fleet import FleetSpec, SimFleet, kvgate_serve_argv  # noqa: PLC0415
+    from kvgate.router import serve  # noqa: PLC0415
+    from kvgate.router.config import Settings, load_settings  # noqa: PLC0415
+    from kvgate.router.flags import given_settings  # noqa: PLC0415
 
-    assert compare.router_label("kv_seconds") == "kvgate kv seconds"
+    assert compare.router_label("kv_nokvroom") == "kvgate kv nokvroom"
+    assert not variants.TUNINGS["kv_nokvroom"].parts.room_wait
     args = compare_parser().parse_args(["--trace", "synthetic", "--out", str(tmp_path)])
     config = compare_config(args, 16, tmp_path, "t")
-    for name, cost in (("kv", "blocks"), ("kv_seconds", "seconds")):
-        spec = compare.kvgate_spec(compare.RouterRun(name, name), config)
-        assert spec.policy == "kv"
-        flags = serve.build_parser().parse_args(list(spec.extra_args))
-        assert load_settings(None, given_settings(flags, Settings)).scoring.cost_model == cost
+    fleet = SimFleet(FleetSpec(replicas=1), 9001, 5557, [])
+    spec = compare.kvgate_spec(compare.RouterRun("kv_nokvroom", "x"), config)
+    assert (spec.policy, spec.variant) == ("kv", "kv_nokvroom")
+    argv = kvgate_serve_argv(spec, fleet, 8000)
+    assert argv[1:4] == ["-m", "kvgate.bench.variants", "kv_nokvroom"]
+    serve.build_parser().parse_args(argv[4:])  # the rest are kvgate serve's own flags
+    busy = compare.kvgate_spec(compare.RouterRun("kv_busy16k", "y"), config)
+    assert busy.variant is None
+    flags = serve.build_parser().parse_args(list(busy.extra_args))
+    chosen = load_settings(None, given_settings(flags, Settings))
+    assert chosen.scheduling.max_pending_prefill_tokens == 16384
 
 
 def test_engine_cells_name_their_engine_and_form_a_set() -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.compare import CompareConfig, RouterRun
-from bench.overload import PointResult
-from bench.traces import TraceRequest
+from kvgate.bench import cli
+from kvgate.bench.compare import CompareConfig, RouterRun
+from kvgate.bench.overload import PointResult
+from kvgate.bench.traces import TraceRequest
 
 
 def _trace(path: Path) -> None:

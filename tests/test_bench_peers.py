@@ -7,11 +7,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.fleet import FleetSpec, ManagedProcess, SimFleet, start_fleet
-from bench.peers import (
+from kvgate.bench.fleet import FleetSpec, ManagedProcess, SimFleet, start_fleet
+from kvgate.bench.peers import (
     BENCH_DIR as BENCH,
 )
-from bench.peers import (
+from kvgate.bench.peers import (
     PEERS,
     READINESS_PATH,
     SGLANG_ROUTER,

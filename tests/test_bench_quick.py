@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import main as bench_main
-from bench.replay import RequestRecord
+from kvgate.bench.cli import main as bench_main
+from kvgate.bench.replay import RequestRecord
 
 REPO = Path(__file__).resolve().parent.parent
 

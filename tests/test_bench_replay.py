@@ -13,9 +13,9 @@ from fakes.server import serve
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from bench.replay import ReplayConfig, parse_prometheus, replay, select_slice
-from bench.report import References, markdown_table, summarize
-from bench.traces import SyntheticAgentOptions, TraceRequest, synthetic_agent_sessions
+from kvgate.bench.replay import ReplayConfig, parse_prometheus, replay, select_slice
+from kvgate.bench.report import References, markdown_table, summarize
+from kvgate.bench.traces import SyntheticAgentOptions, TraceRequest, synthetic_agent_sessions
 
 BLOCK = 16
 

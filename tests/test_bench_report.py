@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.args import compare_parser, fleet_spec
-from bench.fleet import (
+from kvgate.bench.args import compare_parser, fleet_spec
+from kvgate.bench.fleet import (
     FleetSpec,
     ManagedProcess,
     cpus_apart,
@@ -24,9 +24,9 @@ from bench.fleet import (
     system_cpu_times,
     tree_cpu_seconds,
 )
-from bench.overload import PointResult, ramp_table, window_goodput
-from bench.replay import MetricsSample, RequestRecord
-from bench.report import (
+from kvgate.bench.overload import PointResult, ramp_table, window_goodput
+from kvgate.bench.replay import MetricsSample, RequestRecord
+from kvgate.bench.report import (
     LATE_METRIC,
     CpuUse,
     busy_from_metrics,
@@ -132,7 +132,7 @@ def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
     bound it) must not pass for the process under test being ready."""
     import socket  # noqa: PLC0415
 
-    from bench.fleet import owns_listener, wait_own_http  # noqa: PLC0415
+    from kvgate.bench.fleet import owns_listener, wait_own_http  # noqa: PLC0415
 
     serve = (
         "import http.server, sys\n"
@@ -162,8 +162,8 @@ def test_readiness_counts_only_the_process_under_test(tmp_path: Path) -> None:
 
 def test_bench_ports_are_free_and_offset_per_process() -> None:
     """Benchmarks side by side start their port search at different places (by pid)."""
-    from backends.process import port_free  # noqa: PLC0415
-    from bench.fleet import bench_port_range  # noqa: PLC0415
+    from kvgate.backends.process import port_free  # noqa: PLC0415
+    from kvgate.bench.fleet import bench_port_range  # noqa: PLC0415
 
     first = bench_port_range(4, start=21000)
     assert 21000 <= first < 60000
@@ -270,7 +270,7 @@ def test_the_fleet_gets_its_cpu_and_the_benchmark_the_others(tmp_path: Path) -> 
 
 
 def test_an_unpinned_fleet_runs_as_is() -> None:
-    argv = [sys.executable, "-m", "router.cli", "sim"]
+    argv = [sys.executable, "-m", "kvgate.router.cli", "sim"]
     assert pinned(argv, ()) == argv
     assert fleet_spec(compare_parser().parse_args(["--trace", "t.jsonl"])).cpus == ()
 

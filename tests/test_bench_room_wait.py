@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.replay import request_id
-from bench.room_wait import Served, estimated_wait, read_served, residual_life, room_waits
+from kvgate.bench import cli
+from kvgate.bench.replay import request_id
+from kvgate.bench.room_wait import Served, estimated_wait, read_served, residual_life, room_waits
 
 
 def _record(index: int, worker: str, sent: float, ttft: float, e2e: float, prompt: int) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.storm import main as storm_main
-from index.config import IndexConfig
+from kvgate.bench.storm import main as storm_main
+from kvgate.index.config import IndexConfig
 
 MAX_ENTRIES = 50_000  # the benchmark's --index-max-entries
 # what kvgate may hold beyond its start: both sockets of the hostile worker full, plus the

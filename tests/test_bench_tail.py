@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from bench import cli
-from bench.replay import request_id
-from bench.tail import (
+from kvgate.bench import cli
+from kvgate.bench.replay import request_id
+from kvgate.bench.tail import (
     FIRST_TURN,
     HISTORY_KEPT,
     HISTORY_LOST,

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.sim.config import EngineConfig, SimConfig, TimingConfig
-from backends.sim.timing import StepWork, prefill_pairs, step_seconds
-from backends.sim.vocab import vocabulary
-from bench.fleet import FleetSpec, sim_config
-from bench.oracle import idle_prefill_seconds, oracle, pooled_lru, ttft_floor
-from bench.traces import (
+from kvgate.backends.sim.config import EngineConfig, SimConfig, TimingConfig
+from kvgate.backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from kvgate.backends.sim.vocab import vocabulary
+from kvgate.bench.fleet import FleetSpec, sim_config
+from kvgate.bench.oracle import idle_prefill_seconds, oracle, pooled_lru, ttft_floor
+from kvgate.bench.traces import (
     AgenticReplayOptions,
     SyntheticAgentOptions,
     TraceRequest,

@@ -7,9 +7,9 @@ from array import array
 import pytest
 import xxhash
 
-from index.api import BatchResult, ClearAll, RemoveBlocks, StoreBlocks
-from index.config import IndexConfig
-from index.events import (
+from kvgate.index.api import BatchResult, ClearAll, RemoveBlocks, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,9 +17,9 @@ from index.events import (
     Translator,
     cache_salt_of,
 )
-from index.keys import block_keys, cache_seed, text_block_keys
-from index.table import EventIndex
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.index.keys import block_keys, cache_seed, text_block_keys
+from kvgate.index.table import EventIndex
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
 W = WorkerKey(WorkerId("http://w"), 0)

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from router.commit import Reason, StreamStart, Verdict, error_events, failure_reason
+from kvgate.router.commit import Reason, StreamStart, Verdict, error_events, failure_reason
 
 
 def data(obj: object) -> bytes:

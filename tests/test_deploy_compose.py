@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from router.config import Settings, load_settings
-from router.flags import given_settings
-from router.serve import build_parser
+from kvgate.router.config import Settings, load_settings
+from kvgate.router.flags import given_settings
+from kvgate.router.serve import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "compose.yaml"

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
-from backends.discovery import parse_discovery_url
-from router.config import ConfigError, Settings, load_settings
-from router.flags import given_settings
-from router.serve import build_parser
+from kvgate.backends.discovery import parse_discovery_url
+from kvgate.router.config import ConfigError, Settings, load_settings
+from kvgate.router.flags import given_settings
+from kvgate.router.serve import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

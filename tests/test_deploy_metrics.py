@@ -28,13 +28,13 @@ import yaml
 import zmq.asyncio
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from kv_publisher import KvPublisher
 from prometheus_client.parser import text_string_to_metric_families
 
-from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockStored
-from index.types import EngineBlockHash
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import AllBlocksCleared, BlockStored
+from kvgate.index.types import EngineBlockHash
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvgate-dashboard.json"
@@ -161,12 +161,12 @@ async def scrape_a_busy_kvgate() -> str:
                 health=quiet_health(metrics_interval_s=0.05),
                 discover=[f"dns://localhost:{port_a}?events_port=auto&interval=0.05"],
             ) as gw:
-                await wait_for(publisher.subscribed.is_set, 10, "the event subscription")
+                await wait_until(publisher.subscribed.is_set, 10, "the event subscription")
                 await publisher.publish(stored(1000, prompt[: 2 * block], block))
                 await publisher.publish(stored(2000, prompt[:block], block), drop=True)
                 await publisher.publish(AllBlocksCleared())  # after a gap: replay covers it
                 await publisher.publish(stored(1000, prompt[: 2 * block], block))
-                await wait_for(
+                await wait_until(
                     lambda: gw.metric("kvgate_index_events_total",
                                       {"worker": url_a, "type": "BlockStored"}) >= 3,
                     10, "events applied",
@@ -189,7 +189,7 @@ async def scrape_a_busy_kvgate() -> str:
                         "kvgate_failovers_total", {"worker": url_a, "model": "fake-model"}
                     ):
                         break
-                await wait_for(
+                await wait_until(
                     lambda: gw.metric("kvgate_discovery_resolutions_total",
                                       {"target": f"localhost:{port_a}", "result": "ok"}) >= 2,
                     10, "discovery rounds",

@@ -17,7 +17,8 @@ import httpx
 import msgspec
 import pytest
 from fakes.process import kvgate_process
-from fakes.server import serve, wait_for
+from fakes.server import serve
+from fakes.wait import wait_until
 from starlette.types import Receive, Scope, Send
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -122,7 +123,7 @@ async def test_sigterm_lets_an_in_flight_stream_finish(tmp_path: Path) -> None:
             await asyncio.wait_for(first.wait(), 10)
 
             process.send_signal(signal.SIGTERM)
-            await wait_for(lambda: refuses_connections(port), 10, "the listener to close")
+            await wait_until(lambda: refuses_connections(port), 10, "the listener to close")
             assert process.returncode is None, log.read_text()  # still draining the stream
 
             engine.release.set()

@@ -6,11 +6,11 @@ import asyncio
 import socket
 
 import pytest
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 
-from backends.config import WorkerConfig
-from backends.discovery import (
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.discovery import (
     DiscoveredWorker,
     DiscoveryMetrics,
     DnsDiscovery,
@@ -19,7 +19,7 @@ from backends.discovery import (
     parse_discovery_url,
     worker_for_address,
 )
-from backends.errors import DiscoveryUrlError
+from kvgate.backends.errors import DiscoveryUrlError
 
 TARGET = "vllm.ns.svc.cluster.local:8000"
 
@@ -261,10 +261,10 @@ async def test_background_loop_follows_dns_and_stops() -> None:
         assert list(fleet.workers) == ["http://10.0.0.1:8000"]  # known before start returns
         assert sample(registry, "kvgate_discovery_up") == 1
         dns.answer = ["10.0.0.9"]
-        await wait_for(lambda: list(fleet.workers) == ["http://10.0.0.9:8000"])
+        await wait_until(lambda: list(fleet.workers) == ["http://10.0.0.9:8000"])
         dns.answer = None
         calls = dns.calls
-        await wait_for(lambda: dns.calls >= calls + 3)
+        await wait_until(lambda: dns.calls >= calls + 3)
         assert list(fleet.workers) == ["http://10.0.0.9:8000"]
     assert not discovery.running
     assert sample(registry, "kvgate_discovery_up") == 0
@@ -296,7 +296,7 @@ async def test_a_failing_callback_costs_its_change_not_the_loop(
     try:
         dns.answer = ["10.0.0.1", "10.0.0.2"]
         # each failed add is counted and tried again next round; the loop never stops
-        await wait_for(lambda: "http://10.0.0.2:8000" in fleet.workers)
+        await wait_until(lambda: "http://10.0.0.2:8000" in fleet.workers)
         assert discovery.running
         assert sample(registry, "kvgate_discovery_up") == 1
         assert sample(registry, "kvgate_discovery_failures_total", step="added") == 3

@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from fakes.gateway import Kvgate, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
-from backends.engines import SGLANG, VLLM
-from backends.registry import Worker
-from backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.engines import SGLANG, VLLM
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.ledger import WorkerLedger
 
 MODEL = "kvgate-sim"
 
@@ -55,23 +57,24 @@ def test_sglang_has_no_capacity_metric() -> None:
 
 
 @contextlib.asynccontextmanager
-async def one_replica() -> AsyncIterator[tuple[Kvgate, httpx.AsyncClient, Worker]]:
+async def one_replica() -> AsyncIterator[tuple[Kvgate, httpx.AsyncClient, WorkerLedger]]:
     """kvgate (kv policy, the simulator's tokenizer) before one simulated replica of 64 KV
-    blocks of 4 tokens; a client of the replica itself (faults); kvgate's worker for it. The
-    queue's ``busy_kv_room`` is off: a request that lacks KV room goes to the engine's queue
-    at once, the engine-side wait these tests read, instead of waiting in kvgate first."""
+    blocks of 4 tokens; a client of the replica itself (faults); the scheduler's ledger of
+    the worker. The queue's wait for KV room (the ``room_wait`` part) is off: a request that
+    lacks KV room goes to the engine's queue at once, the engine-side wait these tests read,
+    instead of waiting in kvgate first."""
     config = sim_config(replicas=1, speedup=1000.0, block_size=4, capacity_blocks=64)
     async with sim_fleet(config) as fleet:
         url = fleet.replicas[0].url
         tokenizers = [f"{MODEL}={tokenizer_dir()}"]
-        queue = {"busy_kv_room": False}
+        tuning = Tuning(parts=Parts(room_wait=False))
         async with (
             kvgate(
-                [f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers, queue=queue
+                [f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers, tuning=tuning
             ) as gw,
             httpx.AsyncClient(base_url=url) as sim,
         ):
-            (worker,) = gw.gateway.registry
+            (worker,) = gw.gateway.scheduler.ledger
             yield gw, sim, worker
 
 
@@ -86,9 +89,9 @@ async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() 
         sent = asyncio.ensure_future(
             gw.client.post("/v1/completions", json={**body, "stream": True})
         )
-        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        await wait_until(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
         await gw.gateway.health.scrape_all()  # the request decoding: its 41 blocks held
-        scraped = worker.scraped.kv_usage
+        scraped = worker.worker.scraped.kv_usage
         assert scraped is not None and scraped >= 40 / 64
         assert worker.load().scraped_kv_usage == scraped
         await fault(sim, kind="clear")
@@ -99,7 +102,7 @@ async def test_usage_leaves_out_the_blocks_of_requests_ended_since_the_scrape() 
         now = worker.load().scraped_kv_usage
         assert now is not None and now == pytest.approx(max(scraped - released / 64, 0.0))
         await gw.gateway.health.scrape_all()  # a new scrape: nothing ended since
-        assert worker.load().scraped_kv_usage == worker.scraped.kv_usage == 0.0
+        assert worker.load().scraped_kv_usage == worker.worker.scraped.kv_usage == 0.0
 
 
 @pytest.mark.anyio
@@ -115,27 +118,27 @@ async def test_a_request_sent_without_room_blocks_its_worker_until_the_engine_ad
         first = asyncio.ensure_future(
             gw.client.post("/v1/completions", json={**running, "stream": True})
         )
-        await wait_for(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
+        await wait_until(lambda: worker.in_flight == 1 and worker.pending_requests == 0)
         assert worker.blocked_requests == 0  # it had room
         waiting = {"model": MODEL, "prompt": " ".join(["other words"] * 78), "max_tokens": 20}
         second = asyncio.ensure_future(gw.client.post("/v1/completions", json=waiting))
-        await wait_for(lambda: worker.in_flight == 2)
-        assert worker.blocked_requests == 1 and worker.load().blocked_requests == 1
+        await wait_until(lambda: worker.in_flight == 2)
+        assert worker.blocked_requests == 1
         text = (await gw.client.get("/metrics")).text
-        assert f'kvgate_worker_blocked_requests{{worker="{worker.url}"}} 1.0' in text
+        assert f'kvgate_worker_blocked_requests{{worker="{worker.worker.url}"}} 1.0' in text
         await gw.gateway.health.scrape_all()  # the engine: one waiting
-        assert worker.scraped.waiting == 1 and worker.blocked_requests == 1
+        assert worker.worker.scraped.waiting == 1 and worker.blocked_requests == 1
         assert (await first).status_code == 200  # room released: the engine admits it
 
         async def admitted() -> bool:
             await gw.gateway.health.scrape_all()
-            return worker.scraped.waiting == 0
+            return worker.worker.scraped.waiting == 0
 
         async with asyncio.timeout(10):
             while not await admitted():  # each scrape is an await
                 pass
         assert worker.in_flight == 1 and worker.pending_requests == 1  # still decoding
-        assert worker.blocked_requests == 0 and worker.load().blocked_requests == 0
+        assert worker.blocked_requests == 0
         await fault(sim, kind="clear")
         assert (await second).status_code == 200
         assert worker.in_flight == 0 and worker.blocked_requests == 0

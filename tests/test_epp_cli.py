@@ -16,11 +16,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from backends.process import ChildProcess, free_port, free_port_range
-from bench.envoy import Envoy, bootstrap
-from router.epp.cli import build_parser, main
-from router.serve import build_parser as serve_parser
-from router.simfleet import SIM_MODEL
+from kvgate.backends.process import ChildProcess, free_port, free_port_range
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.router.epp.cli import build_parser, main
+from kvgate.router.serve import build_parser as serve_parser
+from kvgate.router.simfleet import SIM_MODEL
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ async def test_the_epp_process_with_simulated_replicas_behind_envoy(tmp_path: Pa
     grpc_port, http_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
     argv = [
-        sys.executable, "-m", "router.cli", "epp", "--sim", "2", "--sim-port", str(sim_port),
+        sys.executable, "-m", "kvgate.router.cli", "epp", "--sim", "2", "--sim-port", str(sim_port),
         "--sim-events-port", str(events_port), "--grpc-port", str(grpc_port),
         "--port", str(http_port), "--log-level", "warning",
     ]  # fmt: skip

@@ -17,9 +17,9 @@ import pytest
 from fakes.epp import Stack, envoy_stack, epp_server
 from fakes.simgate import MODEL, fleet_config, sim_fleets, worker_specs
 
-from backends.process import free_port
-from bench.envoy import Envoy, bootstrap
-from router.epp.wire import endpoint_of
+from kvgate.backends.process import free_port
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.anyio
 

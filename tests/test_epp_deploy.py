@@ -15,14 +15,14 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 from test_deploy_k8s import flag_values
 
-from backends.discovery import parse_discovery_url
-from bench.envoy import BOOTSTRAP, bootstrap, envoy_binary
-from router.config import load_settings
-from router.epp.cli import build_parser
-from router.epp.config import EppSettings
-from router.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS
-from router.epp.wire import DESTINATION, LB_NAMESPACE, SERVED, SUBSET_NAMESPACE
-from router.flags import given_settings
+from kvgate.backends.discovery import parse_discovery_url
+from kvgate.bench.envoy import BOOTSTRAP, bootstrap, envoy_binary
+from kvgate.router.config import load_settings
+from kvgate.router.epp.cli import build_parser
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS
+from kvgate.router.epp.wire import DESTINATION, LB_NAMESPACE, SERVED, SUBSET_NAMESPACE
+from kvgate.router.flags import given_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EPP = ROOT / "deploy" / "k8s-epp"

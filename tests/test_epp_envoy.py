@@ -17,7 +17,7 @@ from fakes.gateway import quiet_health
 from fakes.simgate import MODEL, fleet_config, indexed, long_text, sim_fleets, until
 from openai import AsyncOpenAI
 
-from backends.sim.config import SimConfig, TimingConfig
+from kvgate.backends.sim.config import SimConfig, TimingConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -177,7 +177,7 @@ async def test_a_client_leaving_releases_kvgates_load_accounting(tmp_path: Path)
             await anext(chunks)
             assert stack.epp.in_flight() == 1
             worker = stack.epp.gateway.registry.get(reply.headers["x-kvgate-worker"])
-            assert worker.active_decode_blocks > 0
+            assert stack.epp.gateway.scheduler.ledger.of(worker).active_decode_blocks > 0
         # the client closed its connection mid-answer: Envoy ends the ext_proc stream
         await until(stack.epp.idle, what="the load of the abandoned request released")
         labels = {"worker": worker.url, "model": MODEL, "status": "499"}
@@ -206,7 +206,7 @@ async def test_a_queued_request_holds_its_stream_open_until_dispatched(tmp_path:
             waiting = asyncio.create_task(
                 stack.client.post("/v1/chat/completions", json=turn([], "after you"))
             )
-            admission = stack.epp.gateway.admission
+            admission = stack.epp.gateway.scheduler.queue
             await until(lambda: len(admission) == 1, what="the second request queued")
             assert not waiting.done()
             async for _ in chunks:  # the first answer ends: its share of the key goes back

@@ -26,7 +26,7 @@ from fakes.epp import (
 from fakes.simgate import MODEL, fleet_config, long_text, sim_fleets, until, worker_specs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.epp.wire import endpoint_of
+from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.anyio
 
@@ -114,7 +114,7 @@ async def test_a_pick_names_the_chosen_endpoint_then_fallbacks_in_header_and_met
         assert json.loads(sent)["stream_options"] == {"include_usage": True}
         assert epp.in_flight() == 1  # counted on the chosen worker from the pick on
         chosen = next(w for w in epp.gateway.registry if endpoint_of(w.url) == endpoints[0])
-        assert chosen.in_flight == 1
+        assert epp.sent(chosen.url) == 1
         await peer.send(response_headers(200, endpoints[0]))
         head = set_headers(await peer.receive())
         assert head["x-kvgate-worker"] == chosen.url
@@ -163,7 +163,7 @@ async def test_a_fallback_that_served_moves_the_load_and_marks_the_skipped_worke
         await peer.send(response_headers(200, endpoints[1]))
         head = set_headers(await peer.receive())
         assert head["x-kvgate-worker"] == second.url
-        assert (first.in_flight, second.in_flight) == (0, 1)
+        assert (epp.sent(first.url), epp.sent(second.url)) == (0, 1)
         assert first.consecutive_failures == 1
         labels = {"worker": first.url, "reason": "fallback"}
         assert epp.metric("kvgate_upstream_retries_total", labels) == 1

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +22,20 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from fakes.wait import wait_until
 from hostile_cases import CASES, tokens_of
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
-from bench.hostile import BLOCK, payload, removed, stored
-from index.api import Endpoints, EngineWorker
-from index.config import IndexConfig
-from index.events import EventFeed, Subscriber
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.service import KvIndexService
-from index.table import EventIndex, TableKind, new_table
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.bench.hostile import BLOCK, payload, removed, stored
+from kvgate.index.api import Endpoints, EngineWorker
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import EventFeed, Subscriber
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.service import KvIndexService
+from kvgate.index.table import EventIndex, TableKind, new_table
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 HERE = Path(__file__).resolve().parent
 WORKER = WorkerId("http://127.0.0.1:1")
@@ -223,13 +224,6 @@ def batch(*events: dict[str, Any]) -> bytes:
     return msgspec.msgpack.encode([1.0, list(events)])
 
 
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll a condition (bounded): these state changes have no event to await."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
-
-
 @pytest.fixture
 async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
@@ -384,7 +378,7 @@ async def test_a_replay_that_never_ends_is_bounded(
                 lambda: (
                     metric(registry, "kvgate_index_limits_total", worker=WORKER, limit=limit) == 1
                 ),
-                timeout_s=max_s + 10.0,
+                limit_s=max_s + 10.0,
             )
             other = "replay_seconds" if limit == "replay_batches" else "replay_batches"
             assert metric(registry, "kvgate_index_limits_total", worker=WORKER, limit=other) == 0

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from index.errors import EventDecodeError
-from index.events import (
+from kvgate.index.errors import EventDecodeError
+from kvgate.index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -8,10 +8,10 @@ from urllib.parse import quote
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
-from index.api import PromptInput, PromptKeys, TokenizeOn
-from index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.index.api import PromptInput, PromptKeys, TokenizeOn
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 
@@ -110,11 +110,11 @@ async def test_periodic_probes_run_on_their_own() -> None:
     engine.waiting = 4
     async with fleet(engine) as f, kvgate(f.urls, health=health) as gw:
         worker = gw.gateway.registry.get(f.urls[0])
-        await wait_for(lambda: worker.scraped.waiting == 4, what="periodic scrape")
+        await wait_until(lambda: worker.scraped.waiting == 4, what="periodic scrape")
         engine.healthy = False
-        await wait_for(lambda: not worker.healthy, what="periodic probe to mark it down")
+        await wait_until(lambda: not worker.healthy, what="periodic probe to mark it down")
         engine.healthy = True
-        await wait_for(lambda: worker.healthy, what="periodic probe to recover it")
+        await wait_until(lambda: worker.healthy, what="periodic probe to recover it")
 
 
 async def test_passive_marking_on_server_errors() -> None:
@@ -140,7 +140,8 @@ async def test_scraped_load_reaches_candidates_and_metrics() -> None:
     engine = FakeEngine(running=3, waiting=2, kv_usage=0.5)
     async with fleet(engine) as f, kvgate(f.urls) as gw:
         await gw.gateway.health.scrape_all()
-        (candidate,) = gw.gateway.registry.candidates("fake-model")
+        registry = gw.gateway.registry
+        (candidate,) = gw.gateway.scheduler.ledger.candidates(registry.serving("fake-model"))
         assert candidate.load.scraped_running == 3
         assert candidate.load.scraped_waiting == 2
         assert candidate.load.scraped_kv_usage == 0.5

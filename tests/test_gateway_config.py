@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.config import parse_worker_spec
-from router import serve
-from router.config import ConfigError, Settings, load_settings
-from router.flags import given_settings
+from kvgate.backends.config import parse_worker_spec
+from kvgate.router import serve
+from kvgate.router.config import ConfigError, Settings, load_settings
+from kvgate.router.flags import given_settings
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -85,21 +85,17 @@ def test_cli_worker_form_and_repeatable_flags() -> None:
 
 
 def test_scoring_knobs_are_serve_flags() -> None:
-    """The operator's cost, overlap credit and tier weights reach the kv policy's config."""
+    """The operator's overlap credit and tier weights reach the kv policy's config."""
     overrides = flags(
         "--scoring-overlap-credit", "2", "--scoring-cpu-weight", "0.5",
         "--scoring-disk-weight", "0.1",
     )  # fmt: skip
     scoring = load_settings(None, overrides).scoring
-    assert scoring.cost_model == "blocks"  # the default
     assert (scoring.overlap_credit, scoring.cpu_weight, scoring.disk_weight) == (2, 0.5, 0.1)
-    for spelling in ("--scoring-cost", "--scoring-cost-model"):
-        chosen = load_settings(None, flags(spelling, "seconds")).scoring
-        assert chosen.cost_model == "seconds"
-    with pytest.raises(SystemExit):  # not one of the choices: argparse refuses it
-        flags("--scoring-cost", "tokens")
-    with pytest.raises(ConfigError, match=r"scoring\.seconds_overlap_credit"):
-        load_settings(None, flags("--scoring-seconds-overlap-credit", "2"))
+    with pytest.raises(SystemExit):  # a knob measured and not adopted: no such flag
+        flags("--scoring-seconds-overlap-credit", "2")
+    with pytest.raises(ConfigError, match=r"scoring\.cost_model"):  # nor setting
+        load_settings(None, {"scoring": {"cost_model": "seconds"}})
 
 
 def test_worker_spec_with_event_endpoints() -> None:
@@ -174,8 +170,10 @@ def test_serve_reports_bad_config_and_exits_2(capsys: pytest.CaptureFixture[str]
 
 
 def test_help_documents_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help-all``: every setting, with a flag or read only from the config file and the
+    environment, with its variable."""
     with pytest.raises(SystemExit):
-        serve.main(["--help"])
+        serve.main(["--help-all"])
     text = capsys.readouterr().out
     for name, info in Settings.model_fields.items():
         assert (
@@ -191,6 +189,47 @@ def test_help_documents_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
         nested = Settings.model_fields[prefix].annotation
         assert nested is not None and nested.__name__ == model
         for name in nested.model_fields:
-            assert f"--{prefix}-{name.replace('_', '-')}" in text
+            flag = f"--{prefix}-{name.replace('_', '-')}"
+            assert flag in text or f"KVGATE_{prefix.upper()}__{name.upper()}" in text
     assert "--worker" in text and "--sim" in text and "--config" in text
     assert "--worker-allow" in text
+
+
+def test_help_lists_the_everyday_options_first_and_few(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At most 60 options, in groups, the engines and the listener first; each with a help;
+    a setting without a flag is still read from the environment and the config file."""
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    text = capsys.readouterr().out
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert len(options) <= 60
+    groups = [line for line in text.splitlines() if line and line[0].isalpha()]
+    first = groups.index(next(g for g in groups if g.startswith("start here")))
+    assert first < groups.index(next(g for g in groups if g.startswith("routing")))
+    start = text.index("start here")
+    for flag in ("--worker", "--tokenizer", "--host", "--port", "--sim"):
+        assert start < text.index(f"  {flag} ") < text.index("routing:")
+    for group in ("access", "capacity and queue", "engines", "observability"):
+        assert any(g.startswith(group) for g in groups), group
+    assert "--health-timeout-s" not in text and "--index-replay-max-s" not in text
+    namespace = serve.build_parser().parse_args([])
+    assert not given_settings(namespace, Settings)
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--health-timeout-s", "3"])
+
+
+def test_settings_without_a_flag_keep_their_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_HEALTH__TIMEOUT_S", "3.5")
+    monkeypatch.setenv("KVGATE_INDEX__REPLAY_MAX_S", "7")
+    settings = load_settings()
+    assert (settings.health.timeout_s, settings.index.replay_max_s) == (3.5, 7)
+
+
+def test_kvgate_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.router import cli  # noqa: PLC0415
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("kvgate ") and out.split()[1] == cli.version()

@@ -9,11 +9,12 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import unresponsive_port, wait_for
+from fakes.server import unresponsive_port
+from fakes.wait import wait_until
 
-from backends import errors as backend
-from backends.process import free_port
-from router import errors
+from kvgate.backends import errors as backend
+from kvgate.backends.process import free_port
+from kvgate.router import errors
 
 pytestmark = pytest.mark.anyio
 
@@ -108,7 +109,7 @@ async def test_upstream_timeout_is_504() -> None:
         assert r.status_code == 504
         assert error_of(r)["code"] == "upstream_timeout"
         assert r.headers["x-kvgate-worker"] == f.urls[0]
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 @pytest.mark.parametrize("status", [400, 422, 500, 503])
@@ -132,7 +133,7 @@ async def test_error_after_stream_started_goes_inside_the_stream() -> None:
         error = json.loads(events[-2])["error"]
         assert error["code"] == "upstream_protocol_error"
         assert events[-1] == "[DONE]"
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 async def test_every_worker_refusing_is_502() -> None:
@@ -238,4 +239,4 @@ async def test_client_leaving_mid_body_is_counted_499() -> None:
         writer.close()
         await writer.wait_closed()
         labels = {"worker": "none", "model": "none", "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
+        await wait_until(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")

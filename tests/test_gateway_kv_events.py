@@ -11,10 +11,10 @@ import zmq
 import zmq.asyncio
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
-from index.events import BlockStored, EventBatch, EventEncoder
-from index.types import EngineBlockHash
+from kvgate.index.events import BlockStored, EventBatch, EventEncoder
+from kvgate.index.types import EngineBlockHash
 
 pytestmark = pytest.mark.anyio
 
@@ -76,5 +76,7 @@ async def test_events_from_an_engine_route_its_prefix_to_it() -> None:
                 assert r.headers["x-kvgate-worker"] == f.urls[1]
                 assert r.headers["x-kvgate-predicted-cached-tokens"] == "32"
             labels = {"worker": f.urls[1], "model": "fake-model"}
-            await wait_for(lambda: gw.metric("kvgate_predicted_cached_tokens_total", labels) == 96)
+            await wait_until(
+                lambda: gw.metric("kvgate_predicted_cached_tokens_total", labels) == 96
+            )
             assert gw.metric("kvgate_best_available_cached_tokens_total", labels) == 96

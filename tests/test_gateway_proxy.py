@@ -10,7 +10,7 @@ import openai
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -92,17 +92,17 @@ async def test_a_streamed_answer_counts_its_blocks_as_held_until_it_ends() -> No
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"tokens": 65, "hold": "before_last_chunk"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
         prompt_blocks = -(-prompt // 16)
         async with gw.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            await wait_for(lambda: engine.holding == 1, what="64 tokens streamed")
+            await wait_until(lambda: engine.holding == 1, what="64 tokens streamed")
             held = prompt_blocks + 4
-            await wait_for(lambda: worker.active_decode_blocks == held, what="the answer held")
+            await wait_until(lambda: worker.active_decode_blocks == held, what="the answer held")
             engine.release.set()
             events = sse_data((await r.aread()).decode())
         assert len(events) == 65 + 1  # every token, then [DONE]
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
         assert worker.active_decode_blocks == 0
 
 
@@ -110,7 +110,7 @@ async def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"hold": "after_first_chunk"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         async with (
             httpx.AsyncClient(base_url=gw.url) as client,
             client.stream("POST", "/v1/chat/completions", json=body) as r,
@@ -118,18 +118,20 @@ async def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
             await anext(r.aiter_raw())
             assert worker.in_flight == 1
         # leaving the block closed the client connection mid-stream
-        await wait_for(engine.cancel_seen.is_set, what="engine to see the cancel")
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(engine.cancel_seen.is_set, what="engine to see the cancel")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
         assert worker.pending_prefill_tokens == 0 and worker.active_decode_blocks == 0
         labels = {"worker": f.urls[0], "model": "fake-model", "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499 counted")
+        await wait_until(
+            lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499 counted"
+        )
 
 
 async def test_client_disconnect_before_headers_cancels_upstream() -> None:
     engine = FakeEngine()
     body = {**CHAT, "fake": {"hold": "before_headers"}}
     async with fleet(engine) as f, kvgate(f.urls) as gw:
-        worker = gw.gateway.registry.get(f.urls[0])
+        worker = gw.sent(f.urls[0])
         async with httpx.AsyncClient(base_url=gw.url) as client:
 
             async def call() -> None:
@@ -137,10 +139,10 @@ async def test_client_disconnect_before_headers_cancels_upstream() -> None:
 
             async with anyio.create_task_group() as group:
                 group.start_soon(call)
-                await wait_for(lambda: engine.holding == 1, what="engine holding")
+                await wait_until(lambda: engine.holding == 1, what="engine holding")
                 group.cancel_scope.cancel()  # the client gives up: its connection closes
-        await wait_for(engine.cancel_seen.is_set, what="engine to see the cancel")
-        await wait_for(lambda: worker.in_flight == 0, what="load released")
+        await wait_until(engine.cancel_seen.is_set, what="engine to see the cancel")
+        await wait_until(lambda: worker.in_flight == 0, what="load released")
 
 
 async def test_openai_sdk_streaming_and_not() -> None:
@@ -197,7 +199,7 @@ async def test_failover_on_refused_connection() -> None:
             assert r.headers["x-kvgate-worker"] == f.urls[1]
         worker_a = gw.gateway.registry.get(f.urls[0])
         assert not worker_a.healthy
-        assert worker_a.in_flight == 0
+        assert gw.sent(f.urls[0]).in_flight == 0
         assert (
             gw.metric(
                 "kvgate_upstream_retries_total",

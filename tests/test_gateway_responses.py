@@ -26,8 +26,8 @@ from fakes.simgate import (
     worker_specs,
 )
 
-from index.types import WorkerId
-from router.affinity import ClientKeyId, ResponseAffinity
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.affinity import ClientKeyId, ResponseAffinity
 
 pytestmark = pytest.mark.anyio
 

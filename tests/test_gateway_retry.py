@@ -17,12 +17,11 @@ import httpx
 import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
-from test_sim_support import wait_for as sim_wait_for
 
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"
@@ -74,10 +73,11 @@ def stream_errors(gw: Kvgate, worker: str, reason: str) -> float:
 
 
 def assert_load_released(gw: Kvgate) -> None:
-    for worker in gw.gateway.registry:
-        assert worker.in_flight == 0, worker.url
-        assert worker.pending_prefill_tokens == 0, worker.url
-        assert worker.active_decode_blocks == 0, worker.url
+    for worker in gw.gateway.scheduler.ledger:
+        url = worker.worker.url
+        assert worker.in_flight == 0, url
+        assert worker.pending_prefill_tokens == 0, url
+        assert worker.active_decode_blocks == 0, url
 
 
 async def replica_fault(fleet: SimFleet, index: int, **body: object) -> None:
@@ -114,7 +114,8 @@ async def test_a_5xx_is_retried_streaming_and_not() -> None:
         first, second = (r.url for r in fleet.replicas)
         for stream in (True, False):
             await replica_fault(fleet, 0, kind="fail", count=1, status=503)
-            gw.gateway.router.policy = type(gw.gateway.router.policy)()  # round robin: first
+            router = gw.gateway.scheduler.router
+            router.policy = type(router.policy)()  # round robin: first
             r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
             assert r.status_code == 200
             assert r.headers["x-kvgate-worker"] == second
@@ -140,7 +141,7 @@ async def test_a_replica_crashing_while_requests_wait_loses_none() -> None:
         async with anyio.create_task_group() as group:
             for i in range(4):  # round robin: requests 0 and 2 go to the paused replica
                 group.start_soon(call, i % 2 == 0)
-            await wait_for(lambda: len(replica.engine.waiting) == 2, what="2 queued requests")
+            await wait_until(lambda: len(replica.engine.waiting) == 2, what="2 queued requests")
             await replica_fault(fleet, 0, kind="crash", downtime_s=30)
         assert [r.status_code for r in results] == [200] * 4
         assert all(r.headers["x-kvgate-worker"] == second for r in results)
@@ -158,7 +159,7 @@ async def test_no_first_token_in_time_is_retried() -> None:
         assert r.status_code == 200
         assert r.headers["x-kvgate-worker"] == second
         assert retries(gw, first, "timeout") == 1
-        await wait_for(lambda: not fleet.replica(0).engine.waiting, what="abandoned request gone")
+        await wait_until(lambda: not fleet.replica(0).engine.waiting, what="abandoned request gone")
         assert_load_released(gw)
 
 
@@ -204,13 +205,13 @@ async def test_client_leaving_while_the_engine_holds_its_stream_cancels_upstream
 
             async with anyio.create_task_group() as group:
                 group.start_soon(call)
-                await wait_for(lambda: len(replica.engine.waiting) == 1, what="request queued")
+                await wait_until(lambda: len(replica.engine.waiting) == 1, what="request queued")
                 group.cancel_scope.cancel()
-        await wait_for(lambda: not replica.engine.waiting, what="engine saw the cancel")
-        await wait_for(lambda: gw.gateway.registry.get(fleet.replicas[0].url).in_flight == 0)
+        await wait_until(lambda: not replica.engine.waiting, what="engine saw the cancel")
+        await wait_until(lambda: gw.sent(fleet.replicas[0].url).in_flight == 0)
         assert_load_released(gw)
         labels = {"worker": fleet.replicas[0].url, "model": MODEL, "status": "499"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
+        await wait_until(lambda: gw.metric("kvgate_requests_total", labels) == 1, what="499")
 
 
 async def test_a_retry_is_ranked_again_without_the_failed_worker() -> None:
@@ -225,7 +226,7 @@ async def test_a_retry_is_ranked_again_without_the_failed_worker() -> None:
             explained = (await gw.client.post("/debug/route", json=CHAT)).json()
             return int(next(w for w in explained["workers"] if w["chosen"])["overlap_tokens"])
 
-        await sim_wait_for(predicted, what="the prefix indexed")
+        await wait_until(predicted, what="the prefix indexed")
         await replica_fault(fleet, index, kind="abort", count=1)
         r = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         assert r.status_code == 200

@@ -9,8 +9,8 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.server import serve
 
-from backends.process import free_port
-from router.upstream import Origin, UpstreamPool
+from kvgate.backends.process import free_port
+from kvgate.router.upstream import Origin, UpstreamPool
 
 pytestmark = pytest.mark.anyio
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.usage import SseUsageTap, Usage, usage_from_body
+from kvgate.router.usage import SseUsageTap, Usage, usage_from_body
 
 CONTENT = [
     b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n',

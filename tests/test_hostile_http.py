@@ -30,10 +30,10 @@ from fakes.rawhttp import RawResponse, exchange_sync, request_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.sim.config import EngineConfig, SimConfig, TimingConfig
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
-from router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
+from kvgate.backends.sim.config import EngineConfig, SimConfig, TimingConfig
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 MODEL = "kvgate-sim"
 ADMIN = "hostile-suite-admin-token"

@@ -16,10 +16,10 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
 
-from backends.registry import WorkerRegistry
-from index.api import Endpoints, EngineWorker
-from index.types import WorkerId
-from router.config import HealthConfig, WorkerConfig
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import Endpoints, EngineWorker
+from kvgate.index.types import WorkerId
+from kvgate.router.config import HealthConfig, WorkerConfig
 
 pytestmark = pytest.mark.anyio
 

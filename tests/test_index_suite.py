@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
-from index.keys import block_keys, cache_seed
-from index.table import ApproxIndex, EventIndex, TableKind, new_table
-from index.table._table import _Lru
-from index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
+from kvgate.index.api import ClearAll, Indexer, RemoveBlocks, StoreBlocks
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.table import ApproxIndex, EventIndex, TableKind, new_table
+from kvgate.index.table._table import _Lru
+from kvgate.index.types import BlockKey, PrefixMatch, Tier, WorkerId, WorkerKey
 
 SEED = cache_seed(None, None)
 BS = 2
@@ -53,7 +53,7 @@ FACTORIES: dict[str, Callable[[TableKind], Indexer]] = {
 
 
 def test_native_table_is_built() -> None:
-    assert importlib.util.find_spec("index._native") is not None, (
+    assert importlib.util.find_spec("kvgate.index._native") is not None, (
         "index._native missing: run `pip install -e .` (make does)"
     )
 

@@ -4,7 +4,6 @@ HTTP server (uvicorn on 127.0.0.1) standing in for vLLM."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import httpx
 import pytest
 import uvicorn
 import zmq.asyncio
+from fakes.wait import free_port
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.events import BlockStored, _sources, parse_sources, resolve_endpoint
-from index.events._sources import on_worker_host
-from index.keys import _engine, block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import PrefixMatch, WorkerId
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import BlockStored, _sources, parse_sources, resolve_endpoint
+from kvgate.index.events._sources import on_worker_host
+from kvgate.index.keys import _engine, block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 
@@ -238,12 +238,6 @@ async def test_a_declared_endpoint_elsewhere_needs_the_allowlist(http: httpx.Asy
         finally:
             await service.stop()
     assert asked == ["tcp://127.0.0.2:5999", "tcp://10.1.2.3:5999"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_discovery_is_retried_until_the_worker_answers(http: httpx.AsyncClient) -> None:

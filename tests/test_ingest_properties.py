@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.config import IndexConfig
-from index.events import (
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,10 +18,10 @@ from index.events import (
     EventFeed,
     KvEvent,
 )
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId, WorkerKey
 
 BS = 2
 PATHS = [

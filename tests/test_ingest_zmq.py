@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from fakes.wait import free_port, wait_until
 from kv_publisher import KvPublisher
 from prometheus_client import CollectorRegistry
 
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from index.keys import block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import PrefixMatch, WorkerId
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 
@@ -27,13 +28,6 @@ BS = 4
 MODEL = "m"
 WORKER = WorkerId("http://127.0.0.1:1")
 TOKENS = list(range(1000, 1000 + 64))  # 16 blocks
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll a condition (bounded): state changes here have no event to await."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
 
 
 def stored(start: int, end: int, *, medium: str = "GPU", block_size: int = BS) -> BlockStored:
@@ -279,12 +273,6 @@ async def test_sglang_stream(service: KvIndexService, zmq_context: zmq.asyncio.C
         assert matched(service) == PrefixMatch(gpu=1)
     finally:
         await pub.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_reconnects_when_engine_comes_up_late(

@@ -1,10 +1,15 @@
-"""Layers only point down: ``index`` < ``scoring`` < ``backends`` < ``router`` < ``bench``.
+"""Layers only point down: ``index`` < {``scoring``, ``backends``} < ``scheduling`` < ``router``
+< ``bench``; ``scoring`` and ``backends`` are side by side (neither imports the other).
 
 Every import in the product packages is read with ``ast`` (module level and inside functions,
 ``import x``, ``from x import y``, relative imports, ``importlib.import_module("x")`` with a
 literal name) and resolved to the package it lands in. A package may import itself and the
-packages below it; an import of a package above, any import cycle between packages, and any
+packages below it; any other product package, any import cycle between packages, and any
 product import of test code fail. ``tests/`` may import anything.
+
+``scoring`` (pure pricing) and ``scheduling`` (the decision core) do no I/O: no network,
+process, file or server library, no ``open``; ``scheduling`` uses ``asyncio`` only for the
+queue's futures and timers.
 """
 
 from __future__ import annotations
@@ -17,8 +22,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ("index", "scoring", "backends", "router", "bench")
-RANK = {package: rank for rank, package in enumerate(LAYERS)}
+BELOW: Mapping[str, frozenset[str]] = {
+    "index": frozenset(),
+    "scoring": frozenset({"index"}),
+    "backends": frozenset({"index"}),
+    "scheduling": frozenset({"index", "scoring", "backends"}),
+    "router": frozenset({"index", "scoring", "backends", "scheduling"}),
+    "bench": frozenset({"index", "scoring", "backends", "scheduling", "router"}),
+}
+"""Each product package and the packages it may import (besides itself)."""
+LAYERS = tuple(BELOW)
+PURE = ("scoring", "scheduling")
+"""Packages that do no I/O."""
+IO_MODULES = frozenset(
+    {
+        "socket", "ssl", "selectors", "subprocess", "multiprocessing", "threading",
+        "concurrent", "pathlib", "shutil", "tempfile", "io", "urllib", "http", "email",
+        "httpx", "zmq", "uvicorn", "uvloop", "starlette", "fastapi", "prometheus_client",
+        "opentelemetry", "msgpack", "yaml",
+    }
+)  # fmt: skip
+"""Top-level modules a pure package may not import."""
+ASYNCIO_PRIMITIVES = frozenset(
+    {
+        "AbstractEventLoop", "Future", "TimerHandle", "CancelledError", "FIRST_COMPLETED",
+        "get_running_loop", "ensure_future", "wait",
+    }
+)  # fmt: skip
+"""What of ``asyncio`` scheduling may use: futures and timers for the queue's waiters."""
 TEST_PACKAGES = frozenset(
     {"tests", "conftest", "fakes"}
     | {path.stem for path in (ROOT / "tests").glob("*.py")}
@@ -36,11 +67,20 @@ class Import:
 
     @property
     def source_package(self) -> str:
-        return self.source.split(".")[0]
+        return package_of(self.source)
 
     @property
     def target_package(self) -> str:
-        return self.target.split(".")[0]
+        return package_of(self.target)
+
+
+def package_of(module: str) -> str:
+    """The product package a module lands in: ``kvgate.router.app`` and ``router.app`` are
+    both in ``router`` (the folders are installed under ``kvgate``)."""
+    parts = module.split(".")
+    if parts[0] == "kvgate" and len(parts) > 1:
+        return parts[1]
+    return parts[0]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -97,14 +137,16 @@ def product_imports(root: Path = ROOT) -> list[Import]:
 
 
 def upward(imports: list[Import]) -> list[str]:
-    """Imports of a package above the importer (or of test code, from the product)."""
+    """Imports of a package not below the importer (or of test code, from the product)."""
     problems = []
     for imp in imports:
         source, target = imp.source_package, imp.target_package
         if target in TEST_PACKAGES:
             problems.append(f"{imp.where}: {imp.source} imports test code {imp.target}")
-        elif target in RANK and RANK[target] > RANK[source]:
-            problems.append(f"{imp.where}: {imp.source} ({source}) imports {imp.target} (above)")
+        elif target in BELOW and target != source and target not in BELOW[source]:
+            problems.append(
+                f"{imp.where}: {imp.source} ({source}) imports {imp.target} (not below it)"
+            )
     return problems
 
 
@@ -112,9 +154,60 @@ def package_cycles(imports: list[Import]) -> list[list[str]]:
     """Strongly connected groups of more than one package in the import graph (Tarjan)."""
     graph: dict[str, set[str]] = {package: set() for package in LAYERS}
     for imp in imports:
-        if imp.target_package in RANK and imp.target_package != imp.source_package:
+        if imp.target_package in BELOW and imp.target_package != imp.source_package:
             graph[imp.source_package].add(imp.target_package)
     return [sorted(group) for group in _components(graph) if len(group) > 1]
+
+
+def io_uses(source: str, package: str, filename: str) -> list[str]:
+    """What ``source`` (a module of ``package``) does that is I/O: an import of an I/O
+    module, a call of ``open``, ``asyncio`` beyond the queue's primitives (``scheduling``)
+    or at all (any other package)."""
+    problems = []
+    for node in ast.walk(ast.parse(source, filename)):
+        where = f"{filename}:{getattr(node, 'lineno', 0)}"
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+            if node.module == "asyncio":
+                names += [f"asyncio.{alias.name}" for alias in node.names]
+        elif _calls(node, "open"):
+            problems.append(f"{where}: open()")
+        elif _attribute_of(node, "asyncio"):
+            assert isinstance(node, ast.Attribute)
+            names = [f"asyncio.{node.attr}"]
+        for name in names:
+            top, _, attr = name.partition(".")
+            if top in IO_MODULES:
+                problems.append(f"{where}: imports {name}")
+            elif top == "asyncio" and (
+                package != "scheduling" or (attr and attr not in ASYNCIO_PRIMITIVES)
+            ):
+                problems.append(f"{where}: uses {name}")
+    return problems
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+
+
+def _attribute_of(node: ast.AST, module: str) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == module
+    )
+
+
+def pure_package_io(root: Path = ROOT) -> list[str]:
+    problems: list[str] = []
+    for package in PURE:
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            problems += io_uses(text, package, str(path.relative_to(root)))
+    return problems
 
 
 def _components(graph: Mapping[str, set[str]]) -> list[list[str]]:
@@ -170,6 +263,76 @@ def test_no_import_cycle_between_packages() -> None:
     assert not cycles, f"import cycles between packages: {cycles}"
 
 
+def bare_imports(source: str, filename: str) -> list[str]:
+    """Absolute imports of a product package by its bare name (``router.app``): installed,
+    the packages are ``kvgate.router``, ``kvgate.index``, ...; a bare name would import
+    whatever else is installed under it, or nothing."""
+    problems = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names = [first.value]
+        problems += [
+            f"{filename}:{getattr(node, 'lineno', 0)}: {name}"
+            for name in names
+            if name.split(".")[0] in BELOW
+        ]
+    return problems
+
+
+def test_product_code_imports_its_packages_under_kvgate() -> None:
+    problems: list[str] = []
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            problems += bare_imports(text, str(path.relative_to(ROOT)))
+    assert not problems, "bare product imports:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("from router.config import Settings", True),
+        ("import index.types", True),
+        ("importlib.import_module('bench.fleet')", True),
+        ("from kvgate.router.config import Settings", False),
+        ("from .config import Settings", False),
+        ("import json", False),
+    ],
+)
+def test_a_bare_product_import_is_caught(source: str, bad: bool) -> None:
+    assert bool(bare_imports(source, "x.py")) is bad
+
+
+def test_scoring_and_scheduling_do_no_io() -> None:
+    problems = pure_package_io()
+    assert not problems, "I/O in a pure package:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("package", "source", "bad"),
+    [
+        ("scoring", "import socket", True),
+        ("scoring", "from httpx import AsyncClient", True),
+        ("scheduling", "import zmq.asyncio", True),
+        ("scoring", "import asyncio", True),
+        ("scheduling", "import asyncio\nf = asyncio.get_running_loop().create_future()", False),
+        ("scheduling", "import asyncio\nasyncio.open_connection('h', 1)", True),
+        ("scheduling", "from asyncio import sleep", True),
+        ("scheduling", "data = open('f').read()", True),
+        ("scoring", "import math, xxhash", False),
+    ],
+)
+def test_io_in_a_pure_package_is_caught(package: str, source: str, bad: bool) -> None:
+    assert bool(io_uses(source, package, "crafted.py")) is bad
+
+
 # -- the walker, on crafted sources --------------------------------------------------------
 
 CRAFTED = """
@@ -221,6 +384,12 @@ def test_relative_imports_in_a_package_init_resolve_from_the_package() -> None:
     ("module", "source", "bad"),
     [
         ("backends.registry", "from router.config import WorkerConfig", True),
+        ("backends.registry", "from scoring.api import Candidate", True),  # side by side
+        ("scoring.cost", "from backends.registry import Worker", True),
+        ("scoring.cost", "from scheduling.capacity import Parts", True),
+        ("scheduling.ledger", "from backends.registry import Worker", False),
+        ("scheduling.queue", "from router.errors import QueueFull", True),
+        ("router.gateway", "from scheduling.scheduler import Scheduler", False),
         ("backends.registry", "def f():\n    import router.errors", True),
         ("scoring.cost", "from index.types import BlockKey", False),
         ("index.x", "from scoring import api", True),

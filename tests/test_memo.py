@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from index.memo import BoundedMemo
+from kvgate.index.memo import BoundedMemo
 
 
 def test_a_full_memo_is_emptied_before_the_next_insertion() -> None:

@@ -13,12 +13,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index import _native
-from index.config import IndexConfig
-from index.events import fold_hash
-from index.keys import block_keys, cache_seed, pack_tokens
-from index.table import BlockTable, NativeBlockTable, new_table
-from index.types import WorkerId, WorkerKey
+from kvgate.index import _native
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import fold_hash
+from kvgate.index.keys import block_keys, cache_seed, pack_tokens
+from kvgate.index.table import BlockTable, NativeBlockTable, new_table
+from kvgate.index.types import WorkerId, WorkerKey
 
 U64 = st.integers(0, 2**64 - 1)
 

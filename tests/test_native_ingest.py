@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from index.api import BatchResult
-from index.config import IndexConfig
-from index.events import EventFeed
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex, TableKind, new_table
-from index.types import BlockKey, WorkerId, WorkerKey
+from kvgate.index.api import BatchResult
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import EventFeed
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex, TableKind, new_table
+from kvgate.index.types import BlockKey, WorkerId, WorkerKey
 
 BS = 4
 WORKER = WorkerId("http://engine")

@@ -26,10 +26,11 @@ from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.process import kvgate_process
 from fakes.rawhttp import exchange
-from fakes.server import serve, wait_for
+from fakes.server import serve
+from fakes.wait import wait_until
 
-from router.accesslog import ACCESS_FIELDS, client_key_id
-from router.logs import (
+from kvgate.router.accesslog import ACCESS_FIELDS, client_key_id
+from kvgate.router.logs import (
     FIELDS,
     REPEAT_KEYS,
     LogOutput,
@@ -101,7 +102,7 @@ async def test_one_line_per_request_field_by_field() -> None:
         assert [r.status_code for r in (streamed, plain, refused, unknown)] == [200, 200, 401, 404]
         (sent,) = [s for s in engine.seen if s.headers.get("x-request-id") == "req-stream"]
         assert sent.headers["traceparent"] == f"00-{TRACE}-00f067aa0ba902b7-01"  # untouched
-        await wait_for(lambda: answered(gw) >= 4, 10, "4 requests to end")
+        await wait_until(lambda: answered(gw) >= 4, 10, "4 requests to end")
         worker = next(iter(gw.gateway.registry))
     text = stream.getvalue()
     assert KEY not in text  # the key is never written, only its id
@@ -163,7 +164,7 @@ async def test_client_text_is_capped() -> None:
     async with logged_kvgate() as (gw, _, stream):
         huge = {**CHAT, "model": "m" * 100_000}
         assert (await gw.client.post("/v1/chat/completions", json=huge)).status_code == 404
-        await wait_for(lambda: answered(gw) >= 1, 10, "the request to end")
+        await wait_until(lambda: answered(gw) >= 1, 10, "the request to end")
     (line,) = access_lines(stream.getvalue())
     assert line["model"] == "m" * 255 + "…"
 
@@ -173,14 +174,14 @@ async def test_sampling_keeps_every_error() -> None:
         assert (await gw.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         unknown = {**CHAT, "model": "no-such-model"}
         assert (await gw.client.post("/v1/chat/completions", json=unknown)).status_code == 404
-        await wait_for(lambda: answered(gw) >= 2, 10, "2 requests to end")
+        await wait_until(lambda: answered(gw) >= 2, 10, "2 requests to end")
     assert [line["status"] for line in access_lines(stream.getvalue())] == [404]
 
 
 async def test_access_log_off() -> None:
     async with logged_kvgate(access_log=False) as (gw, _, stream):
         assert (await gw.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        await wait_for(lambda: answered(gw) >= 1, 10, "the request to end")
+        await wait_until(lambda: answered(gw) >= 1, 10, "the request to end")
     assert access_lines(stream.getvalue()) == []
 
 
@@ -188,7 +189,7 @@ async def test_stream_without_usage_counts_its_content_events() -> None:
     async with logged_kvgate(capture_usage=False) as (gw, _, stream):
         body = {**CHAT, "stream": True, "fake": {"tokens": 5}}
         assert (await gw.client.post("/v1/chat/completions", json=body)).status_code == 200
-        await wait_for(lambda: answered(gw) >= 1, 10, "the request to end")
+        await wait_until(lambda: answered(gw) >= 1, 10, "the request to end")
     (line,) = access_lines(stream.getvalue())
     assert line["output_tokens"] == 5  # 5 content events; [DONE] is not a token
     assert line["engine_cached_tokens"] is None  # no usage asked for, none reported
@@ -309,7 +310,7 @@ async def test_serve_writes_only_structured_lines_on_stdout(fmt: str, tmp_path: 
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client,
     ):
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        await wait_for(lambda: b"kvgate.access" in out.read_bytes(), 10, "the access line")
+        await wait_until(lambda: b"kvgate.access" in out.read_bytes(), 10, "the access line")
         process.terminate()
         await process.wait()
     text = out.read_text()
@@ -346,7 +347,7 @@ async def test_a_warning_clients_can_repeat_is_logged_once_per_window(tmp_path: 
             reply = await exchange(port, b"NOT HTTP AT ALL\r\n\r\n", limit_s=10)
             assert reply.status == 400
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        await wait_for(lambda: b"kvgate.access" in out.read_bytes(), 10, "the access line")
+        await wait_until(lambda: b"kvgate.access" in out.read_bytes(), 10, "the access line")
         process.terminate()
         await process.wait()
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -438,7 +439,7 @@ async def test_a_client_cannot_forge_an_access_log_line(fmt: Any) -> None:
             assert r.status_code == 404
             r = await gw.client.post("/v1/embeddings%E2%80%A8forged", json=body)
             assert r.status_code == 404
-            await wait_for(lambda: answered(gw) >= 2, 10, "2 requests to end")
+            await wait_until(lambda: answered(gw) >= 2, 10, "2 requests to end")
     finally:
         output.close()
     text = stream.getvalue()

@@ -18,15 +18,15 @@ import pytest
 import zmq.asyncio
 from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from kv_publisher import KvPublisher
 from prometheus_client import Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import build_gateway
-from router.config import load_settings
-from router.metrics import (
+from kvgate.router.app import build_gateway
+from kvgate.router.config import load_settings
+from kvgate.router.metrics import (
     MAX_MODEL_LABELS,
     OTHER_MODELS,
     GatewayRegistry,
@@ -80,7 +80,7 @@ async def test_every_series_is_there_before_the_first_request() -> None:
             url = f.urls[0]
             worker = f"{url},events={publisher.events_endpoint},replay={publisher.replay_endpoint}"
             async with kvgate([worker], policy="kv") as gw:
-                await wait_for(publisher.subscribed.is_set, 10, "the event subscription")
+                await wait_until(publisher.subscribed.is_set, 10, "the event subscription")
                 families = await scrape(gw)
     finally:
         await publisher.close()
@@ -129,7 +129,7 @@ async def test_stream_metrics_after_a_known_sequence() -> None:
         for body, status in requests:
             assert (await gw.client.post("/v1/chat/completions", json=body)).status_code == status
         refused = {"worker": url, "model": MODEL, "status": "400"}
-        await wait_for(lambda: gw.metric("kvgate_requests_total", refused) == 1, 10, "the end")
+        await wait_until(lambda: gw.metric("kvgate_requests_total", refused) == 1, 10, "the end")
         families = await scrape(gw)
         route = {"worker": url, "model": MODEL}
         assert value(families, "kvgate_output_tokens_total", **route) == 8.0

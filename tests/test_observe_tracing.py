@@ -26,15 +26,16 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import Kvgate, fleet, kvgate
 from fakes.otlp import CLIENT, ERROR, SERVER, OtlpReceiver, Received
-from fakes.server import RunningServer, serve, wait_for
+from fakes.server import RunningServer, serve
+from fakes.wait import wait_until
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from backends.process import free_port
-from router.config import ConfigError, load_settings
-from router.logs import configure_logging
-from router.observe import client_trace_id, start_tracing, tracing_requested
-from router.tracing import OwnDraw
+from kvgate.backends.process import free_port
+from kvgate.router.config import ConfigError, load_settings
+from kvgate.router.logs import configure_logging
+from kvgate.router.observe import client_trace_id, start_tracing, tracing_requested
+from kvgate.router.tracing import OwnDraw
 
 pytestmark = pytest.mark.anyio
 
@@ -65,7 +66,7 @@ def answered(gw: Kvgate) -> float:
 
 async def flush(gw: Kvgate, requests: int) -> None:
     """Wait until ``requests`` requests ended (their spans too), then export everything."""
-    await wait_for(lambda: answered(gw) >= requests, 10, f"{requests} requests to end")
+    await wait_until(lambda: answered(gw) >= requests, 10, f"{requests} requests to end")
     tracing = gw.gateway.observer.tracing
     assert tracing is not None
     assert await asyncio.to_thread(tracing.force_flush, 10.0)
@@ -290,7 +291,7 @@ async def test_a_collector_down_costs_no_request_and_stopping_is_bounded() -> No
             response = await gw.client.post("/v1/completions", json=body, headers=headers)
             assert response.status_code == 200
             assert engine.seen[-1].headers["traceparent"].startswith(f"00-{TRACE}-")
-        await wait_for(lambda: answered(gw) >= 3, 10, "3 requests to end")
+        await wait_until(lambda: answered(gw) >= 3, 10, "3 requests to end")
         tracing = gw.gateway.observer.tracing
         assert tracing is not None
         assert await asyncio.to_thread(tracing.shutdown, 0.5)  # the queued spans, abandoned
@@ -314,7 +315,7 @@ def test_misconfigured_export_stops_the_start(monkeypatch: pytest.MonkeyPatch) -
         start_tracing(flagged, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     with pytest.raises(ConfigError, match="otlp_traces_endpoint"):
         load_settings(overrides={"otlp_traces_endpoint": "collector:4318"})
-    monkeypatch.setitem(sys.modules, "router.tracing", None)  # the extra is not installed
+    monkeypatch.setitem(sys.modules, "kvgate.router.tracing", None)  # the extra is not installed
     with pytest.raises(ConfigError, match=r"kvgate\[otel\]"):
         start_tracing(flagged, {})
 
@@ -336,7 +337,7 @@ def test_the_base_install_never_loads_the_sdk() -> None:
         "import router.serve\n"
         "create_app(load_settings(overrides={}))\n"
         "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
-        "'opentelemetry.exporter', 'opentelemetry.proto', 'router.tracing'))]\n"
+        "'opentelemetry.exporter', 'opentelemetry.proto', 'kvgate.router.tracing'))]\n"
         "print(loaded)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVGATE_"))}

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.errors import ProcessExited
-from backends.process import (
+from kvgate.backends.errors import ProcessExited
+from kvgate.backends.process import (
     ChildProcess,
     PortAllocator,
     free_port,

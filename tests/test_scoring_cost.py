@@ -1,5 +1,5 @@
-"""Table-driven tests of the ``kv`` block-unit cost (the default): tiers, load blend, credit
-extremes, explain terms."""
+"""Table-driven tests of the ``kv`` policy's one cost (``scoring.cost``): tiers, load blend,
+credit extremes, explain terms, the fleet term."""
 
 from __future__ import annotations
 
@@ -10,18 +10,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from index.types import BlockKey, PrefixMatch, WorkerId
-from scoring.api import Candidate, RouteRequest, WorkerLoad
-from scoring.config import KvPolicyConfig
-from scoring.cost_blocks import worker_cost
-from scoring.cost_parts import (
-    busy_reason,
-    clip_match,
-    overlap_tokens,
-    request_blocks,
-    request_size,
-)
-from scoring.kv import KvPolicy
+from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
+from kvgate.scoring.api import Candidate, RouteRequest, WorkerLoad
+from kvgate.scoring.config import KvPolicyConfig
+from kvgate.scoring.cost import Price, clip_match, fleet_factor, overlap_tokens, request_size
+from kvgate.scoring.kv import KvPolicy
 
 BS = 16
 
@@ -67,9 +60,9 @@ NO_LOAD = KvPolicyConfig(queued_prefill_weight=0.0, decode_weight=0.0)
     ],
 )
 def test_tier_credit(gpu: int, cpu: int, disk: int, credited: float) -> None:
-    cost = worker_cost(request_size(req(10)), cand("a", gpu=gpu, cpu=cpu, disk=disk), NO_LOAD)
+    cost = Price(request_size(req(10)), cand("a", gpu=gpu, cpu=cpu, disk=disk), NO_LOAD)
     assert cost.credited == pytest.approx(credited)
-    assert cost.prefill_blocks == pytest.approx(10 - credited)
+    assert cost.prefill == pytest.approx(10 - credited)
     assert cost.cost == pytest.approx(10 - credited)
 
 
@@ -85,7 +78,7 @@ def test_tier_credit(gpu: int, cpu: int, disk: int, credited: float) -> None:
 )
 def test_tier_weights_are_configurable(weights: dict[str, float], credited: float) -> None:
     config = KvPolicyConfig(**{**NO_LOAD.model_dump(), **weights})
-    cost = worker_cost(request_size(req(10)), cand("a", gpu=3, cpu=3, disk=3), config)
+    cost = Price(request_size(req(10)), cand("a", gpu=3, cpu=3, disk=3), config)
     assert cost.credited == pytest.approx(credited)
 
 
@@ -103,9 +96,9 @@ def test_tier_weights_are_configurable(weights: dict[str, float], credited: floa
     ],
 )
 def test_load_terms(load: dict[str, Any], queued: float, decode: float) -> None:
-    cost = worker_cost(request_size(req(10)), cand("a", gpu=10, **load), DEFAULT)
-    assert cost.queued_prefill.blended == pytest.approx(queued)
-    assert cost.decode.blended == pytest.approx(decode)
+    cost = Price(request_size(req(10)), cand("a", gpu=10, **load), DEFAULT)
+    assert cost.queued == pytest.approx(queued)
+    assert cost.decode == pytest.approx(decode)
     expected = DEFAULT.queued_prefill_weight * queued + DEFAULT.decode_weight * decode
     assert cost.load_blocks == pytest.approx(expected)
     assert cost.cost == pytest.approx(expected)  # fully cached: prefill_blocks is 0
@@ -123,26 +116,9 @@ def test_load_terms(load: dict[str, Any], queued: float, decode: float) -> None:
 def test_decode_blend_is_max_of_predicted_and_scraped(
     predicted: int, usage: float | None, capacity: int | None, decode: float
 ) -> None:
-    config = KvPolicyConfig(kv_capacity_blocks=capacity)
     c = cand("a", active_decode_blocks=predicted, scraped_kv_usage=usage)
-    assert worker_cost(request_size(req(10)), c, config).decode.blended == pytest.approx(decode)
-
-
-@pytest.mark.parametrize(
-    ("pred_w", "scr_w", "queued"),
-    [
-        (1.0, 1.0, 64.0),
-        (1.0, 0.0, 10.0),  # ignore the scrape
-        (0.0, 1.0, 64.0),  # scrape only
-        (2.0, 0.5, 32.0),
-    ],
-)
-def test_blend_weights(pred_w: float, scr_w: float, queued: float) -> None:
-    config = KvPolicyConfig(predicted_load_weight=pred_w, scraped_load_weight=scr_w)
-    c = cand("a", pending_prefill_tokens=160, scraped_waiting=2)
-    assert worker_cost(request_size(req(10)), c, config).queued_prefill.blended == pytest.approx(
-        queued
-    )
+    price = Price(request_size(req(10)), c, DEFAULT, kv_capacity_blocks=capacity)
+    assert price.decode == pytest.approx(decode)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +141,7 @@ def test_credit_extremes(credit: float, winner: str) -> None:
 
 def test_zero_credit_ignores_cache_entirely() -> None:
     config = KvPolicyConfig(overlap_credit=0.0)
-    costs = [worker_cost(request_size(req(10)), cand("a", gpu=g), config).cost for g in range(11)]
+    costs = [Price(request_size(req(10)), cand("a", gpu=g), config).cost for g in range(11)]
     assert costs == [0.0] * 11
 
 
@@ -174,8 +150,8 @@ def test_large_credit_cost_is_dominated_by_prefill() -> None:
     heavy = cand("a", gpu=9, pending_prefill_tokens=100_000, active_decode_blocks=100_000)
     light = cand("b", gpu=8)
     assert (
-        worker_cost(request_size(req(10)), heavy, config).cost
-        < worker_cost(request_size(req(10)), light, config).cost
+        Price(request_size(req(10)), heavy, config).cost
+        < Price(request_size(req(10)), light, config).cost
     )
 
 
@@ -194,36 +170,16 @@ def test_request_blocks_and_overlap_tokens(
     blocks: int, prompt_tokens: int, matched: int, expected_blocks: int, overlap: int
 ) -> None:
     r = req(blocks, prompt_tokens=prompt_tokens)
-    assert request_blocks(r) == expected_blocks
+    assert request_size(r).blocks == expected_blocks
     assert overlap_tokens(matched, request_size(r)) == overlap
-    cost = worker_cost(request_size(r), cand("a", gpu=matched), DEFAULT)
-    assert cost.overlap_tokens == overlap
-    assert cost.uncached_tokens == max(prompt_tokens or blocks * BS, 0) - overlap
+    terms = Price(request_size(r), cand("a", gpu=matched), DEFAULT).terms()
+    assert terms["overlap_tokens"] == overlap
+    assert terms["uncached_tokens"] == max(prompt_tokens or blocks * BS, 0) - overlap
 
 
 def test_clip_match_keeps_tier_order() -> None:
     assert clip_match(PrefixMatch(3, 4, 5), 5) == PrefixMatch(3, 2, 0)
     assert clip_match(PrefixMatch(0, 0, 5), 2) == PrefixMatch(0, 0, 2)
-
-
-@pytest.mark.parametrize(
-    ("load", "reason"),
-    [
-        ({}, None),
-        ({"scraped_waiting": 32}, None),
-        ({"scraped_waiting": 40}, "busy: waiting 40 > 32"),
-        ({"scraped_kv_usage": 0.98}, None),
-        ({"scraped_kv_usage": 0.99}, "busy: kv usage 0.99 > 0.98"),
-        ({"in_flight": 10_000, "pending_prefill_tokens": 10**9}, None),  # predicted load: cost
-    ],
-)
-def test_busy_reason(load: dict[str, float], reason: str | None) -> None:
-    assert busy_reason(WorkerLoad(**load), DEFAULT) == reason  # type: ignore[arg-type]
-
-
-def test_busy_checks_can_be_disabled() -> None:
-    config = KvPolicyConfig(max_waiting_requests=None, max_kv_usage=None)
-    assert busy_reason(WorkerLoad(scraped_waiting=10**6, scraped_kv_usage=1.0), config) is None
 
 
 REQUIRED_TERMS = {
@@ -244,7 +200,7 @@ REQUIRED_TERMS = {
 
 
 def test_explain_terms_present_and_consistent() -> None:
-    policy = KvPolicy(KvPolicyConfig(kv_capacity_blocks=1000), rng=random.Random(0))
+    policy = KvPolicy(KvPolicyConfig(), rng=random.Random(0), kv_capacity_blocks=1000)
     candidates = [
         cand("a", gpu=6, cpu=2, disk=1, pending_prefill_tokens=320, active_decode_blocks=40),
         cand("b", gpu=2, scraped_waiting=3, scraped_kv_usage=0.5),
@@ -274,10 +230,6 @@ def test_explain_terms_present_and_consistent() -> None:
         {"cpu_weight": 1.5},
         {"disk_weight": -0.1},
         {"temperature": -0.1},
-        {"max_kv_usage": 0.0},
-        {"max_kv_usage": 1.5},
-        {"max_waiting_requests": -1},
-        {"kv_capacity_blocks": 0},
         {"decode_weight": -1},
         {"cpu_weight": 0.2, "disk_weight": 0.5},  # a slower tier may not credit more
         {"no_such_knob": 1},
@@ -295,72 +247,6 @@ def test_config_defaults_documented() -> None:
     assert (config.gpu_weight, config.cpu_weight, config.disk_weight) == (1.0, 0.75, 0.25)
     for name, field in KvPolicyConfig.model_fields.items():
         assert field.description, f"{name} has no description"
-
-
-# --- eviction risk: a cached match behind a queue on a full cache ------------------------
-
-
-@pytest.mark.parametrize(
-    ("usage", "capacity", "pending_tokens", "survival"),
-    [
-        (0.5, 1000, 0, 1.0),  # nothing queued: nothing evicts the match
-        (0.5, 1000, 400 * BS, 1.0),  # the queue fits in the 500-block free pool
-        (0.5, 1000, 750 * BS, 0.75),  # 250 blocks past the free pool, of 1000
-        (0.9, 1000, 600 * BS, 0.5),  # a nearly full cache: 100 free, 600 queued
-        (1.0, 1000, 2000 * BS, 0.0),  # the queue is larger than the whole cache
-        (None, 1000, 2000 * BS, 1.0),  # usage not scraped: no discount
-        (0.5, None, 2000 * BS, 1.0),  # capacity unknown: no discount
-    ],
-)
-def test_queued_prefill_on_a_full_cache_discounts_the_match(
-    usage: float | None, capacity: int | None, pending_tokens: int, survival: float
-) -> None:
-    c = cand(
-        "a",
-        gpu=10,
-        scraped_kv_usage=usage,
-        kv_capacity_blocks=capacity,
-        pending_prefill_tokens=pending_tokens,
-    )
-    cost = worker_cost(request_size(req(10)), c, KvPolicyConfig(eviction_risk_weight=1.0))
-    assert cost.cache_survival == pytest.approx(survival)
-    assert cost.credited == pytest.approx(10 * survival)
-    assert cost.terms()["cache_survival"] == pytest.approx(survival)
-
-
-def test_eviction_risk_weight_scales_the_discount_and_zero_turns_it_off() -> None:
-    c = cand("a", gpu=10, scraped_kv_usage=0.5, kv_capacity_blocks=1000,
-             pending_prefill_tokens=1000 * BS)  # fmt: skip
-    size = request_size(req(10))
-    full = KvPolicyConfig(eviction_risk_weight=1.0)
-    assert worker_cost(size, c, full).cache_survival == pytest.approx(0.5)
-    half = KvPolicyConfig(eviction_risk_weight=0.5)
-    assert worker_cost(size, c, half).cache_survival == pytest.approx(0.75)
-    off = KvPolicyConfig(eviction_risk_weight=0.0)
-    assert worker_cost(size, c, off).cache_survival == 1.0
-    # the configured capacity stands in for an engine that does not publish it
-    unknown = cand("a", gpu=10, scraped_kv_usage=0.5, pending_prefill_tokens=1000 * BS)
-    configured = KvPolicyConfig(eviction_risk_weight=1.0, kv_capacity_blocks=1000)
-    assert worker_cost(size, unknown, configured).cache_survival == pytest.approx(0.5)
-
-
-def test_a_session_leaves_a_home_whose_queue_would_evict_its_history() -> None:
-    """The thrashing case of the agentic benchmark at high load: the session's history is
-    still cached at home, but the prefill queued there will evict it before the turn runs."""
-    home = cand("home", gpu=100, scraped_kv_usage=0.9, kv_capacity_blocks=200,
-                pending_prefill_tokens=250 * BS)  # fmt: skip
-    idle = cand("idle", scraped_kv_usage=0.3, kv_capacity_blocks=200)
-    # 250 queued blocks, 20 free, a 200-block cache: the history is as good as gone (cost
-    # 110 + 0.33 * 250 at home against 110 idle); trusted, it would win (10 + 0.33 * 250).
-    # A queued block at a third of an own block: a home that holds on to its sessions. The KV
-    # fit counts new blocks only (with the cached ones, 180 held + 110 > 200 sets home aside
-    # whatever the eviction risk says: tests/test_scoring_fit.py).
-    sticky = {"queued_prefill_weight": 0.33, "kv_fit_cached": False}
-    risky = KvPolicy(KvPolicyConfig(eviction_risk_weight=1.0, **sticky), rng=random.Random(0))
-    chosen = risky.rank(req(110), [home, idle]).chosen
-    assert chosen == WorkerId("idle")
-    off = KvPolicy(KvPolicyConfig(eviction_risk_weight=0.0, **sticky), rng=random.Random(0))
-    assert off.rank(req(110), [home, idle]).chosen == WorkerId("home")
 
 
 # ---- the fleet term: own prefill counted again for the requests that will wait behind it ----
@@ -414,3 +300,18 @@ def test_fleet_term_leaves_a_turn_with_nothing_cached_to_the_load() -> None:
     ]
     on = KvPolicyConfig(fleet_prefill_weight=1.0)
     assert KvPolicy.from_config(on).rank(req(100), fleet).chosen == WorkerId("idle")
+
+
+@pytest.mark.parametrize(
+    ("shares", "factor"),
+    [
+        ([0.0, 0.0], 0.0),  # idle fleet: each request minimises its own TTFT
+        ([0.5, 0.5], 1.0),  # half busy: one request expected behind a new one
+        ([0.25, 0.75], 1.0),  # the fleet's mean
+        ([1.0, 1.0], 4.0),  # capped at 0.8 utilisation: 0.8 / 0.2
+        ([2.0, -1.0], 1.0),  # garbage shares are clipped into 0..1 first
+    ],
+)
+def test_fleet_factor(shares: list[float], factor: float) -> None:
+    candidates = [cand(f"w{i}", prefill_busy_share=s) for i, s in enumerate(shares)]
+    assert fleet_factor(candidates) == pytest.approx(factor)

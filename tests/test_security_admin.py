@@ -13,10 +13,10 @@ from fakes.engine import _json as send_json
 from fakes.gateway import fleet, kvgate
 from fakes.server import unresponsive_port
 
-from backends.allowlist import WorkerAllowlist
-from backends.process import free_port
-from router.config import ConfigError, load_settings
-from router.simfleet import SimFleet
+from kvgate.backends.allowlist import WorkerAllowlist
+from kvgate.backends.process import free_port
+from kvgate.router.config import ConfigError, load_settings
+from kvgate.router.simfleet import SimFleet
 
 pytestmark = pytest.mark.anyio
 

@@ -21,11 +21,11 @@ from fakes.server import serve
 from fakes.simgate import MODEL, chat, fleet_config, gate, indexed, long_text, sim_fleets
 from starlette.types import Receive, Send
 
-from backends.config import WorkerConfig
-from backends.engines import EngineFacts
-from backends.facts import Declared, adapter_parents, agree_block_sizes
-from backends.registry import WorkerRegistry
-from index.types import PrefixMatch, WorkerId
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.engines import EngineFacts
+from kvgate.backends.facts import Declared, adapter_parents, agree_block_sizes
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
 
 pytestmark = pytest.mark.anyio
 
@@ -108,15 +108,15 @@ def test_the_registry_routes_by_agreement_per_worker_and_model() -> None:
     # an adapter of ``m`` on an honest worker follows its base model's agreement
     fleet.worker("http://10.0.0.4:8000", 16, {"m": None, "sql": "m"})
     registry = fleet.registry
-    assert {c.worker for c in registry.candidates("m")} == {*honest, "http://10.0.0.4:8000"}
-    assert [c.worker for c in registry.candidates("sql")] == ["http://10.0.0.4:8000"]
+    assert {w.id for w in registry.serving("m")} == {*honest, "http://10.0.0.4:8000"}
+    assert [w.id for w in registry.serving("sql")] == ["http://10.0.0.4:8000"]
     assert not registry.get(liar).ready and registry.unresolved_models() == {}
     registry.remove(honest[0])
     registry.remove("http://10.0.0.4:8000")
-    assert registry.candidates("m") == []  # 1 against 1: nobody
+    assert registry.serving("m") == []  # 1 against 1: nobody
     assert "m" in registry.unresolved_models()
     registry.remove(liar)
-    assert [c.worker for c in registry.candidates("m")] == [honest[1]]
+    assert [w.id for w in registry.serving("m")] == [honest[1]]
 
 
 def test_a_workers_own_relation_decides_its_cache_domain() -> None:
@@ -127,9 +127,9 @@ def test_a_workers_own_relation_decides_its_cache_domain() -> None:
     assert registry.base_model("m") == ("m", None)  # served as a base model: no adapter
     match = PrefixMatch(gpu=3)
     matches = {honest: match, hostile: match}
-    found = {c.worker: c.match for c in registry.candidates("m", matches, domain=("m", None))}
+    found = registry.in_domain(registry.serving("m"), "m", matches, ("m", None))
     assert found[honest] == match
-    assert found[hostile].blocks == 0  # its blocks for "m" are keyed in another domain
+    assert hostile not in found  # its blocks for "m" are keyed in another domain
     cards = {card["id"]: card for card in registry.model_cards()}
     assert "parent" not in cards["m"]  # the base model's card, not the adapter's
 
@@ -138,8 +138,9 @@ def test_a_workers_own_relation_decides_its_cache_domain() -> None:
         fleet.worker(f"http://10.0.0.{i}:8000", 16, {"sql": parent, parent: None})
     assert registry.base_model("sql") == ("p", "sql")
     matches = {WorkerId(f"http://10.0.0.{i}:8000"): match for i in (3, 4, 5)}
-    found = {c.worker: c.match for c in registry.candidates("sql", matches, domain=("p", "sql"))}
-    assert [found[WorkerId(f"http://10.0.0.{i}:8000")].blocks for i in (3, 4, 5)] == [3, 3, 0]
+    found = registry.in_domain(registry.serving("sql"), "sql", matches, ("p", "sql"))
+    held = [found.get(WorkerId(f"http://10.0.0.{i}:8000"), NO_MATCH) for i in (3, 4, 5)]
+    assert [m.blocks for m in held] == [3, 3, 0]
 
 
 # -- end to end: an honest replica's blocks survive a hostile worker's adapter claim --------------

@@ -10,7 +10,7 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 
-from backends.sim.tokenizer import tokenizer_dir
+from kvgate.backends.sim.tokenizer import tokenizer_dir
 
 pytestmark = pytest.mark.anyio
 

@@ -16,10 +16,10 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, parse_response, request_bytes
 from fakes.rawworker import raw_worker, write_until_closed
-from fakes.server import wait_for
+from fakes.wait import wait_until
 
-from backends import health
-from router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
+from kvgate.backends import health
+from kvgate.router.listener import MAX_HEAD_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 pytestmark = pytest.mark.anyio
 
@@ -124,7 +124,7 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
     async with fleet(FakeEngine()) as f, kvgate(f.urls, client=client) as gw:
         port = port_of(gw.url)
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        await wait_for(lambda: gw.gateway.listener.connections == 2, what="2 connections")
+        await wait_until(lambda: gw.gateway.listener.connections == 2, what="2 connections")
         refused = await exchange(
             port, request_bytes("POST", "/v1/chat/completions", body=CHAT_BYTES)
         )
@@ -135,7 +135,7 @@ async def test_connection_cap_answers_503_and_frees_up() -> None:
         assert limit_count(gw, "connections") == 1
         for _, writer in held:
             writer.close()
-        await wait_for(lambda: gw.gateway.listener.connections == 0, what="connections closed")
+        await wait_until(lambda: gw.gateway.listener.connections == 0, what="connections closed")
         ok = await exchange(port, request_bytes("POST", "/v1/chat/completions", body=CHAT_BYTES))
         assert ok.status == 200
 
@@ -278,8 +278,8 @@ async def test_a_response_that_never_ends_is_cut_at_the_deadline() -> None:
         assert json.loads(events[-2])["error"]["code"] == "upstream_timeout"
         assert events[-1] == "[DONE]"
         assert limit_count(gw, "response_deadline") == 1
-        await wait_for(lambda: f.engines[0].cancels == 1, what="the engine sees the cut")
-        assert gw.gateway.registry.get(f.urls[0]).in_flight == 0
+        await wait_until(lambda: f.engines[0].cancels == 1, what="the engine sees the cut")
+        assert gw.sent(f.urls[0]).in_flight == 0
 
 
 async def test_a_non_streamed_response_past_the_deadline_is_504() -> None:

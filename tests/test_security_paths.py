@@ -16,7 +16,7 @@ from fakes.gateway import fleet, kvgate
 from fakes.rawhttp import exchange, request_bytes
 from fakes.simgate import MODEL, fleet_config, gate, sim_fleets, worker_specs
 
-from router.config import ConfigError, load_settings
+from kvgate.router.config import ConfigError, load_settings
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 
-from router import serve
-from router.config import ConfigError, load_settings
+from kvgate.router import serve
+from kvgate.router.config import ConfigError, load_settings
 
 pytestmark = pytest.mark.anyio
 

@@ -22,8 +22,8 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.simgate import MODEL, fleet_config, gate, sim_fleets, worker_specs
 
-from router.accesslog import client_key_id
-from scoring.baselines import rendezvous_weight
+from kvgate.router.accesslog import client_key_id
+from kvgate.scoring.baselines import rendezvous_weight
 
 pytestmark = pytest.mark.anyio
 
@@ -119,7 +119,7 @@ async def test_unstored_answers_are_not_remembered_and_each_key_keeps_its_share(
             responses=responses,
         ) as gw,
     ):
-        affinity = gw.gateway.affinity
+        affinity = gw.gateway.scheduler.affinity
         assert affinity.per_key == 2
         unstored = await gw.client.post("/v1/responses", json=_turn("x", store=False), headers=A)
         assert unstored.status_code == 200 and len(affinity) == 0

@@ -21,22 +21,23 @@ import pytest
 from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate, quiet_health
 from fakes.process import kvgate_process
-from fakes.server import serve, wait_for
+from fakes.server import serve
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Send
 
-from backends.discovery import DiscoveredFleet
-from backends.engines import SGLANG
-from index.errors import JsonDecodeError
-from index.jsonsafe import MAX_JSON_DEPTH, decode_json, decode_json_as
-from index.types import WorkerId
-from router.affinity import ClientKeyId, ResponseAffinity
-from router.app import create_app
-from router.commit import StreamStart, Verdict
-from router.config import load_settings
-from router.errors import UpstreamHTTPError
-from router.gateway import Gateway
-from router.usage import SseUsageTap, usage_from_body
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.backends.engines import SGLANG
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import MAX_JSON_DEPTH, decode_json, decode_json_as
+from kvgate.index.types import WorkerId
+from kvgate.router.app import create_app
+from kvgate.router.commit import StreamStart, Verdict
+from kvgate.router.config import load_settings
+from kvgate.router.errors import UpstreamHTTPError
+from kvgate.router.gateway import Gateway
+from kvgate.router.usage import SseUsageTap, usage_from_body
+from kvgate.scheduling.affinity import ClientKeyId, ResponseAffinity
 
 pytestmark = pytest.mark.anyio
 DEPTH = 100_000
@@ -205,7 +206,7 @@ async def test_discovery_and_probes_go_on_past_a_hostile_pod() -> None:
             # the probe loop goes on: the hostile worker is asked (and fails) round after round
             labels = {"worker": bad}
             failures = registry.get_sample_value("kvgate_health_probe_failures_total", labels)
-            await wait_for(
+            await wait_until(
                 lambda: (
                     registry.get_sample_value("kvgate_health_probe_failures_total", labels)
                     >= (failures or 0) + 3
@@ -215,7 +216,7 @@ async def test_discovery_and_probes_go_on_past_a_hostile_pod() -> None:
             )
             # and so does discovery: the pod leaving is followed
             dns.answer = ["127.0.0.1"]
-            await wait_for(lambda: gateway.registry.find(bad) is None, 10, "hostile pod removed")
+            await wait_until(lambda: gateway.registry.find(bad) is None, 10, "hostile pod removed")
             labels = {"target": f"engines.test:{a.port}"}
             up = discovery_metrics.get_sample_value("kvgate_discovery_up", labels)
             assert up == 1.0
@@ -232,7 +233,7 @@ async def test_a_worker_that_turns_hostile_is_read_again_without_killing_the_loo
             assert gw.gateway.registry.get(bad).healthy
             hostile.deep_models = True  # its model list turns deep: kept as it was, loop alive
             seen = len([s for s in hostile.seen if s.path == "/v1/models"])
-            await wait_for(
+            await wait_until(
                 lambda: len([s for s in hostile.seen if s.path == "/v1/models"]) >= seen + 3,
                 10,
                 "model refresh rounds",

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from backends import engines_cli
-from backends.process import PortAllocator
-from backends.sglang_cpu.install import (
+from kvgate.backends import engines_cli
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.sglang_cpu.install import (
     CONSTRAINTS_FILE,
     RUNTIME_REQUIREMENTS,
     SGLANG_VERSION,
     _wanted_stamp,
     is_installed,
 )
-from backends.sglang_cpu.launch import (
+from kvgate.backends.sglang_cpu.launch import (
     SglangFleet,
     SglangOptions,
     SglangReplicaSpec,
@@ -28,7 +28,7 @@ from backends.sglang_cpu.launch import (
     engine_env,
     plan_replicas,
 )
-from backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.sglang_cpu.layout import SglangLayout
 
 
 def test_replica_plan_and_worker_flags() -> None:

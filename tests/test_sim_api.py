@@ -10,12 +10,13 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
+from fakes.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_sim_support import EventLog, expected, sim_config, sim_fleet, wait_for
+from test_sim_support import EventLog, expected, sim_config, sim_fleet
 
-from backends.engines import VLLM
-from backends.sim.fleet import SimFleet
-from index.events import BlockStored, decode_event_batch
+from kvgate.backends.engines import VLLM
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.events import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"
@@ -230,7 +231,7 @@ async def test_client_disconnect_aborts_the_request() -> None:
                 async for line in reply.aiter_lines():
                     if '"content"' in line and '"role"' not in line:
                         break  # one token seen: hang up
-            await wait_for(replica.idle, what="the aborted request to leave the engine")
+            await wait_until(replica.idle, what="the aborted request to leave the engine")
         assert replica.engine.cache.free_blocks == config.engine.capacity_blocks
         generated = replica.registry.get_sample_value(
             "vllm:generation_tokens_total", {"model_name": MODEL, "engine": "0"}
@@ -272,7 +273,7 @@ async def test_block_size_32_in_events_and_cache_config_info() -> None:
         async with EventLog(events, replay_endpoint) as log, httpx.AsyncClient(base_url=url) as c:
             body = {"prompt": list(range(100, 200)), "max_tokens": 1}
             assert (await c.post("/v1/completions", json=body)).status_code == 200
-            await wait_for(replica.idle)
+            await wait_until(replica.idle)
             await log.complete(replica.publisher.next_seq)
             text = (await c.get("/metrics")).text
         assert log.rebuild() == expected(replica.snapshot())

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from backends.sim.cache import BlockCache
-from backends.sim.lora import Adapter
-from index.config import IndexConfig
-from index.events import (
+from kvgate.backends.sim.cache import BlockCache
+from kvgate.backends.sim.lora import Adapter
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -15,10 +15,10 @@ from index.events import (
     EventEncoder,
     EventFeed,
 )
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 
 def _stored(

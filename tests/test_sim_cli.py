@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.process import ChildProcess, free_port_range, wait_http
-from backends.sim.cli import build_parser, config_from_args, main
-from backends.sim.config import ApiConfig, LoraModule
+from kvgate.backends.process import ChildProcess, free_port_range, wait_http
+from kvgate.backends.sim.cli import build_parser, config_from_args, main
+from kvgate.backends.sim.config import ApiConfig, LoraModule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ def test_kvgate_sim_serves_then_stops_on_sigterm(tmp_path: Path) -> None:
     http = free_port_range(6, start=31000)
     events = http + 2
     log = tmp_path / "sim.log"
-    argv = [sys.executable, "-m", "router.cli", "sim", "--replicas", "2", "--port", str(http),
-            "--events-port", str(events), "--topic="]  # fmt: skip
+    argv = [sys.executable, "-m", "kvgate.router.cli", "sim", "--replicas", "2",
+            "--port", str(http), "--events-port", str(events), "--topic="]  # fmt: skip
     sim = ChildProcess(argv, name="kvgate sim", log_path=log, cwd=ROOT, own_group=False).start()
     assert sim.popen is not None
     try:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends.sim.config import ConfigError, EngineConfig, TimingConfig
-from backends.sim.engine import Engine, SimRequest
-from backends.sim.faults import FaultState
-from backends.sim.timing import StepWork, prefill_pairs, step_seconds
-from index.events import KvEvent
+from kvgate.backends.sim.config import ConfigError, EngineConfig, TimingConfig
+from kvgate.backends.sim.engine import Engine, SimRequest
+from kvgate.backends.sim.faults import FaultState
+from kvgate.backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from kvgate.index.events import KvEvent
 
 pytestmark = pytest.mark.anyio
 

@@ -11,9 +11,10 @@ from dataclasses import replace
 import httpx
 import pytest
 import zmq.asyncio
-from test_sim_support import EventLog, expected, rebuild, replay, sim_config, sim_fleet, wait_for
+from fakes.wait import wait_until
+from test_sim_support import EventLog, expected, rebuild, replay, sim_config, sim_fleet
 
-from index.events import BlockRemoved, BlockStored, decode_event_batch
+from kvgate.index.events import BlockRemoved, BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -68,7 +69,7 @@ async def test_events_rebuild_the_cache_over_a_long_random_session(
         async with EventLog(events, replay_endpoint) as log:
             rng = random.Random(f"{encoding}{cpu_blocks}{hash_format}")
             await _random_session(url, rng, 220, config.engine.effective_max_model_len)
-            await wait_for(replica.idle, what="replica idle")
+            await wait_until(replica.idle, what="replica idle")
             await log.complete(replica.publisher.next_seq)
             assert log.rebuild() == expected(replica.snapshot())
             decoded = [decode_event_batch(p).events for p in log.batches.values()]
@@ -98,7 +99,7 @@ async def test_preempted_requests_finish_and_events_stay_exact() -> None:
                 *(client.post("/v1/completions", json=b) for b in bodies)
             )
             assert [r.json()["usage"]["completion_tokens"] for r in replies] == [40] * 6
-            await wait_for(replica.idle)
+            await wait_until(replica.idle)
             await log.complete(replica.publisher.next_seq)
             assert log.rebuild() == expected(replica.snapshot())
     preemptions = replica.registry.get_sample_value(
@@ -121,7 +122,7 @@ async def test_topic_frame_is_configurable(topic: str) -> None:
                         "/v1/completions", json={"prompt": [100 + i] * 20, "max_tokens": 2}
                     )
                     assert reply.status_code == 200
-                    await wait_for(replica.idle)
+                    await wait_until(replica.idle)
                     if log.received:
                         break
             await log.complete(replica.publisher.next_seq)
@@ -139,7 +140,7 @@ async def test_replay_serves_missed_batches_from_any_seq() -> None:
                     "/v1/completions", json={"prompt": [300 + i] * 12, "max_tokens": 3}
                 )
                 assert reply.status_code == 200
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
         total = replica.publisher.next_seq
         assert total >= 5
         ctx = zmq.asyncio.Context()
@@ -171,7 +172,7 @@ async def test_replay_ring_is_bounded_by_steps_and_bytes() -> None:
                 for i in range(4):
                     body = {"prompt": [400 + i] * 12, "max_tokens": 3}
                     assert (await client.post("/v1/completions", json=body)).status_code == 200
-            await wait_for(replica.idle)
+            await wait_until(replica.idle)
             ctx = zmq.asyncio.Context()
             try:
                 kept = [seq for _, seq, _ in await replay(ctx, replay_endpoint, 0)]

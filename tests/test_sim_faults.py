@@ -9,6 +9,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import zmq.asyncio
+from fakes.wait import wait_until
 from test_sim_support import (
     EventLog,
     expected,
@@ -18,13 +19,12 @@ from test_sim_support import (
     replay,
     sim_config,
     sim_fleet,
-    wait_for,
 )
 
-from backends.sim.config import StartupFaults
-from backends.sim.faults import FaultError
-from backends.sim.fleet import SimFleet
-from index.events import AllBlocksCleared, decode_event_batch
+from kvgate.backends.sim.config import StartupFaults
+from kvgate.backends.sim.faults import FaultError
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.events import AllBlocksCleared, decode_event_batch
 
 pytestmark = pytest.mark.anyio
 LABELS = {"model_name": "kvgate-sim", "engine": "0"}
@@ -46,7 +46,7 @@ async def _live(log: EventLog, client: httpx.AsyncClient, fleet: SimFleet) -> No
     """Send small requests until the subscriber receives batches live (ZMQ slow joiner)."""
     for i in range(200):
         assert (await _complete(client, [50 + i] * 5)).status_code == 200
-        await wait_for(fleet.replica(0).idle)
+        await wait_until(fleet.replica(0).idle)
         if log.received:
             return
     raise AssertionError("subscription never became live")
@@ -80,8 +80,8 @@ async def test_dropped_batches_leave_a_gap_that_replay_fills(fleet: SimFleet) ->
         await fault(c, kind="drop_events", count=1)
         dropped = replica.publisher.next_seq
         assert (await _complete(c, list(range(200, 230)), max_tokens=3)).status_code == 200
-        await wait_for(replica.idle)
-        await wait_for(lambda: log.received[-1] == replica.publisher.next_seq - 1)
+        await wait_until(replica.idle)
+        await wait_until(lambda: log.received[-1] == replica.publisher.next_seq - 1)
         assert dropped not in log.received  # a seq gap for subscribers
         await log.complete(replica.publisher.next_seq)  # ... that replay covers
         assert log.rebuild() == expected(replica.snapshot())
@@ -95,7 +95,7 @@ async def test_lost_batches_are_missing_from_replay_too(fleet: SimFleet) -> None
         await fault(c, kind="drop_events", count=1, replayable=False)
         lost = replica.publisher.next_seq
         assert (await _complete(c, list(range(300, 330)), max_tokens=3)).status_code == 200
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
         ctx = zmq.asyncio.Context()
         try:
             served = [seq for _, seq, _ in await replay(ctx, replay_endpoint, lost)]
@@ -116,13 +116,13 @@ async def test_delayed_batches_are_held_then_published_in_order(fleet: SimFleet)
         before = replica.publisher.next_seq
         await fault(c, kind="delay_events", delay_s=3600)
         assert (await _complete(c, list(range(400, 420)), max_tokens=3)).status_code == 200
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
         held = replica.publisher.pending_delayed
         assert held == replica.publisher.next_seq - before > 0
         assert max(log.received) < before
         await fault(c, kind="clear", fault="delay_events")  # releases what was held
         assert replica.publisher.pending_delayed == 0
-        await wait_for(lambda: max(log.received) == replica.publisher.next_seq - 1)
+        await wait_until(lambda: max(log.received) == replica.publisher.next_seq - 1)
         assert log.received == sorted(log.received)
         await log.complete(replica.publisher.next_seq)
         assert log.rebuild() == expected(replica.snapshot())
@@ -172,7 +172,7 @@ async def test_restart_fails_requests_resets_cache_and_seq() -> None:
             log.forget()
             again = await _complete(c, prompt)
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            await wait_for(replica.idle)
+            await wait_until(replica.idle)
             next_seq = replica.publisher.next_seq
             await log.complete(next_seq)  # seq counts from 0 again
             assert log.rebuild(upto=next_seq) == expected(replica.snapshot())
@@ -183,8 +183,8 @@ async def test_restart_with_downtime_refuses_connections_for_a_while(fleet: SimF
     url = fleet.replicas[0].url
     async with httpx.AsyncClient(base_url=url) as c:
         await fault(c, kind="restart", downtime_s=0.3)
-    await wait_for(lambda: refused(url), what="connections refused")
-    await wait_for(lambda: healthy(url), what="the replica back")
+    await wait_until(lambda: refused(url), what="connections refused")
+    await wait_until(lambda: healthy(url), what="the replica back")
     assert fleet.replica(0).generation == 1
 
 
@@ -195,7 +195,7 @@ async def test_refuse_until_resume_keeps_the_cache(fleet: SimFleet) -> None:
         assert (await _complete(c, list(range(600, 620)))).status_code == 200
         cached = replica.snapshot()
         await fault(c, kind="refuse")
-    await wait_for(lambda: refused(url), what="connections refused")
+    await wait_until(lambda: refused(url), what="connections refused")
     assert not replica.http_up
     await replica.resume()
     assert await healthy(url)
@@ -211,9 +211,9 @@ async def test_admin_of_one_replica_can_target_another(fleet: SimFleet) -> None:
         # long enough that a poll delayed on a busy machine still sees the refusal
         result = await fault(c, kind="refuse", replica=0, duration_s=2.0)
         assert result["replica"] == 0
-        await wait_for(lambda: refused(down), what="replica 0 refusing")
+        await wait_until(lambda: refused(down), what="replica 0 refusing")
         assert await healthy(fleet.replicas[1].url)
-        await wait_for(lambda: healthy(down), what="replica 0 back after its duration")
+        await wait_until(lambda: healthy(down), what="replica 0 back after its duration")
         reply = await c.post("/sim/fault", json={"kind": "slow", "factor": 2, "replica": 9})
         assert reply.status_code == 400
 
@@ -226,7 +226,7 @@ async def test_reset_prefix_cache_sends_all_blocks_cleared(fleet: SimFleet) -> N
         assert replica.snapshot().gpu
         assert (await c.post("/reset_prefix_cache")).status_code == 200
         assert replica.snapshot().gpu == {}
-        await wait_for(lambda: replica.publisher.next_seq > 0 and replica.idle())
+        await wait_until(lambda: replica.publisher.next_seq > 0 and replica.idle())
         await log.complete(replica.publisher.next_seq)
         last = decode_event_batch(log.batches[replica.publisher.next_seq - 1])
         assert isinstance(last.events[-1], AllBlocksCleared)
@@ -244,7 +244,7 @@ async def test_reset_is_refused_while_blocks_are_in_use() -> None:
                     reply = await c.post("/reset_prefix_cache")
                     assert reply.status_code == 409
                     break
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
 
 
 @pytest.mark.parametrize(
@@ -280,14 +280,14 @@ async def test_stopped_event_stream_goes_silent_without_a_gap(fleet: SimFleet) -
         before = replica.publisher.next_seq
         await fault(c, kind="stop_events")
         assert (await _complete(c, list(range(800, 840)), max_tokens=3)).status_code == 200
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
         assert replica.publisher.next_seq == before
         ctx = zmq.asyncio.Context()
         dealer = ctx.socket(zmq.DEALER)
         try:
             dealer.connect(replay_endpoint)
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # ignored while stopped
-            await wait_for(
+            await wait_until(
                 lambda: (
                     replica.registry.get_sample_value(
                         "kvgate_sim_replay_requests_total", {"outcome": "ignored"}
@@ -298,7 +298,7 @@ async def test_stopped_event_stream_goes_silent_without_a_gap(fleet: SimFleet) -
             )
             await fault(c, kind="clear", fault="stop_events")
             assert (await _complete(c, list(range(900, 920)), max_tokens=2)).status_code == 200
-            await wait_for(replica.idle)
+            await wait_until(replica.idle)
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             ends = 0
             while ends == 0:
@@ -309,7 +309,7 @@ async def test_stopped_event_stream_goes_silent_without_a_gap(fleet: SimFleet) -
         finally:
             dealer.close(linger=0)
             ctx.term()
-        await wait_for(lambda: log.received[-1] == replica.publisher.next_seq - 1)
+        await wait_until(lambda: log.received[-1] == replica.publisher.next_seq - 1)
         assert log.received == list(range(log.received[0], replica.publisher.next_seq))
         await log.complete(replica.publisher.next_seq)
         missed = set(expected(replica.snapshot())["GPU"]) - set(log.rebuild()["GPU"])
@@ -352,7 +352,7 @@ async def test_a_replica_split_off_is_the_same_replica(fleet: SimFleet) -> None:
             reply = await c.post(f"{f.replica(1).url}/v1/completions", json=body)
             assert reply.status_code == 200
             answers.append(reply.json()["choices"][0]["text"])
-            await wait_for(f.replica(1).idle)
+            await wait_until(f.replica(1).idle)
         assert answers[0] == answers[1]
         assert fleet.replica(1).snapshot() == split.replica(1).snapshot()
         state = (await c.get(f"{split.replicas[0].url}/sim/state")).json()

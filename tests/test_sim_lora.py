@@ -11,17 +11,18 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
-from test_sim_support import EventLog, expected, sim_config, sim_fleet, wait_for
+from test_sim_support import EventLog, expected, sim_config, sim_fleet
 
-from backends.sim.config import LoraModule
-from backends.sim.fleet import SimFleet
-from index.config import IndexConfig
-from index.events import BlockStored, EventFeed, decode_event_batch
-from index.keys import block_keys, cache_seed
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import PrefixMatch, WorkerId, WorkerKey
+from kvgate.backends.sim.config import LoraModule
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.index.config import IndexConfig
+from kvgate.index.events import BlockStored, EventFeed, decode_event_batch
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import PrefixMatch, WorkerId, WorkerKey
 
 pytestmark = pytest.mark.anyio
 BASE = "kvgate-sim"
@@ -144,7 +145,7 @@ async def test_adapter_blocks_are_published_as_vllm_does_and_keyed_apart_by_kvga
     async with EventLog(events, replay_endpoint) as log:
         assert _cached(await _complete(client, "sql", cache_salt="tenant-a")) == 0
         assert _cached(await _complete(client, BASE)) == 0
-        await wait_for(replica.idle)
+        await wait_until(replica.idle)
         await log.complete(replica.publisher.next_seq)
         payloads = [log.batches[s] for s in sorted(log.batches)]
         assert log.rebuild() == expected(replica.snapshot())

@@ -14,9 +14,9 @@ import openai
 import pytest
 from test_sim_support import sim_config, sim_fleet
 
-from backends.sim.config import ApiConfig
-from backends.sim.fleet import SimFleet
-from backends.sim.responses import ResponseStore
+from kvgate.backends.sim.config import ApiConfig
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.responses import ResponseStore
 
 pytestmark = pytest.mark.anyio
 BASE = "kvgate-sim"

@@ -12,10 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
-from test_sim_support import fault, refused, sim_config, sim_fleet, sse_lines, wait_for
+from fakes.wait import wait_until
+from test_sim_support import fault, refused, sim_config, sim_fleet, sse_lines
 
-from backends.sim.config import ApiConfig, StreamOpen
-from backends.sim.fleet import SimFleet
+from kvgate.backends.sim.config import ApiConfig, StreamOpen
+from kvgate.backends.sim.fleet import SimFleet
 
 pytestmark = pytest.mark.anyio
 MODES: tuple[StreamOpen, ...] = ("at_accept", "at_first_token")
@@ -109,7 +110,7 @@ async def test_engine_dying_while_the_request_waits(
         engine = fleet.replica(0).engine
         await fault(c, kind="pause")
         task = asyncio.create_task(c.post(path, json=body))
-        await wait_for(lambda: len(engine.waiting) == 1, what="the request queued")
+        await wait_until(lambda: len(engine.waiting) == 1, what="the request queued")
         await fault(c, kind="restart")
         reply = await task
     if stream_open == "at_first_token":
@@ -168,7 +169,7 @@ async def test_abort_with_drop_resets_the_connection(
                 pass
     with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         await c.post("/v1/completions", json=_completion())  # no answer at all
-    await wait_for(replica.idle, what="the dropped requests gone from the engine")
+    await wait_until(replica.idle, what="the dropped requests gone from the engine")
     assert replica.engine.cache.free_blocks == replica.config.engine.capacity_blocks
     assert (await c.get("/health")).status_code == 200  # the server itself is fine
     assert await _cached(c) == 36
@@ -191,7 +192,7 @@ async def test_crash_resets_connections_and_restarts_cold(
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
             async for _ in reply.aiter_lines():
                 pass
-    await wait_for(lambda: refused(url), what="the port refusing connections")
+    await wait_until(lambda: refused(url), what="the port refusing connections")
     assert replica.generation == 1 and replica.publisher.next_seq == 0
     assert replica.snapshot().gpu == {} and replica.idle()
     await replica.resume()

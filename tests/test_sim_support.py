@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -19,11 +19,17 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from backends.sim.cache import CacheSnapshot
-from backends.sim.config import ApiConfig, EngineConfig, EventsConfig, SimConfig, TimingConfig
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import SimTokenizer
-from index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
+from kvgate.backends.sim.cache import CacheSnapshot
+from kvgate.backends.sim.config import (
+    ApiConfig,
+    EngineConfig,
+    EventsConfig,
+    SimConfig,
+    TimingConfig,
+)
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import SimTokenizer
+from kvgate.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
 
 END_SEQ = 2**64 - 1
 Rebuilt = dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]
@@ -68,24 +74,6 @@ def shared_tokenizer() -> SimTokenizer:
 
 def sim_fleet(config: SimConfig) -> SimFleet:
     return SimFleet(config, tokenizer=shared_tokenizer())
-
-
-async def wait_for(
-    predicate: Callable[[], bool] | Callable[[], Awaitable[bool]],
-    limit_s: float = 10.0,
-    what: str = "condition",
-) -> None:
-    """Poll ``predicate`` until true; fail after ``limit_s`` seconds (never a fixed sleep)."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 async def sse_lines(reply: httpx.Response) -> AsyncIterator[str]:

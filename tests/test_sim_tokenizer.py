@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 from test_sim_support import shared_tokenizer
 from tokenizers import Tokenizer
 
-from backends.sim.english import english_words
-from backends.sim.tokenizer import (
+from kvgate.backends.sim.english import english_words
+from kvgate.backends.sim.tokenizer import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     SimTokenizer,
     split_chunks,
     tokenizer_dir,
 )
-from backends.sim.vocab import GENERATED_WORDS, SPECIAL_TOKENS, generated_word, vocabulary
-from index.errors import TemplateError
+from kvgate.backends.sim.vocab import GENERATED_WORDS, SPECIAL_TOKENS, generated_word, vocabulary
+from kvgate.index.errors import TemplateError
 
 pytestmark = pytest.mark.anyio
 

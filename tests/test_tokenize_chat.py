@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from index.api import PromptInput
-from index.config import IndexConfig
-from index.errors import TemplateError
-from index.keys import ChatTemplate, ModelTokenizer, block_keys, cache_seed
-from index.service import KvIndexService
+from kvgate.index.api import PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.errors import TemplateError
+from kvgate.index.keys import ChatTemplate, ModelTokenizer, block_keys, cache_seed
+from kvgate.index.service import KvIndexService
 
 CHATML = (
     "{% for message in messages %}"

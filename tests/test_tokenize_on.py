@@ -15,8 +15,8 @@ from fakes.engine import FakeEngine
 from fakes.engine import _json as send_json
 from fakes.gateway import Kvgate, fleet, kvgate
 
-from backends.sim.tokenizer import tokenizer_dir
-from router.config import ConfigError, load_settings
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.router.config import ConfigError, load_settings
 
 pytestmark = pytest.mark.anyio
 

@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 from test_sim_support import shared_tokenizer
 
-from backends.sim.vocab import generated_word
-from index.keys import PARTIAL_CHARS, WINDOW_CHARS, ModelTokenizer, TokenizedPrompt, block_keys
-from index.service import KvIndexService
-from index.types import BlockKey
+from kvgate.backends.sim.vocab import generated_word
+from kvgate.index.keys import (
+    PARTIAL_CHARS,
+    WINDOW_CHARS,
+    ModelTokenizer,
+    TokenizedPrompt,
+    block_keys,
+)
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import BlockKey
 
 pytestmark = pytest.mark.anyio
 BS = 16
@@ -135,11 +141,11 @@ async def test_the_index_service_keys_a_long_new_prompt_as_far_as_a_worker_holds
     import httpx  # noqa: PLC0415
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
-    from index.api import PromptInput, StoreBlocks  # noqa: PLC0415
-    from index.config import IndexConfig  # noqa: PLC0415
-    from index.keys import prompt_seed  # noqa: PLC0415
-    from index.service import KvIndexService  # noqa: PLC0415
-    from index.types import WorkerId, WorkerKey  # noqa: PLC0415
+    from kvgate.index.api import PromptInput, StoreBlocks  # noqa: PLC0415
+    from kvgate.index.config import IndexConfig  # noqa: PLC0415
+    from kvgate.index.keys import prompt_seed  # noqa: PLC0415
+    from kvgate.index.service import KvIndexService  # noqa: PLC0415
+    from kvgate.index.types import WorkerId, WorkerKey  # noqa: PLC0415
 
     shared = words(12_000, seed=8)
     text = shared + " " + words(40_000, seed=9)

@@ -27,9 +27,9 @@ from tokenizers import (
     trainers,
 )
 
-import index.keys._prefix_cache as prefix_cache
-from backends.sim.vocab import generated_word
-from index.keys import ModelTokenizer, block_keys, space_cuts_provable
+import kvgate.index.keys._prefix_cache as prefix_cache
+from kvgate.backends.sim.vocab import generated_word
+from kvgate.index.keys import ModelTokenizer, block_keys, space_cuts_provable
 
 CHATML = (
     "{% for message in messages %}"

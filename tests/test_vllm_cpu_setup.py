@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from backends.process import PortAllocator
-from backends.vllm_cpu.install import CONSTRAINTS_FILE, REQUIREMENTS, _wanted_stamp, is_installed
-from backends.vllm_cpu.launch import (
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.vllm_cpu.install import (
+    CONSTRAINTS_FILE,
+    REQUIREMENTS,
+    _wanted_stamp,
+    is_installed,
+)
+from kvgate.backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
@@ -22,9 +27,9 @@ from backends.vllm_cpu.launch import (
     plan_replicas,
     socket_dir,
 )
-from backends.vllm_cpu.layout import EngineLayout
-from backends.vllm_cpu.model import MODEL_FILES, STAMP_NAME, is_built
-from backends.vllm_cpu.model import _wanted_stamp as model_stamp
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.model import MODEL_FILES, STAMP_NAME, is_built
+from kvgate.backends.vllm_cpu.model import _wanted_stamp as model_stamp
 
 
 def test_replica_plan_and_worker_flags(tmp_path: Path) -> None:

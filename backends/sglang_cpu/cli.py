@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from backends.engines_cli import ENGINE_HELP
-from backends.process import kill_group
-from backends.sglang_cpu.install import SGLANG_VERSION, ensure_installed
-from backends.sglang_cpu.launch import (
+from kvgate.backends.engines_cli import ENGINE_HELP
+from kvgate.backends.process import kill_group
+from kvgate.backends.sglang_cpu.install import SGLANG_VERSION, ensure_installed
+from kvgate.backends.sglang_cpu.launch import (
     SglangFleet,
     SglangOptions,
     SglangStartError,
@@ -26,9 +26,9 @@ from backends.sglang_cpu.launch import (
     plan_replicas,
     write_state,
 )
-from backends.sglang_cpu.layout import SglangLayout
-from backends.vllm_cpu.install import InstallError
-from backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
+from kvgate.backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.vllm_cpu.install import InstallError
+from kvgate.backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
 
 
 def _say(message: str) -> None:

@@ -18,8 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from backends.sglang_cpu.layout import SglangLayout
-from backends.vllm_cpu.install import InstallReport, Log, base_python, run_logged
+from kvgate.backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.vllm_cpu.install import InstallReport, Log, base_python, run_logged
 
 SGLANG_VERSION = "0.5.23"
 TORCH_REQUIREMENTS: tuple[str, ...] = ("torch==2.14.1", "torchvision==0.29.1")

@@ -21,8 +21,8 @@ from types import TracebackType
 
 import httpx
 
-from backends.process import LOOPBACK, ChildProcess, http_ready, port_free, wait_until
-from backends.sglang_cpu.install import CPU_ENGINE_ENV
+from kvgate.backends.process import LOOPBACK, ChildProcess, http_ready, port_free, wait_until
+from kvgate.backends.sglang_cpu.install import CPU_ENGINE_ENV
 
 READY_PATH = "/ready"
 """SGLang's cheap readiness answer: 200 once started (warm-up done) and healthy."""

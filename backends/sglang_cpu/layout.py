@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 
 
 @dataclass(frozen=True, slots=True)

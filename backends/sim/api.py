@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.sim.engine import RequestFault, SimRequest
-from backends.sim.faults import FaultError
-from backends.sim.lora import Adapter, LoraError
-from backends.sim.protocol import (
+from kvgate.backends.sim.engine import RequestFault, SimRequest
+from kvgate.backends.sim.faults import FaultError
+from kvgate.backends.sim.lora import Adapter, LoraError
+from kvgate.backends.sim.protocol import (
     ApiError,
     ResponseShape,
     check_length,
@@ -36,14 +36,14 @@ from backends.sim.protocol import (
     parse_tools,
     render_request,
 )
-from backends.sim.responses import (
+from kvgate.backends.sim.responses import (
     ResponseObject,
     chat_tools,
     conversation,
     not_found,
     parse_request,
 )
-from backends.sim.streaming import (
+from kvgate.backends.sim.streaming import (
     JSON_HEADERS,
     ChatFramer,
     Framer,
@@ -54,10 +54,10 @@ from backends.sim.streaming import (
     Send,
     respond,
 )
-from index.errors import TemplateError
+from kvgate.index.errors import TemplateError
 
 if TYPE_CHECKING:
-    from backends.sim.replica import SimReplica
+    from kvgate.backends.sim.replica import SimReplica
 
 Handler = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from backends.sim.lora import Adapter
-from index.events import (
+from kvgate.backends.sim.lora import Adapter
+from kvgate.index.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -34,7 +34,7 @@ from index.events import (
     BlockStored,
     KvEvent,
 )
-from index.types import EngineBlockHash
+from kvgate.index.types import EngineBlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import uvloop
 import zmq
 
-from backends.sim.config import (
+from kvgate.backends.sim.config import (
     ApiConfig,
     ConfigError,
     EngineConfig,
@@ -30,7 +30,7 @@ from backends.sim.config import (
     StartupFaults,
     TimingConfig,
 )
-from backends.sim.fleet import SimFleet
+from kvgate.backends.sim.fleet import SimFleet
 
 log = logging.getLogger("kvgate.sim")
 

@@ -36,13 +36,13 @@ from typing import Protocol
 import msgspec
 import xxhash
 
-from backends.sim.cache import BlockCache
-from backends.sim.config import EngineConfig, TimingConfig
-from backends.sim.faults import FaultState
-from backends.sim.lora import Adapter
-from backends.sim.timing import StepWork, prefill_pairs, step_seconds
-from backends.sim.vocab import GENERATED_WORDS
-from index.events import KvEvent
+from kvgate.backends.sim.cache import BlockCache
+from kvgate.backends.sim.config import EngineConfig, TimingConfig
+from kvgate.backends.sim.faults import FaultState
+from kvgate.backends.sim.lora import Adapter
+from kvgate.backends.sim.timing import StepWork, prefill_pairs, step_seconds
+from kvgate.backends.sim.vocab import GENERATED_WORDS
+from kvgate.index.events import KvEvent
 
 _MIN_SLEEP_S = 0.001
 """Shorter steps are not slept one by one: their time accumulates until it is worth a

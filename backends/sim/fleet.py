@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import zmq.asyncio
 
-from backends.sim.config import SimConfig
-from backends.sim.faults import FaultError
-from backends.sim.replica import SimReplica
-from backends.sim.tokenizer import SimTokenizer
+from kvgate.backends.sim.config import SimConfig
+from kvgate.backends.sim.faults import FaultError
+from kvgate.backends.sim.replica import SimReplica
+from kvgate.backends.sim.tokenizer import SimTokenizer
 
 
 class ReplicaEndpoints(NamedTuple):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from backends.sim.config import LoraModule
+from kvgate.backends.sim.config import LoraModule
 
 MAX_ADAPTERS = 1024
 """Adapters one replica holds at most (a load past it is refused)."""

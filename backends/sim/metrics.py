@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backends.sim.engine import SimRequest
+from kvgate.backends.sim.engine import SimRequest
 
 # vLLM's time-to-first-token and end-to-end latency buckets.
 TTFT_BUCKETS = (

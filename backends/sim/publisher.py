@@ -23,10 +23,10 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from backends.sim.config import EventsConfig
-from backends.sim.faults import FaultState
-from backends.sim.metrics import ReplicaMetrics
-from index.events import EventBatch, EventEncoder, KvEvent
+from kvgate.backends.sim.config import EventsConfig
+from kvgate.backends.sim.faults import FaultState
+from kvgate.backends.sim.metrics import ReplicaMetrics
+from kvgate.index.events import EventBatch, EventEncoder, KvEvent
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 log = logging.getLogger(__name__)

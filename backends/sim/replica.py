@@ -15,11 +15,11 @@ import xxhash
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from backends.sim.api import ReplicaApp
-from backends.sim.cache import CacheSnapshot
-from backends.sim.config import SimConfig
-from backends.sim.engine import Engine
-from backends.sim.faults import (
+from kvgate.backends.sim.api import ReplicaApp
+from kvgate.backends.sim.cache import CacheSnapshot
+from kvgate.backends.sim.config import SimConfig
+from kvgate.backends.sim.engine import Engine
+from kvgate.backends.sim.faults import (
     FAULT_KINDS,
     Fault,
     FaultError,
@@ -27,13 +27,13 @@ from backends.sim.faults import (
     StandingKind,
     parse_fault,
 )
-from backends.sim.lora import AdapterRegistry
-from backends.sim.metrics import LiveState, ReplicaMetrics
-from backends.sim.publisher import EventPublisher
-from backends.sim.responses import ResponseStore
-from backends.sim.server import HttpServer
-from backends.sim.tokenizer import SimTokenizer
-from index.events import KvEvent
+from kvgate.backends.sim.lora import AdapterRegistry
+from kvgate.backends.sim.metrics import LiveState, ReplicaMetrics
+from kvgate.backends.sim.publisher import EventPublisher
+from kvgate.backends.sim.responses import ResponseStore
+from kvgate.backends.sim.server import HttpServer
+from kvgate.backends.sim.tokenizer import SimTokenizer
+from kvgate.index.events import KvEvent
 
 _STANDING: tuple[str, ...] = get_args(StandingKind)
 log = logging.getLogger(__name__)

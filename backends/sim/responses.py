@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.sim.protocol import ApiError, get_bool, get_int, get_str, json_encode
+from kvgate.backends.sim.protocol import ApiError, get_bool, get_int, get_str, json_encode
 
 _NUMBER = (int, float)
 

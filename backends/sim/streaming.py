@@ -20,8 +20,8 @@ import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
-from backends.sim.engine import Engine, SimRequest
-from backends.sim.protocol import (
+from kvgate.backends.sim.engine import Engine, SimRequest
+from kvgate.backends.sim.protocol import (
     SSE_DONE,
     ApiError,
     ResponseShape,
@@ -30,8 +30,8 @@ from backends.sim.protocol import (
     sse_error,
     usage,
 )
-from backends.sim.responses import ResponseObject, usage_body
-from backends.sim.server import drop_connection
+from kvgate.backends.sim.responses import ResponseObject, usage_body
+from kvgate.backends.sim.server import drop_connection
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

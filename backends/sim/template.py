@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from index.errors import TemplateError
+from kvgate.index.errors import TemplateError
 
 CHAT_TEMPLATE = (
     "{%- macro render_text(content) -%}\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backends.sim.config import TimingConfig
+from kvgate.backends.sim.config import TimingConfig
 
 
 @dataclass(slots=True)

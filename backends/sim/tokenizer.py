@@ -34,10 +34,15 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from backends.sim.template import CHAT_TEMPLATE, cut_after_final_message
-from backends.sim.vocab import CONTINUATION_PREFIX, SPECIAL_TOKENS, generated_word, vocabulary
-from index.errors import TemplateError
-from index.keys import ChatTemplate
+from kvgate.backends.sim.template import CHAT_TEMPLATE, cut_after_final_message
+from kvgate.backends.sim.vocab import (
+    CONTINUATION_PREFIX,
+    SPECIAL_TOKENS,
+    generated_word,
+    vocabulary,
+)
+from kvgate.index.errors import TemplateError
+from kvgate.index.keys import ChatTemplate
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

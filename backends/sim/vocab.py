@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from backends.sim.english import english_words
+from kvgate.backends.sim.english import english_words
 
 _ONSETS = "bdfgklmnprstvzhjwcxyq"  # 21 consonants
 _VOWELS = "aeiou"

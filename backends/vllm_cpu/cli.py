@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from backends.engines_cli import ENGINE_HELP
-from backends.process import kill_group
-from backends.vllm_cpu.install import InstallError, ensure_installed
-from backends.vllm_cpu.launch import (
+from kvgate.backends.engines_cli import ENGINE_HELP
+from kvgate.backends.process import kill_group
+from kvgate.backends.vllm_cpu.install import InstallError, ensure_installed
+from kvgate.backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
@@ -27,8 +27,8 @@ from backends.vllm_cpu.launch import (
     socket_dir,
     write_state,
 )
-from backends.vllm_cpu.layout import EngineLayout
-from backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
 
 
 def _say(message: str) -> None:

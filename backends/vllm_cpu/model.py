@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.vllm_cpu.install import run_logged
+from kvgate.backends.vllm_cpu.install import run_logged
 
 BUILDER_SCRIPT = Path(__file__).with_name("tiny_model_script.py")
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -72,7 +72,7 @@ static void module_free(void *module) { (void)module_clear((PyObject *)module); 
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "index._native",
+    .m_name = "kvgate.index._native",
     .m_doc = "kvgate's index hot paths in C: block table, engine-hash map, chained block keys.",
     .m_size = sizeof(ModuleState),
     .m_methods = module_methods,

@@ -10,12 +10,12 @@
 * ``Discovery``: where a vLLM worker publishes (``GET /kv_event_sources``), checked.
 """
 
-from index.events._feed import EventFeed
-from index.events._sources import Discovery, EndpointCheck, parse_sources, resolve_endpoint
-from index.events._subscriber import Subscriber
-from index.events._subscriptions import Subscriptions
-from index.events._translate import Translator, cache_salt_of
-from index.events._wire import (
+from kvgate.index.events._feed import EventFeed
+from kvgate.index.events._sources import Discovery, EndpointCheck, parse_sources, resolve_endpoint
+from kvgate.index.events._subscriber import Subscriber
+from kvgate.index.events._subscriptions import Subscriptions
+from kvgate.index.events._translate import Translator, cache_salt_of
+from kvgate.index.events._wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,

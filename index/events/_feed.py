@@ -20,14 +20,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from index.api import BatchResult
-from index.config import IndexConfig
-from index.errors import EventDecodeError
-from index.events._translate import Translator
-from index.events._wire import EventBatch, EventDecoder
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import Tier, WorkerId, WorkerKey
+from kvgate.index.api import BatchResult
+from kvgate.index.config import IndexConfig
+from kvgate.index.errors import EventDecodeError
+from kvgate.index.events._translate import Translator
+from kvgate.index.events._wire import EventBatch, EventDecoder
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import Tier, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from index._http import call_engine
-from index.api import Endpoints, EngineWorker
-from index.errors import DiscoveryError, DiscoveryUnreachable, EngineCallError, JsonDecodeError
-from index.jsonsafe import decode_json
+from kvgate.index._http import call_engine
+from kvgate.index.api import Endpoints, EngineWorker
+from kvgate.index.errors import (
+    DiscoveryError,
+    DiscoveryUnreachable,
+    EngineCallError,
+    JsonDecodeError,
+)
+from kvgate.index.jsonsafe import decode_json
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from index.api import Endpoints
-from index.config import IndexConfig
-from index.events._feed import EventFeed
-from index.metrics import IndexMetrics
+from kvgate.index.api import Endpoints
+from kvgate.index.config import IndexConfig
+from kvgate.index.events._feed import EventFeed
+from kvgate.index.metrics import IndexMetrics
 
 log = logging.getLogger(__name__)
 

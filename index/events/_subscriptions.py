@@ -19,15 +19,15 @@ from typing import Any
 
 import zmq.asyncio
 
-from index.api import Endpoints, EngineWorker
-from index.config import IndexConfig
-from index.errors import DiscoveryError, DiscoveryUnreachable
-from index.events._feed import EventFeed
-from index.events._sources import Discovery
-from index.events._subscriber import Subscriber
-from index.metrics import IndexMetrics
-from index.table import EventIndex
-from index.types import WorkerId
+from kvgate.index.api import Endpoints, EngineWorker
+from kvgate.index.config import IndexConfig
+from kvgate.index.errors import DiscoveryError, DiscoveryUnreachable
+from kvgate.index.events._feed import EventFeed
+from kvgate.index.events._sources import Discovery
+from kvgate.index.events._subscriber import Subscriber
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.table import EventIndex
+from kvgate.index.types import WorkerId
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from typing import cast
 
 import msgspec
 
-from index import _native
-from index.api import BatchResult, RemoveBlocks, StoreBlocks
-from index.config import IndexConfig
-from index.errors import EventDecodeError
-from index.events._wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from index.keys import block_keys, cache_seed
-from index.memo import BoundedMemo
-from index.table import EventIndex
-from index.types import BlockKey, EngineBlockHash, Tier, WorkerKey
+from kvgate.index import _native
+from kvgate.index.api import BatchResult, RemoveBlocks, StoreBlocks
+from kvgate.index.config import IndexConfig
+from kvgate.index.errors import EventDecodeError
+from kvgate.index.events._wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.table import EventIndex
+from kvgate.index.types import BlockKey, EngineBlockHash, Tier, WorkerKey
 
 log = logging.getLogger(__name__)
 

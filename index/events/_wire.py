@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 import xxhash
 
-from index import _native
-from index.errors import EventDecodeError
-from index.types import EngineBlockHash
+from kvgate.index import _native
+from kvgate.index.errors import EventDecodeError
+from kvgate.index.types import EngineBlockHash
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"

@@ -7,17 +7,17 @@ and tokens become kvgate's chained block keys (``block_keys``, docs/block-keys.m
 approximate chunks) and counts it.
 """
 
-from index.keys._blocks import (
+from kvgate.index.keys._blocks import (
     block_keys,
     cache_seed,
     pack_tokens,
     shared_prefix_blocks,
     text_block_keys,
 )
-from index.keys._chat_template import ChatTemplate, load_template_source
-from index.keys._prefix_cache import PrefixTokenCache
-from index.keys._prompt import PromptKeyer
-from index.keys._tokenize import (
+from kvgate.index.keys._chat_template import ChatTemplate, load_template_source
+from kvgate.index.keys._prefix_cache import PrefixTokenCache
+from kvgate.index.keys._prompt import PromptKeyer
+from kvgate.index.keys._tokenize import (
     PARTIAL_CHARS,
     WINDOW_CHARS,
     ModelTokenizer,

@@ -15,8 +15,8 @@ from typing import cast
 
 import xxhash
 
-from index import _native
-from index.types import BlockKey
+from kvgate.index import _native
+from kvgate.index.types import BlockKey
 
 _ROOT_DOMAIN = b"kvgate/block-keys/v1"
 _hash = xxhash.xxh3_64_intdigest

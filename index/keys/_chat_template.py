@@ -22,7 +22,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from index.errors import TemplateError
+from kvgate.index.errors import TemplateError
 
 ContentFormat = Literal["string", "openai"]
 

@@ -19,10 +19,10 @@ from typing import Annotated, Any
 import httpx
 import msgspec
 
-from index._http import call_engine
-from index.api import EngineWorker, PromptInput
-from index.errors import EngineCallError, JsonDecodeError
-from index.jsonsafe import decode_json_as
+from kvgate.index._http import call_engine
+from kvgate.index.api import EngineWorker, PromptInput
+from kvgate.index.errors import EngineCallError, JsonDecodeError
+from kvgate.index.jsonsafe import decode_json_as
 
 log = logging.getLogger(__name__)
 

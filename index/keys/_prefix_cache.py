@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from index.types import BlockKey
+from kvgate.index.types import BlockKey
 
 MIN_GAP_CHARS = 512
 """Cut points closer than this to the previous one are not indexed (fewer hashes per text;

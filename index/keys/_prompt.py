@@ -20,15 +20,15 @@ from dataclasses import replace
 import httpx
 from prometheus_client import Counter, Histogram
 
-from index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode, TokenizeOn
-from index.config import IndexConfig
-from index.errors import TokenizeError
-from index.keys._blocks import block_keys, text_block_keys
-from index.keys._engine import engine_tokens, tokenizing_engines
-from index.keys._tokenize import ModelTokenizer, Reach, plain_render, prompt_seed
-from index.memo import BoundedMemo
-from index.metrics import IndexMetrics
-from index.types import BlockKey
+from kvgate.index.api import EngineWorker, PromptInput, PromptKeys, TokenizeMode, TokenizeOn
+from kvgate.index.config import IndexConfig
+from kvgate.index.errors import TokenizeError
+from kvgate.index.keys._blocks import block_keys, text_block_keys
+from kvgate.index.keys._engine import engine_tokens, tokenizing_engines
+from kvgate.index.keys._tokenize import ModelTokenizer, Reach, plain_render, prompt_seed
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.metrics import IndexMetrics
+from kvgate.index.types import BlockKey
 
 log = logging.getLogger(__name__)
 

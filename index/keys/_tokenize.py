@@ -31,13 +31,13 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
-from index.api import PromptInput
-from index.errors import TemplateError, TokenizeError
-from index.keys._blocks import block_keys, cache_seed
-from index.keys._chat_template import ChatTemplate, load_template_source
-from index.keys._prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
-from index.memo import BoundedMemo
-from index.types import BlockKey
+from kvgate.index.api import PromptInput
+from kvgate.index.errors import TemplateError, TokenizeError
+from kvgate.index.keys._blocks import block_keys, cache_seed
+from kvgate.index.keys._chat_template import ChatTemplate, load_template_source
+from kvgate.index.keys._prefix_cache import Cut, Entry, Mark, Plan, PrefixTokenCache
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import BlockKey
 
 log = logging.getLogger(__name__)
 

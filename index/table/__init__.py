@@ -6,10 +6,10 @@ native table (index/csrc/, the default; it also applies whole KV-event payloads 
 pure-Python ``BlockTable``. ``new_table`` makes either.
 """
 
-from index.table._indexers import ApproxIndex, EventIndex
-from index.table._native_table import NativeBlockTable
-from index.table._protocol import BlockTableApi, TableKind, new_table
-from index.table._table import BlockTable
+from kvgate.index.table._indexers import ApproxIndex, EventIndex
+from kvgate.index.table._native_table import NativeBlockTable
+from kvgate.index.table._protocol import BlockTableApi, TableKind, new_table
+from kvgate.index.table._table import BlockTable
 
 __all__ = [
     "ApproxIndex",

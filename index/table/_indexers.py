@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from index import _native
-from index.api import BatchResult, ClearAll, IndexOp, RemoveBlocks, StoreBlocks
-from index.table._native_table import NativeBlockTable
-from index.table._protocol import BlockTableApi, new_table
-from index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
+from kvgate.index import _native
+from kvgate.index.api import BatchResult, ClearAll, IndexOp, RemoveBlocks, StoreBlocks
+from kvgate.index.table._native_table import NativeBlockTable
+from kvgate.index.table._protocol import BlockTableApi, new_table
+from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 Clock = Callable[[], float]
 

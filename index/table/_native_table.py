@@ -11,11 +11,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from index import _native
-from index.api import BatchResult
-from index.memo import BoundedMemo
-from index.table._table import SECOND_CHANCES
-from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
+from kvgate.index import _native
+from kvgate.index.api import BatchResult
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.table._table import SECOND_CHANCES
+from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 _MATCH_MEMO_LIMIT = 4096
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from index.table._native_table import NativeBlockTable
-from index.table._table import BlockTable
-from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
+from kvgate.index.table._native_table import NativeBlockTable
+from kvgate.index.table._table import BlockTable
+from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 TableKind = Literal["native", "python"]
 

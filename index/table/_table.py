@@ -37,8 +37,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from index.memo import BoundedMemo
-from index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, Tier, WorkerKey
 
 _UNKNOWN_PARENT = -1
 """Parent of a record whose ancestry is unknown (stored after a block nobody held, or whose

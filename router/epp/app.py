@@ -17,14 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.app import build_gateway
-from router.epp.config import EppSettings
-from router.epp.placement import Placer
-from router.epp.server import GrpcSide
-from router.epp.stream import EppMetrics, EppService
-from router.errors import KvgateError
-from router.gateway import Gateway, error_response, json_response
-from router.metrics import kvgate_version
+from kvgate.router.app import build_gateway
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.epp.placement import Placer
+from kvgate.router.epp.server import GrpcSide
+from kvgate.router.epp.stream import EppMetrics, EppService
+from kvgate.router.errors import KvgateError
+from kvgate.router.gateway import Gateway, error_response, json_response
+from kvgate.router.metrics import kvgate_version
 
 
 def create_epp_app(settings: EppSettings) -> FastAPI:

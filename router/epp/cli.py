@@ -14,12 +14,12 @@ from typing import Any
 
 import uvicorn
 
-from router.config import ConfigError, load_settings
-from router.epp.config import EppSettings
-from router.flags import add_settings_flags, given_settings
-from router.gateway import is_loopback
-from router.logs import configure_logging
-from router.serve import supervise, uvicorn_config
+from kvgate.router.config import MOVED, ConfigError, load_settings
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.flags import add_moved_flags, add_settings_flags, given_settings
+from kvgate.router.gateway import is_loopback
+from kvgate.router.logs import configure_logging
+from kvgate.router.serve import supervise, uvicorn_config
 
 log = logging.getLogger("kvgate")
 
@@ -48,15 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML settings file")
-    add_settings_flags(parser, EppSettings)
+    first = parser.add_argument_group()
+    first.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML settings file: every setting, those without a flag too (--help-all)",
+    )
+    add_settings_flags(parser, EppSettings, first)
+    add_moved_flags(parser, EppSettings, MOVED)
     return parser
 
 
 def run(settings: EppSettings) -> None:
     """Serve the HTTP and gRPC sides until interrupted."""
     try:
-        from router.epp.app import create_epp_app  # noqa: PLC0415 (the optional extra)
+        from kvgate.router.epp.app import create_epp_app  # noqa: PLC0415 (the optional extra)
     except ImportError as exc:
         raise ConfigError(
             f"kvgate epp needs gRPC and Envoy's protos: pip install 'kvgate[epp]': {exc}"

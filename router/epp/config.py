@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from router.config import Settings
+from kvgate.router.config import Settings
 
 EXT_PROC_PORT = 9002  # the Endpoint Picker Protocol's usual port
 

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import time
 
-from backends.registry import LoadTicket, Worker
-from index.types import WorkerId
-from router.affinity import ResponseIdTap
-from router.commit import Reason, StreamStart, Verdict, error_events
-from router.epp.placement import Placement
-from router.epp.request import Parsed
-from router.epp.wire import Rewrite, endpoint_of
-from router.gateway import Gateway
-from router.observe import Observation
-from router.proxy import UsageMode
-from router.usage import SseUsageTap, Usage, usage_from_body
+from kvgate.backends.registry import Worker
+from kvgate.index.types import WorkerId
+from kvgate.router.commit import Reason, StreamStart, Verdict, error_events
+from kvgate.router.epp.placement import Placement
+from kvgate.router.epp.request import Parsed
+from kvgate.router.epp.wire import Rewrite, endpoint_of
+from kvgate.router.gateway import Gateway
+from kvgate.router.observe import Observation
+from kvgate.router.proxy import UsageMode
+from kvgate.router.usage import SseUsageTap, Usage, usage_from_body
+from kvgate.scheduling.affinity import ResponseIdTap
+from kvgate.scheduling.ledger import LoadTicket
 
 _SSE_DATA = b"data:"
 _SSE_DONE = b"data: [DONE]"

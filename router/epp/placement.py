@@ -1,15 +1,13 @@
-"""The one door from ``kvgate epp`` to kvgate's decision code: the same routing and
-admission as ``kvgate serve`` (``router.routing.Router.decide``, then
-``router.admission.AdmissionQueue.admit``), not a copy of them.
+"""The one door from ``kvgate epp`` to kvgate's decision code: the scheduler
+``kvgate serve`` uses (``scheduling.scheduler.Scheduler``: its route, then its admission),
+not a copy of it.
 
 ``Placer.place`` turns a request's facts into a ``Placement``: the workers Envoy is to try,
-in order (the ranking the admission granted: the chosen worker first, then at most
+in order (the order the scheduler granted: the chosen worker first, then at most
 ``upstream.max_failover`` fallbacks), restricted to the endpoints the proxy allows (its
 subset hint) or the conformance suite forces. ``Placement.begin`` charges a worker with the
-request's load (``WorkerRegistry.begin``, the admission's reservation handed over) and
-``release`` gives the admission's share back. Nothing else in ``router/epp`` reaches the
-router, the queue or the registry's load accounting: when the decision core moves behind
-one call, this module is what changes.
+request's load (``Grant.begin``: the scheduler's ledger, the queue's reservation handed
+over) and ``release`` gives the admission's share back.
 """
 
 from __future__ import annotations
@@ -17,13 +15,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
-from backends.registry import LoadTicket, Worker
-from index.api import PromptInput
-from index.types import WorkerId
-from router.admission import Grant
-from router.errors import NoHealthyWorker
-from router.gateway import Gateway
-from router.routing import Routed
+from kvgate.backends.registry import Worker
+from kvgate.index.api import PromptInput
+from kvgate.index.types import WorkerId
+from kvgate.router.errors import NoHealthyWorker, from_scheduling
+from kvgate.router.gateway import Gateway
+from kvgate.scheduling.errors import SchedulingError
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import LoadTicket
+from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.scheduler import RequestFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +46,9 @@ class Ask:
 class Placement:
     """Where one request goes, and its share of the admission until ``release``."""
 
-    __slots__ = ("_gateway", "_grant", "order", "routed")
+    __slots__ = ("_grant", "order", "routed")
 
-    def __init__(
-        self, gateway: Gateway, routed: Routed, grant: Grant | None, order: tuple[Worker, ...]
-    ) -> None:
-        self._gateway = gateway
+    def __init__(self, routed: Routed, grant: Grant, order: tuple[Worker, ...]) -> None:
         self._grant = grant
         self.routed = routed  # the ranking the order comes from
         self.order = order  # chosen first, then the fallbacks
@@ -58,34 +56,22 @@ class Placement:
     @property
     def waited_s(self) -> float | None:
         """Seconds the request waited in the queue (None: never queued)."""
-        return self._grant.waited_s if self._grant is not None else None
+        return self._grant.waited_s
 
     def begin(self, worker: Worker) -> LoadTicket:
         """``worker`` takes the request: its load counted from now on (the queue's
         reservation, if any, handed over) and the index told (approximate mode learns)."""
-        if self._grant is not None:
-            self._grant.started()
-        routed = self.routed
-        request = routed.request
-        ticket = self._gateway.registry.begin(
-            worker.id,
-            routed.predicted_uncached_tokens(worker.id),
-            routed.load_blocks,
-            request.block_size,
-            request.prompt_tokens,
-            keys=request.block_keys,
-        )
-        self._gateway.router.record_sent(routed, worker.id)
+        ticket = self._grant.begin(worker.id)
+        self._grant.sent(worker.id)
         return ticket
 
     def release(self) -> None:
         """The request is over (idempotent): its admission share goes back."""
-        if self._grant is not None:
-            self._grant.release()
+        self._grant.release()
 
 
 class Placer:
-    """Places requests with the gateway's router and admission queue."""
+    """Places requests with the gateway's scheduler."""
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
@@ -93,42 +79,45 @@ class Placer:
 
     async def place(self, ask: Ask, disconnected: Callable[[], Awaitable[None]]) -> Placement:
         """``ModelNotFound`` / ``NoHealthyWorker`` (none allowed can serve), ``QueueFull``,
-        ``QueueTimeout``, ``ClientClosed`` as ``serve``'s routing and queue raise them."""
+        ``QueueTimeout``, ``ClientClosed`` as ``serve``'s scheduler raises them."""
         gateway = self._gateway
-        routed = await gateway.router.decide(
+        retry = gateway.settings.retry_after_s
+        scheduler = gateway.scheduler
+        facts = RequestFacts(
             ask.model,
             ask.prompt,
             session_key=ask.session,
             max_tokens=ask.max_tokens,
             only=ask.only,
         )
-        routed = _among(routed, ask.among, gateway.settings.retry_after_s)
-        grant = None
-        queue = gateway.admission
-        if ask.queued and queue is not None and queue.config.enabled:
-            grant = await queue.admit(
+        try:
+            routed = _among(await scheduler.route(facts), ask.among, retry)
+            grant = await scheduler.admit(
                 routed,
                 key=ask.key,
                 session=ask.session,
                 timeout_s=ask.timeout_s,
                 disconnected=disconnected,
+                queued=ask.queued,
                 size=ask.size,
             )
-            try:  # at dispatch the queue ranked afresh: keep to the allowed workers
-                routed = _among(grant.routed, ask.among, gateway.settings.retry_after_s)
-            except NoHealthyWorker:
-                grant.release()
-                raise
+        except SchedulingError as exc:
+            raise from_scheduling(exc, retry_after_s=retry) from exc
+        try:  # at dispatch the queue ranked afresh: keep to the allowed workers
+            routed = _among(grant.routed, ask.among, retry)
+        except NoHealthyWorker:
+            grant.release()
+            raise
+        grant.routed = routed
         order = []
-        for worker_id in routed.decision.ranked[: 1 + self._fallbacks]:
+        for worker_id in routed.order[: 1 + self._fallbacks]:
             worker = gateway.registry.find(worker_id)
             if worker is not None:
                 order.append(worker)
         if not order:
-            if grant is not None:
-                grant.release()
-            raise NoHealthyWorker(ask.model, retry_after_s=gateway.settings.retry_after_s)
-        return Placement(gateway, routed, grant, tuple(order))
+            grant.release()
+            raise NoHealthyWorker(ask.model, retry_after_s=retry)
+        return Placement(routed, grant, tuple(order))
 
 
 def _among(routed: Routed, among: Collection[WorkerId] | None, retry_after_s: int) -> Routed:
@@ -136,14 +125,18 @@ def _among(routed: Routed, among: Collection[WorkerId] | None, retry_after_s: in
     ``NoHealthyWorker`` when none of them is."""
     if among is None:
         return routed
+    order = [w for w in routed.order if w in among]
+    if not order:
+        raise NoHealthyWorker(routed.request.model, retry_after_s=retry_after_s)
+    if len(order) == len(routed.order):
+        return routed
     decision = routed.decision
     ranked = [w for w in decision.ranked if w in among]
-    if not ranked:
-        raise NoHealthyWorker(routed.request.model, retry_after_s=retry_after_s)
-    if len(ranked) == len(decision.ranked):
-        return routed
     scores = [s for s in decision.scores if s.worker in among]
-    candidates = {w: c for w, c in routed.candidates.items() if w in among}
     return replace(
-        routed, candidates=candidates, decision=replace(decision, ranked=ranked, scores=scores)
+        routed,
+        candidates={w: c for w, c in routed.candidates.items() if w in among},
+        decision=replace(decision, ranked=ranked, scores=scores),
+        order=order,
+        refused={w: r for w, r in routed.refused.items() if w in among},
     )

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from index.api import PromptInput
-from router.errors import InvalidRequest
-from router.proxy import UsageMode
-from router.requests import (
+from kvgate.index.api import PromptInput
+from kvgate.router.errors import InvalidRequest
+from kvgate.router.proxy import UsageMode
+from kvgate.router.requests import (
     AnyModelBody,
     ChatBody,
     CompletionBody,

@@ -18,11 +18,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from backends.registry import WorkerRegistry
-from index.api import EngineWorker
-from index.types import WorkerId
-from router.epp import messages, wire
-from router.epp.stream import EppService, EppStream
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import EngineWorker
+from kvgate.index.types import WorkerId
+from kvgate.router.epp import messages, wire
+from kvgate.router.epp.stream import EppService, EppStream
 
 log = logging.getLogger("kvgate.epp")
 

@@ -34,15 +34,13 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from index.types import WorkerId
-from router.admission import client_timeout_s
-from router.affinity import ClientKeyId
-from router.epp import wire
-from router.epp.config import EppSettings
-from router.epp.exchange import Exchange
-from router.epp.placement import Ask, Placer
-from router.epp.request import KEYED_PATHS, Head, parse
-from router.errors import (
+from kvgate.index.types import WorkerId
+from kvgate.router.epp import wire
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.epp.exchange import Exchange
+from kvgate.router.epp.placement import Ask, Placer
+from kvgate.router.epp.request import KEYED_PATHS, Head, parse
+from kvgate.router.errors import (
     ClientClosed,
     KvgateError,
     ModelNotFound,
@@ -51,9 +49,10 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
-from router.gateway import Gateway
-from router.observe import Observation
-from router.requests import normalised_path
+from kvgate.router.gateway import Gateway
+from kvgate.router.observe import Observation
+from kvgate.router.requests import client_timeout_s, normalised_path
+from kvgate.scheduling.affinity import ClientKeyId
 
 log = logging.getLogger("kvgate.epp")
 
@@ -248,7 +247,7 @@ class EppStream:
             size=len(body),
         )
         placement = await self._service.placer.place(ask, self._disconnected)
-        answer_tap = gateway.affinity.tap(key) if parsed.responses else None
+        answer_tap = gateway.scheduler.affinity.tap(key) if parsed.responses else None
         exchange = Exchange(self._gateway, placement, parsed, observation, answer_tap=answer_tap)
         self._exchange = exchange
         if observation.queued is None:

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from google.protobuf import struct_pb2
 
-from router.epp import messages as pb
-from router.errors import KvgateError
+from kvgate.router.epp import messages as pb
+from kvgate.router.errors import KvgateError
 
 LB_NAMESPACE = "envoy.lb"
 DESTINATION = "x-gateway-destination-endpoint"

@@ -14,20 +14,20 @@ from typing import Any
 import grpc
 import httpx
 
-from backends.process import free_port
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
-from bench.envoy import Envoy, bootstrap
 from fakes.gateway import quiet_health
 from fakes.server import serve
 from fakes.simgate import MODEL, worker_specs
-from router.config import load_settings
-from router.epp import messages as pb
-from router.epp.app import create_epp_app
-from router.epp.config import EppSettings
-from router.epp.wire import endpoint_of
-from router.gateway import Gateway
-from router.serve import uvicorn_config
+from kvgate.backends.process import free_port
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.router.config import load_settings
+from kvgate.router.epp import messages as pb
+from kvgate.router.epp.app import create_epp_app
+from kvgate.router.epp.config import EppSettings
+from kvgate.router.epp.wire import endpoint_of
+from kvgate.router.gateway import Gateway
+from kvgate.router.serve import uvicorn_config
 
 
 @dataclass
@@ -44,18 +44,23 @@ class Epp:
         return 0.0 if value is None else value
 
     def in_flight(self) -> int:
-        """Requests kvgate counts on its workers (load accounting)."""
-        return sum(w.in_flight for w in self.gateway.registry)
+        """Requests kvgate counts on its workers (the scheduler's ledger)."""
+        return sum(w.in_flight for w in self.gateway.scheduler.ledger)
+
+    def sent(self, url: str) -> int:
+        """Requests kvgate counts on the worker at ``url``."""
+        worker = self.gateway.registry.get(url)
+        return self.gateway.scheduler.ledger.of(worker).in_flight
 
     def idle(self) -> bool:
         """No load left on any worker, nothing queued or granted."""
-        queue = self.gateway.admission
-        granted = sum(queue.in_flight_by_key().values()) if queue is not None else 0
-        registry = self.gateway.registry
+        queue = self.gateway.scheduler.queue
+        granted = sum(queue.in_flight_by_key().values())
+        ledger = self.gateway.scheduler.ledger
         return (
             self.in_flight() == 0
-            and all(w.pending_prefill_tokens == 0 and w.active_decode_blocks == 0 for w in registry)
-            and (queue is None or len(queue) == 0)
+            and all(w.pending_prefill_tokens == 0 and w.active_decode_blocks == 0 for w in ledger)
+            and len(queue) == 0
             and granted == 0
         )
 

@@ -12,12 +12,14 @@ import httpx
 
 from fakes.engine import FakeEngine
 from fakes.server import RunningServer, serve
-from index.api import BlockIndex
-from router.app import create_app
-from router.config import load_settings
-from router.gateway import Gateway
-from router.metrics import GatewayRegistry
-from router.serve import uvicorn_config
+from kvgate.index.api import BlockIndex
+from kvgate.router.app import create_app
+from kvgate.router.config import load_settings
+from kvgate.router.gateway import Gateway
+from kvgate.router.metrics import GatewayRegistry
+from kvgate.router.serve import uvicorn_config
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.ledger import WorkerLedger
 
 
 @dataclass
@@ -36,6 +38,10 @@ class Kvgate:
     gateway: Gateway
     client: httpx.AsyncClient
     metrics_registry: GatewayRegistry
+
+    def sent(self, url: str) -> WorkerLedger:
+        """What kvgate has in flight on the worker at ``url`` (the scheduler's ledger)."""
+        return self.gateway.scheduler.ledger.of(self.gateway.registry.get(url))
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         value = self.metrics_registry.get_sample_value(name, labels or {})
@@ -59,13 +65,16 @@ async def kvgate(
     workers: Sequence[str | dict[str, Any]],
     *,
     block_index: BlockIndex | None = None,
+    tuning: Tuning | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Kvgate]:
+    """kvgate serving ``workers`` (settings ``overrides``; ``tuning``: the scheduler's
+    internal constants, as benchmarks vary them)."""
     overrides.setdefault("health", quiet_health())
     overrides.setdefault("policy", "round_robin")
     settings = load_settings(overrides={"workers": list(workers), **overrides})
     registry = GatewayRegistry()
-    app = create_app(settings, block_index=block_index, metrics_registry=registry)
+    app = create_app(settings, block_index=block_index, metrics_registry=registry, tuning=tuning)
     config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
     async with (
         serve(app, config=config) as server,

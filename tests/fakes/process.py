@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from backends.process import free_port
+from kvgate.backends.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 QUIET_HEALTH = ("--health-interval-s", "3600", "--health-metrics-interval-s", "0")
@@ -34,7 +34,7 @@ async def kvgate_process(
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
     command = [
-        "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "-m", "kvgate.router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--worker", worker, "--policy", "round_robin", "--no-kv-index", *QUIET_HEALTH, *extra,
     ]  # fmt: skip
     with ExitStack() as files:

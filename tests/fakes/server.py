@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Literal
 
 import uvicorn
 
+from fakes.wait import wait_until
+
 STARTUP_TIMEOUT_S = 10.0
-
-
-async def wait_for(
-    predicate: Callable[[], bool], limit_s: float = 5.0, what: str = "condition"
-) -> None:
-    """Poll ``predicate`` until it holds; fail after ``limit_s`` seconds."""
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def bound_socket(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
@@ -83,7 +73,7 @@ async def serve(
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, sock.getsockname()[1], host)
     try:
-        await wait_for(lambda: server.started or task.done(), STARTUP_TIMEOUT_S, "server start")
+        await wait_until(lambda: server.started or task.done(), STARTUP_TIMEOUT_S, "server start")
         if task.done():
             task.result()
             raise RuntimeError("server exited during startup")

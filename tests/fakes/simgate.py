@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 from test_sim_support import shared_tokenizer
 
-from backends.sim.config import (
+from fakes.gateway import Kvgate, kvgate
+from kvgate.backends.sim.config import (
     ApiConfig,
     EngineConfig,
     EventsConfig,
@@ -22,9 +23,8 @@ from backends.sim.config import (
     SimConfig,
     TimingConfig,
 )
-from backends.sim.fleet import SimFleet
-from backends.sim.tokenizer import tokenizer_dir
-from fakes.gateway import Kvgate, kvgate
+from kvgate.backends.sim.fleet import SimFleet
+from kvgate.backends.sim.tokenizer import tokenizer_dir
 
 MODEL = "kvgate-sim"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing"

@@ -18,20 +18,20 @@ import zmq
 from kvgate_server import KvgateServer
 from sglang_helpers import plan_free_sglang
 
-from backends.process import PortAllocator
-from backends.sglang_cpu.install import ensure_installed as ensure_sglang
-from backends.sglang_cpu.launch import SglangFleet, SglangOptions, SglangStartError
-from backends.sglang_cpu.layout import SglangLayout
-from backends.vllm_cpu.install import InstallError, ensure_installed
-from backends.vllm_cpu.launch import (
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.sglang_cpu.install import ensure_installed as ensure_sglang
+from kvgate.backends.sglang_cpu.launch import SglangFleet, SglangOptions, SglangStartError
+from kvgate.backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.vllm_cpu.install import InstallError, ensure_installed
+from kvgate.backends.vllm_cpu.launch import (
     EngineOptions,
     EngineStartError,
     Fleet,
     ReplicaSpec,
     socket_dir,
 )
-from backends.vllm_cpu.layout import EngineLayout
-from backends.vllm_cpu.model import ensure_model
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.model import ensure_model
 
 READY_TIMEOUT_S = 420.0
 """Two replicas start in ~80-120 s on 2 busy cores; CI allows well over that."""

@@ -1,4 +1,4 @@
-"""kvgate itself as a real server: ``python -m router.cli serve`` in its own process group."""
+"""kvgate itself as a real server: ``python -m kvgate.router.cli serve``, in its own group."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from backends.errors import ProcessExited
-from backends.process import ChildProcess, wait_until
+from kvgate.backends.errors import ProcessExited
+from kvgate.backends.process import ChildProcess, wait_until
 
 READY_TIMEOUT_S = 60.0
 
@@ -37,7 +37,7 @@ class KvgateServer:
         self.args = [
             sys.executable,
             "-m",
-            "router.cli",
+            "kvgate.router.cli",
             "serve",
             "--host",
             "127.0.0.1",

@@ -9,8 +9,8 @@ import httpx
 from kvgate_server import matched_blocks, route_explain
 from vllm_helpers import MODEL, ChatSession, sse_chunks, stream_result, usage_of
 
-from backends.process import PortAllocator, wait_until
-from backends.sglang_cpu.launch import SglangReplicaSpec
+from kvgate.backends.process import PortAllocator, wait_until
+from kvgate.backends.sglang_cpu.launch import SglangReplicaSpec
 
 PAGE = 32  # the replicas' --page-size: kvgate adopts it
 CAPACITY_TOKENS = 40960  # their --max-total-tokens

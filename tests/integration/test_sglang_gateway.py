@@ -28,9 +28,9 @@ from sglang_helpers import (
 )
 from vllm_helpers import MODEL, ChatSession
 
-from backends.process import PortAllocator, wait_until
-from backends.sglang_cpu.launch import SglangFleet
-from backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.process import PortAllocator, wait_until
+from kvgate.backends.sglang_cpu.launch import SglangFleet
+from kvgate.backends.sglang_cpu.layout import SglangLayout
 
 pytestmark = pytest.mark.sglang
 

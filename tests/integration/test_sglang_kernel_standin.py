@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.sglang_cpu.layout import SglangLayout
 
 pytestmark = pytest.mark.sglang
 

@@ -29,10 +29,10 @@ from sglang_helpers import (
 )
 from vllm_helpers import MODEL, ChatSession
 
-from backends.process import PortAllocator, wait_until
-from backends.sglang_cpu.launch import SglangFleet, SglangOptions, SglangStartError
-from backends.sglang_cpu.layout import SglangLayout
-from backends.vllm_cpu.launch import Fleet
+from kvgate.backends.process import PortAllocator, wait_until
+from kvgate.backends.sglang_cpu.launch import SglangFleet, SglangOptions, SglangStartError
+from kvgate.backends.sglang_cpu.layout import SglangLayout
+from kvgate.backends.vllm_cpu.launch import Fleet
 
 pytestmark = [pytest.mark.sglang, pytest.mark.vllm]
 

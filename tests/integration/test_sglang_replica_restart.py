@@ -17,8 +17,8 @@ from kvgate_server import KvgateServer
 from sglang_helpers import entries, turn, wait_indexed, worker_view
 from vllm_helpers import MODEL, ChatSession
 
-from backends.process import wait_until
-from backends.sglang_cpu.launch import SglangFleet, SglangStartError
+from kvgate.backends.process import wait_until
+from kvgate.backends.sglang_cpu.launch import SglangFleet, SglangStartError
 
 pytestmark = pytest.mark.sglang
 

@@ -20,9 +20,9 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.engines import VLLM
-from backends.vllm_cpu.launch import Fleet, ReplicaSpec
-from index.events import BlockStored, EventDecoder
+from kvgate.backends.engines import VLLM
+from kvgate.backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from kvgate.index.events import BlockStored, EventDecoder
 
 pytestmark = pytest.mark.vllm
 
@@ -163,5 +163,5 @@ def test_metrics_give_the_load_and_kv_capacity_kvgate_scrapes(engine: httpx.Clie
     scraped = VLLM.parse_load(engine.get("/metrics").text)
     assert scraped.running is not None and scraped.waiting is not None
     assert scraped.kv_usage is not None and 0.0 <= scraped.kv_usage <= 1.0
-    # vllm:cache_config_info{num_gpu_blocks="..."}: the capacity the eviction-risk term uses
+    # vllm:cache_config_info{num_gpu_blocks="..."}: the capacity the capacity rule reads (KV room)
     assert scraped.kv_capacity_blocks is not None and scraped.kv_capacity_blocks > 0

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from vllm_helpers import MODEL, ChatSession, sse_chunks, stream_result, usage_of
 
-from backends.process import ChildProcess, PortAllocator, wait_until
-from backends.vllm_cpu.launch import Fleet
-from backends.vllm_cpu.layout import EngineLayout
-from bench.envoy import Envoy, bootstrap
-from router.epp.wire import endpoint_of
+from kvgate.backends.process import ChildProcess, PortAllocator, wait_until
+from kvgate.backends.vllm_cpu.launch import Fleet
+from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.bench.envoy import Envoy, bootstrap
+from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.vllm
 
@@ -40,7 +40,7 @@ def epp_behind_envoy(
     http, grpc_port = ports.one(), ports.one()
     logs = engine_layout.logs / "pytest"
     argv = [
-        sys.executable, "-m", "router.cli", "epp", "--host", "127.0.0.1",
+        sys.executable, "-m", "kvgate.router.cli", "epp", "--host", "127.0.0.1",
         "--port", str(http), "--grpc-port", str(grpc_port), "--policy", "kv",
         "--tokenizer", str(tiny_model_dir), "--index-block-size", "32",
         "--health-interval-s", "0.5", "--log-level", "debug",

@@ -24,9 +24,9 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.process import PortAllocator, wait_until
-from backends.vllm_cpu.launch import Fleet, ReplicaSpec
-from backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.process import PortAllocator, wait_until
+from kvgate.backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 
 pytestmark = pytest.mark.vllm
 

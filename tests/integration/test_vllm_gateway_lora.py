@@ -22,9 +22,9 @@ from conftest import READY_TIMEOUT_S, plan_free_replicas
 from kvgate_server import KvgateServer
 from vllm_helpers import MODEL, ChatSession, usage_of
 
-from backends.process import PortAllocator
-from backends.vllm_cpu.launch import EngineOptions, EngineStartError, Fleet, socket_dir
-from backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.vllm_cpu.launch import EngineOptions, EngineStartError, Fleet, socket_dir
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 
 pytestmark = pytest.mark.vllm
 

@@ -9,8 +9,8 @@ import pytest
 from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
 from vllm_helpers import MODEL, ChatSession
 
-from backends.process import wait_until
-from backends.vllm_cpu.launch import Fleet
+from kvgate.backends.process import wait_until
+from kvgate.backends.vllm_cpu.launch import Fleet
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ import pytest
 from kvgate_server import KvgateServer, route_explain
 from vllm_helpers import BLOCK, MODEL, ChatSession, engine_cached_tokens
 
-from backends.process import wait_until
+from kvgate.backends.process import wait_until
 
 pytestmark = pytest.mark.vllm
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 import zmq
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from relay import DroppingRelay
 from vllm_helpers import (
@@ -22,13 +21,13 @@ from vllm_helpers import (
     wait_subscribed,
 )
 
-from backends.process import PortAllocator
-from backends.vllm_cpu.launch import Fleet, ReplicaSpec
-from index.api import Endpoints, EngineWorker, PromptInput
-from index.config import IndexConfig
-from index.keys import block_keys, cache_seed
-from index.service import KvIndexService
-from index.types import WorkerId
+from kvgate.backends.process import PortAllocator
+from kvgate.backends.vllm_cpu.launch import Fleet, ReplicaSpec
+from kvgate.index.api import Endpoints, EngineWorker, PromptInput
+from kvgate.index.config import IndexConfig
+from kvgate.index.keys import block_keys, cache_seed
+from kvgate.index.service import KvIndexService
+from kvgate.index.types import WorkerId
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
@@ -63,14 +62,6 @@ async def service(
             yield index
         finally:
             await index.stop()
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
-        await anyio.sleep(0.05)
 
 
 async def engine_tokens(engine: httpx.AsyncClient, body: dict[str, Any]) -> list[int]:

@@ -15,8 +15,8 @@ import pytest
 from kvgate_server import KvgateServer, index_stats, matched_blocks, route_explain
 from vllm_helpers import BLOCK, MODEL, ChatSession, usage_of
 
-from backends.process import wait_until
-from backends.vllm_cpu.launch import EngineStartError, Fleet
+from kvgate.backends.process import wait_until
+from kvgate.backends.vllm_cpu.launch import EngineStartError, Fleet
 
 pytestmark = pytest.mark.vllm
 

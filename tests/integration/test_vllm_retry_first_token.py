@@ -25,9 +25,9 @@ import pytest
 from kvgate_server import KvgateServer
 from vllm_helpers import MODEL, sentence, sse_chunks, stream_result
 
-from backends.process import PortAllocator, wait_until
-from backends.vllm_cpu.launch import Fleet
-from backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.process import PortAllocator, wait_until
+from kvgate.backends.vllm_cpu.launch import Fleet
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 
 pytestmark = pytest.mark.vllm
 

@@ -7,18 +7,17 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakes.gateway import Kvgate
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from test_gateway_retry import CHAT, MODEL, PROMPT, replica_fault, sim_gateway
 from test_sim_support import refused
-from test_sim_support import wait_for as sim_wait_for
 
-from backends.config import WorkerConfig
-from backends.registry import Worker, WorkerRegistry
-from index.types import WorkerId
-from router.config import IndexWatchConfig
-from router.index_watch import IndexWatch, IndexWatchMetrics
-from router.usage import Usage
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.types import WorkerId
+from kvgate.router.config import IndexWatchConfig
+from kvgate.router.index_watch import IndexWatch, IndexWatchMetrics
+from kvgate.router.usage import Usage
 
 BLOCK = 16
 
@@ -168,7 +167,7 @@ async def test_a_replica_whose_events_stop_is_dropped_then_learns_live() -> None
     async with sim_gateway(replicas=1, index_watch=watch) as (fleet, gw):
         url = fleet.replicas[0].url
         await gw.client.post("/v1/chat/completions", json=CHAT)
-        await sim_wait_for(lambda: _indexed(gw, url, CHAT), what="the prompt indexed")
+        await wait_until(lambda: _indexed(gw, url, CHAT), what="the prompt indexed")
         await replica_fault(fleet, 0, kind="stop_events")
         resyncs = {"worker": url, "reason": "events_silent"}
         for i in range(400):  # new prompts store blocks; no event comes
@@ -176,13 +175,13 @@ async def test_a_replica_whose_events_stop_is_dropped_then_learns_live() -> None
             if gw.metric("kvgate_index_resyncs_total", resyncs):
                 break
         assert gw.metric("kvgate_index_resyncs_total", resyncs) == 1
-        await sim_wait_for(lambda: _not_indexed(gw, url, CHAT), what="entries dropped")
+        await wait_until(lambda: _not_indexed(gw, url, CHAT), what="entries dropped")
         await replica_fault(fleet, 0, kind="clear", fault="stop_events")
         # a new prompt's chain is learnt from live events; what was cached before the
         # silence is not predicted any more (a replay would bring back a stale history)
         later = {**CHAT, "messages": [{"role": "system", "content": "new " + PROMPT}]}
         await gw.client.post("/v1/chat/completions", json=later)
-        await sim_wait_for(lambda: _indexed(gw, url, later), what="live events learnt")
+        await wait_until(lambda: _indexed(gw, url, later), what="live events learnt")
         assert await overlap(gw, url, CHAT) == 0
 
 
@@ -193,20 +192,20 @@ async def test_a_crashed_replica_comes_back_without_its_old_entries() -> None:
         first = await gw.client.post("/v1/chat/completions", json=CHAT)
         owner = first.headers["x-kvgate-worker"]
         index = [r.url for r in fleet.replicas].index(owner)
-        await sim_wait_for(lambda: _indexed(gw, owner, CHAT), what="the prompt indexed")
+        await wait_until(lambda: _indexed(gw, owner, CHAT), what="the prompt indexed")
         await replica_fault(fleet, 1 - index, kind="crash", replica=index, downtime_s=30)
-        await sim_wait_for(lambda: refused(owner), what="the crashed replica refusing")
+        await wait_until(lambda: refused(owner), what="the crashed replica refusing")
         r = await gw.client.post("/v1/chat/completions", json=CHAT)  # refused: retried
         assert r.status_code == 200 and r.headers["x-kvgate-worker"] != owner
         resyncs = {"worker": owner, "reason": "worker_down"}
         assert gw.metric("kvgate_index_resyncs_total", resyncs) == 1
-        await sim_wait_for(lambda: _not_indexed(gw, owner, CHAT), what="entries dropped")
+        await wait_until(lambda: _not_indexed(gw, owner, CHAT), what="entries dropped")
         await replica_fault(fleet, 1 - index, kind="resume", replica=index)
         worker = gw.gateway.registry.get(owner)
         await gw.gateway.health.probe(worker)
         assert worker.healthy
         assert await overlap(gw, owner, CHAT) == 0  # nothing predicted on the empty engine
-        await wait_for(lambda: worker.in_flight == 0)
+        await wait_until(lambda: gw.sent(owner).in_flight == 0)
 
 
 async def _indexed(gw: Kvgate, worker: str, body: dict[str, object]) -> bool:

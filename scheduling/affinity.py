@@ -20,9 +20,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple, NewType
 
-from index.errors import JsonDecodeError
-from index.jsonsafe import decode_json
-from index.types import WorkerId
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
+from kvgate.index.types import WorkerId
 
 ClientKeyId = NewType("ClientKeyId", str)
 """A client key's public id (``accesslog.client_key_id``; "-" without client keys)."""

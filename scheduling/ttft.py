@@ -1,5 +1,6 @@
 """Each worker's time to first token, learned online from what kvgate observes (pure: no
-clock, no I/O; every time is passed in).
+clock, no I/O; every time is passed in). It decides nothing: it shows each worker's
+predicted TTFT in ``/debug/route`` and tracks its error (``kvgate_worker_ttft_*``).
 
 The model (docs/scoring.md, "Predicted TTFT") is linear in what is known at dispatch::
 
@@ -41,7 +42,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from index.types import WorkerId
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.capacity import held_blocks
+from kvgate.scoring.api import WorkerLoad
+from kvgate.scoring.cost import queued_prefill_tokens
 
 TOKENS_UNIT = 1000.0  # uncached and queued tokens enter the model in thousands
 PAIRS_UNIT = 1e8  # attention pairs in hundreds of millions (a fresh 14k-token prompt: 1)
@@ -49,6 +53,13 @@ CONTEXT_UNIT = 100_000.0  # decode context enters the model in hundreds of thous
 MAX_TTFT_S = 3600.0  # an observation above this is refused, never learned from
 MAX_TOKENS = 100_000_000  # token features above this are refused
 MAX_PAIRS = 1e16  # pair features above this are refused
+PRIOR_PREFILL_TOKENS_PER_S = 20_000.0
+"""The prefill rate assumed for a fleet nothing was learned about yet (only the first few
+requests use it: a worker joining a fleet starts from the fleet's learned model)."""
+PRIOR_BASE_S = 0.02
+"""The TTFT of an empty prompt on an idle worker, before anything is learned."""
+PRIOR_WEIGHT = 10.0
+"""Pseudo-observations of the fleet's pooled model in each worker's prediction."""
 _N = 6  # base, prefill, attention, queued, queued attention, interference
 
 # Physical bounds of the exported coefficients (seconds; per 1,000 tokens; per 1e8 pairs;
@@ -415,3 +426,54 @@ class BusyShare:
         self._share = self.at(now)
         self._since = max(now, self._since)
         self._busy = busy
+
+
+DEFAULT_TTFT = TtftParams.prior(PRIOR_PREFILL_TOKENS_PER_S, PRIOR_BASE_S)
+"""The TTFT model of a worker nothing was learned about yet."""
+
+
+def ttft_features(
+    load: WorkerLoad,
+    uncached_tokens: float,
+    prompt_tokens: float,
+    block_size: int,
+    capacity: int | None,
+) -> TtftFeatures:
+    """The TTFT model's inputs for a request of ``prompt_tokens`` with ``uncached_tokens`` to
+    prefill on a worker with ``load`` (``capacity``: its KV blocks, if known): the one
+    definition shared by the ledger (at dispatch) and ``/debug/route``."""
+    predicted, scraped = queued_prefill_tokens(load.pending_prefill_tokens, load.scraped_waiting)
+    queued = predicted if scraped is None else max(predicted, scraped)
+    held, held_scraped = held_blocks(load, capacity)
+    context = (held if held_scraped is None else max(held, held_scraped)) * block_size
+    uncached = max(uncached_tokens, 0.0)
+    return TtftFeatures(
+        uncached,
+        attention_pairs(uncached, max(prompt_tokens, uncached)),
+        queued,
+        _queued_pairs(load, queued, predicted),
+        context,
+    )
+
+
+def _queued_pairs(load: WorkerLoad, queued: float, predicted: float) -> float:
+    """Attention pairs of the queued prefill: kvgate's own, scaled up when the scrape sees
+    more queued tokens than kvgate sent (other traffic, assumed alike)."""
+    pairs = max(load.pending_prefill_pairs, 0.0)
+    if predicted > 0.0 and queued > predicted:
+        return pairs * queued / predicted
+    return pairs
+
+
+def ttft_terms(ttft: TtftEstimate, params: TtftParams) -> dict[str, float]:
+    """The predicted TTFT, its parts and the model behind it, as named terms."""
+    return {
+        "ttft_s": ttft.total_s,
+        "ttft_base_s": ttft.base_s,
+        "ttft_queue_s": ttft.queue_s,
+        "ttft_prefill_s": ttft.prefill_s,
+        "ttft_interference_s": ttft.interference_s,
+        "prefill_tokens_per_s": params.prefill_tokens_per_s,
+        "queued_weight": params.queued_weight,
+        "model_observations": params.observations,
+    }

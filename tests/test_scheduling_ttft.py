@@ -1,5 +1,5 @@
 """The online TTFT calibrator: convergence, bounds, robustness (hypothesis), the fleet prior,
-and the registry feeding it from load tickets."""
+and the ledger feeding it from load tickets."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from backends.registry import WorkerRegistry
-from index.types import WorkerId
-from router.config import WorkerConfig
-from scoring.calibration import (
+from kvgate.backends.config import WorkerConfig
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.ledger import UTILISATION_HALF_LIFE_S, Ledger
+from kvgate.scheduling.ttft import (
     MAX_TTFT_S,
     BusyShare,
     OnlineTtftModel,
@@ -21,8 +22,10 @@ from scoring.calibration import (
     TtftFeatures,
     TtftParams,
     attention_pairs,
+    ttft_features,
+    ttft_terms,
 )
-from scoring.config import KvPolicyConfig
+from kvgate.scoring.api import WorkerLoad
 
 PRIOR = TtftParams.prior(prefill_tokens_per_s=20_000.0, base_s=0.02)
 
@@ -245,7 +248,7 @@ def test_busy_share_is_an_exponentially_weighted_time_share() -> None:
     assert 0.0 <= share.at(120.0) <= 1.0
 
 
-# --- the registry: tickets are the observations --------------------------------------------
+# --- the ledger: tickets are the observations ----------------------------------------------
 
 
 class Clock:
@@ -256,11 +259,16 @@ class Clock:
         return self.now
 
 
+def fleet(clock: Clock, *names: str) -> tuple[WorkerRegistry, Ledger, list[Worker]]:
+    reg = WorkerRegistry(clock=clock)
+    workers = [reg.add(WorkerConfig(url=f"http://{n}", models=["m"])) for n in names]
+    return reg, Ledger(reg, clock=clock), workers
+
+
 def test_a_completed_streamed_request_teaches_its_worker() -> None:
     clock = Clock()
-    reg = WorkerRegistry(clock=clock)
-    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
-    ticket = reg.begin(worker.id, prefill_tokens=4000, blocks=250, block_size=16)
+    _, sent, (worker,) = fleet(clock, "a")
+    ticket = sent.begin(worker.id, prefill_tokens=4000, blocks=250, block_size=16)
     assert ticket.predicted_ttft_s == pytest.approx(0.02 + 4000 / 20_000)
     clock.now += 0.5
     ticket.first_token()
@@ -268,94 +276,148 @@ def test_a_completed_streamed_request_teaches_its_worker() -> None:
     observed = ticket.finish()
     assert observed is not None and observed.learned
     assert (observed.predicted_s, observed.measured_s) == (ticket.predicted_ttft_s, 0.5)
-    assert reg.calibrator.error(worker.id) is not None
-    assert reg.calibrator.params(worker.id) != TtftParams.prior(20_000.0, 0.02)
+    assert sent.calibrator.error(worker.id) is not None
+    assert sent.calibrator.params(worker.id) != TtftParams.prior(20_000.0, 0.02)
     assert ticket.finish() is None  # idempotent
 
 
 def test_only_measured_and_answered_requests_teach() -> None:
     clock = Clock()
-    reg = WorkerRegistry(clock=clock)
-    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
-    body = reg.begin(worker.id, 1000, 10)
+    _, sent, (worker,) = fleet(clock, "a")
+    body = sent.begin(worker.id, 1000, 10)
     clock.now += 1.0
     body.first_token(measured=False)  # a whole body read at once: no first-token time
     body.complete(None, None)
     assert body.finish() is None
-    failed = reg.begin(worker.id, 1000, 10)
+    failed = sent.begin(worker.id, 1000, 10)
     failed.first_token()  # the stream broke later: never completed
     assert failed.finish() is None
-    assert list(reg.calibrator.workers()) == []
+    assert list(sent.calibrator.workers()) == []
 
 
 def test_tickets_keep_the_prefill_busy_share() -> None:
     clock = Clock()
-    reg = WorkerRegistry(scoring=KvPolicyConfig(utilisation_half_life_s=10.0), clock=clock)
-    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
+    reg, sent, (worker,) = fleet(clock, "a")
     worker.healthy = True
-    a = reg.begin(worker.id, 100, 1)
-    b = reg.begin(worker.id, 100, 1)
-    clock.now += 10.0
+    half_life = UTILISATION_HALF_LIFE_S
+    a = sent.begin(worker.id, 100, 1)
+    b = sent.begin(worker.id, 100, 1)
+    clock.now += half_life
     a.first_token()  # b still waits: busy
-    (candidate,) = reg.candidates("m")
+    (candidate,) = sent.candidates(reg.serving("m"))
     assert candidate.load.prefill_busy_share == 0.5
-    clock.now += 10.0
+    clock.now += half_life
     b.first_token()
-    clock.now += 10.0
-    (candidate,) = reg.candidates("m")
+    clock.now += half_life
+    (candidate,) = sent.candidates(reg.serving("m"))
     assert candidate.load.prefill_busy_share == pytest.approx(0.75 / 2, abs=0.01)
-    assert worker.pending_requests == 0 and worker.pending_prefill_tokens == 0
+    entry = sent.of(worker)
+    assert entry.pending_requests == 0 and entry.pending_prefill_tokens == 0
     for t in (a, b):
         t.finish()
-    assert worker.in_flight == 0
+    assert entry.in_flight == 0
 
 
-def test_candidates_carry_each_workers_learned_model() -> None:
+def test_each_worker_has_its_learned_model() -> None:
     clock = Clock()
-    reg = WorkerRegistry(clock=clock)
-    for name in ("a", "b"):
-        reg.add(WorkerConfig(url=f"http://{name}", models=["m"])).healthy = True
-    a = reg.get("http://a")
+    reg, sent, (a, b) = fleet(clock, "a", "b")
     for _ in range(50):
-        ticket = reg.begin(a.id, 2000, 10)
+        ticket = sent.begin(a.id, 2000, 10)
         clock.now += 2.0  # 1,000 tokens/s
         ticket.first_token()
         ticket.complete(2000, 0)
         ticket.finish()
-    by_id = {c.worker: c.ttft for c in reg.candidates("m")}
-    assert by_id[a.id].prefill_tokens_per_s < 5000  # learned, far from the 20,000 prior
+    assert sent.calibrator.params(a.id).prefill_tokens_per_s < 5000  # far from the prior
     # b has no evidence of its own: it gets the fleet's model (here a's evidence, shrunk
     # towards the prior by 10 pseudo-observations against its own, about 44 once decayed)
-    fleet = reg.calibrator.fleet.params()
-    weight = 10 / (fleet.observations + 10)
-    assert by_id[WorkerId("http://b")] == fleet.blend(TtftParams.prior(20_000.0, 0.02), weight)
+    pooled = sent.calibrator.fleet.params()
+    weight = 10 / (pooled.observations + 10)
+    prior = TtftParams.prior(20_000.0, 0.02)
+    assert sent.calibrator.params(b.id) == pooled.blend(prior, weight)
     reg.remove("http://a")
-    assert a.id not in list(reg.calibrator.workers())
+    assert a.id not in list(sent.calibrator.workers())
+    assert sent.entry(a.id) is None
 
 
 def test_tickets_count_the_attention_pairs_they_queue() -> None:
-    reg = WorkerRegistry(clock=Clock())
-    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
-    a = reg.begin(worker.id, prefill_tokens=1000, blocks=10, prompt_tokens=5000)
-    assert worker.pending_prefill_pairs == attention_pairs(1000, 5000)
-    b = reg.begin(worker.id, prefill_tokens=200, blocks=2, prompt_tokens=200)
-    assert worker.pending_prefill_pairs == attention_pairs(1000, 5000) + attention_pairs(200, 200)
+    _, sent, (worker,) = fleet(Clock(), "a")
+    entry = sent.of(worker)
+    a = sent.begin(worker.id, prefill_tokens=1000, blocks=10, prompt_tokens=5000)
+    assert entry.pending_prefill_pairs == attention_pairs(1000, 5000)
+    b = sent.begin(worker.id, prefill_tokens=200, blocks=2, prompt_tokens=200)
+    assert entry.pending_prefill_pairs == attention_pairs(1000, 5000) + attention_pairs(200, 200)
     a.first_token()
-    assert worker.pending_prefill_pairs == pytest.approx(attention_pairs(200, 200))
+    assert entry.pending_prefill_pairs == pytest.approx(attention_pairs(200, 200))
     b.first_token()
-    assert worker.pending_prefill_pairs == 0.0
+    assert entry.pending_prefill_pairs == 0.0
     assert attention_pairs(1000, 5000) == 1000 * 4000 + 1000 * 999 / 2
     assert attention_pairs(0, 5000) == 0.0 and attention_pairs(10, 5) == attention_pairs(5, 5)
 
 
 def test_reuse_is_the_recent_cached_share_of_routed_prompts() -> None:
-    reg = WorkerRegistry(clock=Clock())
-    worker = reg.add(WorkerConfig(url="http://a", models=["m"]))
+    _, sent, (worker,) = fleet(Clock(), "a")
+    entry = sent.of(worker)
     for _ in range(200):
-        reg.begin(worker.id, prefill_tokens=250, blocks=1, prompt_tokens=1000).finish()
-    assert worker.reuse == pytest.approx(0.75, abs=0.01)
+        sent.begin(worker.id, prefill_tokens=250, blocks=1, prompt_tokens=1000).finish()
+    assert entry.reuse == pytest.approx(0.75, abs=0.01)
     for _ in range(32):
-        reg.begin(worker.id, prefill_tokens=1000, blocks=1, prompt_tokens=1000).finish()
-    assert 0.2 < worker.reuse < 0.4  # about 32 requests of memory
-    reg.begin(worker.id, prefill_tokens=5, blocks=1, prompt_tokens=0).finish()  # ignored
-    assert worker.load().reuse == worker.reuse
+        sent.begin(worker.id, prefill_tokens=1000, blocks=1, prompt_tokens=1000).finish()
+    assert 0.2 < entry.reuse < 0.4  # about 32 requests of memory
+    before = entry.reuse
+    sent.begin(worker.id, prefill_tokens=5, blocks=1, prompt_tokens=0).finish()  # ignored
+    assert entry.reuse == before
+
+
+# --- the features a request has on a worker (the one definition, scheduling.ttft) -----------
+
+BS = 16
+
+
+@pytest.mark.parametrize(
+    ("predicted", "usage", "capacity", "context"),
+    [
+        (100, 0.5, 1000, 500.0 * BS),  # engine sees more (traffic kvgate did not route)
+        (800, 0.5, 1000, 800.0 * BS),  # kvgate knows more (scrape is stale)
+        (100, None, 1000, 100.0 * BS),  # never scraped
+        (100, 0.5, None, 100.0 * BS),  # capacity unknown
+    ],
+)
+def test_context_is_the_larger_of_kvgates_count_and_the_engines(
+    predicted: int, usage: float | None, capacity: int | None, context: float
+) -> None:
+    load = WorkerLoad(active_decode_blocks=predicted, scraped_kv_usage=usage)
+    features = ttft_features(load, 100.0, 160.0, BS, capacity)
+    assert features.context_tokens == pytest.approx(context)
+
+
+def test_predicted_ttft_parts() -> None:
+    """base + queued work + own prefill + decode interference, each from its coefficient."""
+    params = TtftParams(base_s=0.05, prefill_s=0.1, queued_s=0.05, interference_s=0.2)
+    load = WorkerLoad(pending_prefill_tokens=2000, active_decode_blocks=6250)
+    own = 1064 - 4 * BS  # 1,000 tokens
+    ttft = params.predict(ttft_features(load, own, 1064, BS, None))
+    assert ttft.base_s == 0.05
+    assert ttft.prefill_s == pytest.approx(0.1 * own / 1000)
+    assert ttft.queue_s == pytest.approx(0.05 * 2000 / 1000)
+    # (own + queued) thousand tokens x context in hundreds of thousands (100,000 tokens)
+    assert ttft.interference_s == pytest.approx(0.2 * 3.0 * 1.0)
+    assert ttft.wait_s == pytest.approx(0.1 + 0.1)
+    assert ttft.total_s == pytest.approx(0.05 + 0.1 + 0.1 + 0.6)
+    terms = ttft_terms(ttft, params)
+    parts = ("ttft_base_s", "ttft_queue_s", "ttft_prefill_s", "ttft_interference_s")
+    assert terms["ttft_s"] == pytest.approx(sum(terms[p] for p in parts))
+
+
+def test_attention_makes_a_long_context_cost_more_than_its_new_tokens() -> None:
+    """Prefill attends to every earlier token: 1,000 new tokens after a 40,000-token cached
+    history cost more than a fresh 1,000-token prompt, and recomputing the history costs
+    quadratically more than its tokens alone (the learned ``attention_s``)."""
+    params = TtftParams(base_s=0.0, prefill_s=0.03, queued_s=0.03, interference_s=0.0,
+                        attention_s=0.1)  # fmt: skip
+    idle = WorkerLoad()
+    home = params.predict(ttft_features(idle, 1_000, 41_000, BS, None))
+    fresh = params.predict(ttft_features(idle, 1_000, 1_000, BS, None))
+    assert home.prefill_s > fresh.prefill_s
+    moved = params.predict(ttft_features(idle, 41_000, 41_000, BS, None))
+    linear = 0.03 * 41  # the tokens alone
+    assert moved.prefill_s == pytest.approx(linear + 0.1 * 41_000 * 40_999 / 2 / 1e8)

@@ -7,10 +7,15 @@ from collections import Counter
 
 import pytest
 
-from index.types import WorkerId
-from scoring.api import Candidate, RouteRequest, WorkerLoad
-from scoring.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy, SessionPolicy
-from scoring.policies import POLICY_NAMES, make_policy
+from kvgate.index.types import WorkerId
+from kvgate.scoring.api import Candidate, RouteRequest, WorkerLoad
+from kvgate.scoring.baselines import (
+    LeastLoadedPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    SessionPolicy,
+)
+from kvgate.scoring.policies import POLICY_NAMES, make_policy
 
 
 def workers(*in_flight: int) -> list[Candidate]:

@@ -1,5 +1,6 @@
-"""The router-side queue against real servers: simulated replicas (paused: requests pile up
-in them) behind a real kvgate on 127.0.0.1. Every wait is on a condition, never a sleep."""
+"""The router-side queue (``scheduling.queue``) against real servers: simulated replicas
+(paused: requests pile up in them) behind a real kvgate on 127.0.0.1. Every wait is on a
+condition, never a sleep."""
 
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ import httpx
 import pytest
 from fakes.gateway import Kvgate, kvgate
 from fakes.rawhttp import request_bytes
-from fakes.server import wait_for
+from fakes.wait import wait_until
 from test_sim_support import fault, sim_config, sim_fleet
 
-from backends.sim.tokenizer import tokenizer_dir
-from router.accesslog import client_key_id
-from router.admission import AdmissionQueue
-from router.config import Settings, load_settings
-from router.flags import given_settings
-from router.logs import configure_logging
-from router.serve import build_parser
+from kvgate.backends.sim.tokenizer import tokenizer_dir
+from kvgate.router.accesslog import client_key_id
+from kvgate.router.config import Settings, load_settings
+from kvgate.router.flags import given_settings
+from kvgate.router.logs import configure_logging
+from kvgate.router.serve import build_parser
+from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.config import Tuning
+from kvgate.scheduling.dispatch_order import OrderConfig
+from kvgate.scheduling.queue import AdmissionQueue
 
 pytestmark = pytest.mark.anyio
 MODEL = "kvgate-sim"
@@ -37,10 +41,22 @@ def _body(prompt: str = "hello there", **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
 
 
+ONE_AT_A_TIME = {"max_in_flight": 1}  # a worker with a request in flight takes no more
+FIRST_COME = Tuning(order=OrderConfig(aging_tokens_per_s=0.001))  # no aging: cheapest first
+ROOM_ONLY = {"max_pending_prefill_tokens": None}  # only KV room holds a worker back
+
+
 def _queue(gw: Kvgate) -> AdmissionQueue:
-    queue = gw.gateway.admission
-    assert queue is not None
-    return queue
+    return gw.gateway.scheduler.queue
+
+
+def _flights(gw: Kvgate) -> list[int]:
+    """Requests in flight on each worker (the scheduler's ledger), in the workers' order."""
+    return [e.in_flight for e in gw.gateway.scheduler.ledger]
+
+
+def _flights_by_url(gw: Kvgate) -> dict[str, int]:
+    return {e.worker.url: e.in_flight for e in gw.gateway.scheduler.ledger}
 
 
 @asynccontextmanager
@@ -69,19 +85,23 @@ def _send(gw: Kvgate, body: dict[str, Any], **headers: str) -> asyncio.Task[http
 
 
 async def _in_flight(gw: Kvgate, n: int) -> None:
-    await wait_for(lambda: sum(w.in_flight for w in gw.gateway.registry) == n, what="in flight")
+    await wait_until(lambda: sum(_flights(gw)) == n, what="in flight")
 
 
 async def _queued(gw: Kvgate, n: int) -> None:
-    await wait_for(lambda: len(_queue(gw)) == n, what=f"{n} queued")
+    await wait_until(lambda: len(_queue(gw)) == n, what=f"{n} queued")
 
 
 @asynccontextmanager
 async def _small_caches(
-    queue: dict[str, Any], replicas: int = 2
+    queue: dict[str, Any],
+    replicas: int = 2,
+    scheduling: dict[str, Any] | None = None,
+    tuning: Tuning | None = None,
 ) -> AsyncIterator[tuple[Kvgate, list[str]]]:
     """Simulated replicas (two) of 64 KV blocks of 4 tokens behind kvgate (``kv`` policy,
-    the real tokenizer and index, ``queue`` settings), and the replica URLs."""
+    the real tokenizer and index, ``queue`` and ``scheduling`` settings), and the replica
+    URLs."""
     tokenizers = [f"{MODEL}={tokenizer_dir()}"]
     config = sim_config(replicas=replicas, speedup=1000.0, block_size=4, capacity_blocks=64)
     async with sim_fleet(config) as fleet:
@@ -93,7 +113,9 @@ async def _small_caches(
             policy="kv",
             tokenizers=tokenizers,
             kv_index=True,
-            scoring={"kv_capacity_blocks": 64},  # the sims' capacity (no scrape here)
+            # the sims' capacity (no scrape here)
+            scheduling={"kv_capacity_blocks": 64, **(scheduling or {})},
+            tuning=tuning,
         ) as gw:
             yield gw, urls
 
@@ -105,7 +127,7 @@ async def _hold_each(gw: Kvgate, repeats: int) -> list[asyncio.Task[httpx.Respon
     for n in range(1, replicas + 1):
         held.append(_send(gw, _body(" ".join([f"held number {n} waiting"] * repeats))))
         await _in_flight(gw, n)
-    assert [w.in_flight for w in gw.gateway.registry] == [1] * replicas
+    assert _flights(gw) == [1] * replicas
     return held
 
 
@@ -131,7 +153,7 @@ async def test_light_load_never_queues() -> None:
 
 
 async def test_full_queue_is_a_429_and_the_queued_request_is_sent_when_a_worker_frees() -> None:
-    async with _setup({"busy_in_flight": 1, "max_length": 1}) as (gw, url):
+    async with _setup({"max_length": 1}, scheduling=ONE_AT_A_TIME) as (gw, url):
         async with _paused(url):
             first = _send(gw, _body("first"))
             await _in_flight(gw, 1)
@@ -147,7 +169,7 @@ async def test_full_queue_is_a_429_and_the_queued_request_is_sent_when_a_worker_
             error = _error(third)
             assert error["code"] == "queue_full"
             assert error["type"] == "rate_limit_error"
-            assert sum(w.in_flight for w in gw.gateway.registry) == 1  # second still held here
+            assert sum(_flights(gw)) == 1  # second still held here
         assert (await first).status_code == 200
         assert (await second).status_code == 200
         assert len(_queue(gw)) == 0
@@ -158,7 +180,7 @@ async def test_full_queue_is_a_429_and_the_queued_request_is_sent_when_a_worker_
 
 
 async def test_deadline_is_a_503_from_the_client_timeout_or_the_configured_one() -> None:
-    async with _setup({"busy_in_flight": 1, "max_wait_s": 0.2}) as (gw, url):
+    async with _setup({"max_wait_s": 0.2}, scheduling=ONE_AT_A_TIME) as (gw, url):
         async with _paused(url):
             first = _send(gw, _body("first"))
             await _in_flight(gw, 1)
@@ -188,7 +210,7 @@ async def test_the_access_log_says_how_long_each_request_waited_in_the_queue() -
     stream = io.StringIO()
     output = configure_logging("info", "json", stream)
     try:
-        async with _setup({"busy_in_flight": 1, "max_wait_s": 30}) as (gw, url):
+        async with _setup({"max_wait_s": 30}, scheduling=ONE_AT_A_TIME) as (gw, url):
             async with _paused(url):
                 first = _send(gw, _body("first"), **{"x-request-id": "first"})
                 await _in_flight(gw, 1)
@@ -213,7 +235,7 @@ async def test_the_access_log_says_how_long_each_request_waited_in_the_queue() -
 
 
 async def test_a_client_that_disconnects_while_queued_is_removed_at_once() -> None:
-    async with _setup({"busy_in_flight": 1}) as (gw, url):
+    async with _setup({}, scheduling=ONE_AT_A_TIME) as (gw, url):
         async with _paused(url):
             first = _send(gw, _body("first", stream=True))
             await _in_flight(gw, 1)
@@ -235,7 +257,7 @@ async def test_a_client_that_disconnects_while_queued_is_removed_at_once() -> No
             await _queued(gw, 0)  # gone from the queue while the replica is still paused
             labels = {"key": "-", "reason": "client_gone"}
             assert gw.metric("kvgate_queue_rejected_total", labels) == 1
-            assert sum(w.in_flight for w in gw.gateway.registry) == 1
+            assert sum(_flights(gw)) == 1
             assert await reader.read() == b""  # nothing was ever written to it
         assert (await first).status_code == 200
         await _in_flight(gw, 0)
@@ -244,7 +266,7 @@ async def test_a_client_that_disconnects_while_queued_is_removed_at_once() -> No
 
 
 async def test_streaming_client_sees_nothing_until_dispatched() -> None:
-    async with _setup({"busy_in_flight": 1}) as (gw, url):
+    async with _setup({}, scheduling=ONE_AT_A_TIME) as (gw, url):
         async with _paused(url):
             first = _send(gw, _body("first"))
             await _in_flight(gw, 1)
@@ -318,9 +340,15 @@ async def _completion_order(
 async def test_cheapest_first_but_a_sessions_turns_in_order() -> None:
     """Queued: a long turn 1 of session s, its short turn 2, a short other request. The
     other (cheapest head) goes first; turn 2, cheaper still, waits for turn 1."""
-    queue = {"busy_in_flight": 1, "aging_tokens_per_s": 0.001}
     tokenizers = [f"{MODEL}={tokenizer_dir()}"]
-    async with _setup(queue, kv_index=True, policy="kv", tokenizers=tokenizers) as (gw, url):
+    async with _setup(
+        {},
+        scheduling=ONE_AT_A_TIME,
+        tuning=FIRST_COME,
+        kv_index=True,
+        policy="kv",
+        tokenizers=tokenizers,
+    ) as (gw, url):
         long_prompt = " ".join(["many words of a long history"] * 60)
         s = {"x-session-id": "s"}
         async with httpx.AsyncClient(base_url=url) as sim:
@@ -350,7 +378,7 @@ async def test_dispatch_goes_to_the_worker_free_at_that_moment() -> None:
     async with sim_fleet(sim_config(replicas=2, speedup=1000.0)) as fleet:
         urls = [r.url for r in fleet.replicas]
         workers = [f"{u},models={MODEL}" for u in urls]
-        async with kvgate(workers, queue={"busy_in_flight": 1}, kv_index=False) as gw:
+        async with kvgate(workers, scheduling=ONE_AT_A_TIME, kv_index=False) as gw:
             async with _paused(urls[0]):
                 async with _paused(urls[1]):
                     held = [_send(gw, _body(f"held {i}")) for i in range(2)]
@@ -380,7 +408,7 @@ async def test_model_limits_hold_requests_even_with_a_free_worker() -> None:
 
 
 async def test_queued_requests_get_a_503_when_kvgate_stops() -> None:
-    async with _setup({"busy_in_flight": 1}) as (gw, url):
+    async with _setup({}, scheduling=ONE_AT_A_TIME) as (gw, url):
         async with _paused(url):
             first = _send(gw, _body("first"))
             await _in_flight(gw, 1)
@@ -395,14 +423,23 @@ async def test_queued_requests_get_a_503_when_kvgate_stops() -> None:
 
 
 def test_queue_settings_have_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    args = ["--queue-busy-in-flight", "3", "--no-queue-enabled", "--queue-max-length", "7"]
+    args = ["--scheduling-max-in-flight", "3", "--no-queue-enabled", "--queue-max-length", "7"]
     namespace = build_parser().parse_args(args)
     settings = load_settings(None, given_settings(namespace, Settings))
-    assert (settings.queue.busy_in_flight, settings.queue.enabled) == (3, False)
+    assert (settings.scheduling.max_in_flight, settings.queue.enabled) == (3, False)
     assert settings.queue.max_length == 7
     monkeypatch.setenv("KVGATE_QUEUE__MAX_WAIT_S", "2.5")
     assert load_settings().queue.max_wait_s == 2.5
-    assert load_settings().queue.busy_pending_prefill_tokens == 65536
+    assert load_settings().scheduling.max_pending_prefill_tokens == 65536
+
+
+def test_moved_queue_settings_keep_their_old_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The busy limits moved to ``scheduling``: the old flags and variables still set them."""
+    namespace = build_parser().parse_args(["--queue-busy-in-flight", "3"])
+    settings = load_settings(None, given_settings(namespace, Settings))
+    assert settings.scheduling.max_in_flight == 3
+    monkeypatch.setenv("KVGATE_QUEUE__BUSY_PENDING_PREFILL_TOKENS", "4096")
+    assert load_settings().scheduling.max_pending_prefill_tokens == 4096
 
 
 async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_elsewhere() -> None:
@@ -414,9 +451,13 @@ async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_
     async with sim_fleet(sim_config(replicas=2, speedup=1000.0, block_size=16)) as fleet:
         urls = [r.url for r in fleet.replicas]
         workers = [f"{u},models={MODEL}" for u in urls]
-        queue = {"busy_in_flight": 1, "aging_tokens_per_s": 0.001}
         async with kvgate(
-            workers, queue=queue, policy="kv", tokenizers=tokenizers, kv_index=True
+            workers,
+            scheduling=ONE_AT_A_TIME,
+            tuning=FIRST_COME,
+            policy="kv",
+            tokenizers=tokenizers,
+            kv_index=True,
         ) as gw:
             s = {"x-session-id": "s"}
             first = await gw.client.post("/v1/completions", json=_body(history), headers=s)
@@ -433,7 +474,7 @@ async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_
                     words = " ".join([f"held number {n} waiting"] * 60)
                     held.append(_send(gw, _body(words)))
                     await _in_flight(gw, n)
-                assert [w.in_flight for w in gw.gateway.registry] == [1, 1]
+                assert _flights(gw) == [1, 1]
                 turn = _send(gw, _body(history + " and one more question"), **s)
                 await _queued(gw, 1)
                 newcomer = _send(gw, _body("a short new conversation"))
@@ -447,35 +488,12 @@ async def test_a_free_worker_takes_the_request_cheapest_there_not_a_turn_cached_
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
 
 
-async def test_a_worker_whose_requests_in_flight_fill_its_kv_cache_is_busy() -> None:
-    """``busy_kv_held``: with each replica's cache claimed by the request in flight there, the
-    next request waits in kvgate (not in an engine's queue) and goes to the replica whose
-    request ends first."""
-    queue = {"busy_kv_held": 0.5, "busy_pending_prefill_tokens": None}
-    async with _small_caches(queue) as (gw, urls):
-        async with _paused(urls[0]):
-            async with _paused(urls[1]):
-                held = await _hold_each(gw, 40)  # 60 of the 64 blocks each
-                queued = _send(gw, _body("a short request"))
-                await _queued(gw, 1)
-                explained = await gw.client.post("/debug/route", json=_body())
-                busy = explained.json()["admission"]["busy_workers"]
-                assert set(busy) == set(urls)
-                assert all(reason.startswith("kv held ") for reason in busy.values())
-            reply = await queued  # the second replica runs again, the first is paused
-            assert reply.status_code == 200
-            assert reply.headers["x-kvgate-worker"] == urls[1]
-        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
-
-
 async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> None:
-    """A queued request is not sent to the worker that frees up when the policy set that
-    worker aside (the request lacks KV room there while the other has room): it goes as the
-    policy ranked it, to the worker with room, there to wait behind a prefill, not for a
-    decode to end (the set-aside alone: ``busy_kv_room`` off)."""
-    queue = {"busy_pending_prefill_tokens": 1, "busy_kv_room": False}  # any prefill: busy
-    async with _small_caches(queue) as (gw, urls):
-        registry = gw.gateway.registry
+    """A queued request is not sent to the worker that frees up when it lacks KV room there
+    while the other has room: it waits (holding the worker it waits for), and goes to the
+    worker with room once that one admits it, not where it would wait for a decode to end."""
+    any_prefill = {"max_pending_prefill_tokens": 1}  # any prefill: busy
+    async with _small_caches({"max_wait_s": 300}, scheduling=any_prefill) as (gw, urls):
         clients = [httpx.AsyncClient(base_url=u) for u in urls]
         try:
             for client in clients:
@@ -483,19 +501,20 @@ async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> N
             long = " ".join(["a long first prompt"] * 50)  # 50 of the 64 blocks
             big = _send(gw, _body(long, max_tokens=8, stream=True))  # its first token seen
             await _in_flight(gw, 1)
-            home = next(i for i, w in enumerate(registry) if w.in_flight == 1)
+            home = next(i for i, n in enumerate(_flights(gw)) if n == 1)
             small = _send(gw, _body("a short one"))
             await _in_flight(gw, 2)
-            assert [w.in_flight for w in registry] == [1, 1]
+            assert _flights(gw) == [1, 1]
             mid = _send(gw, _body(" ".join(["a request of some twenty blocks"] * 14)))  # 21
             await _queued(gw, 1)
             # the big request's replica runs again, slowly (0.3 s a step): its prefill
             # ends, so it is free for the queue, but it holds its blocks while it decodes
             await fault(clients[home], kind="slow", factor=5e4)
             await fault(clients[home], kind="clear", fault="pause")
-            await _queued(gw, 0)
+            await wait_until(lambda: bool(_queue(gw).holds()), what="a dispatch pass held")
+            assert len(_queue(gw)) == 1  # not sent where it lacks room
             other = 1 - home
-            assert [w.in_flight for w in registry][other] == 2  # not where it lacks room
+            assert _flights(gw)[home] == 1
             for client in clients:
                 await fault(client, kind="clear")
             reply = await mid
@@ -508,12 +527,11 @@ async def test_dispatch_keeps_a_request_off_a_free_worker_without_kv_room() -> N
 
 
 async def test_a_request_that_fits_in_no_kv_cache_waits_for_the_first_with_room() -> None:
-    """``busy_kv_room``: each replica's cache is claimed by its request in flight, so the
+    """The ``kv_room`` part: each replica's cache is claimed by its request in flight, so the
     next request (which needs 21 of the 64 blocks) is queued though no other limit is
     reached (a short one would fit: only the worker the queued request holds is busy for it,
-    ``kv_room_hold``), and the queued request goes to the replica whose request ends first."""
-    queue = {"busy_kv_room": True, "busy_pending_prefill_tokens": None, "kv_room_patience": 1}
-    async with _small_caches(queue) as (gw, urls):
+    ``room_hold``), and the queued request goes to the replica whose request ends first."""
+    async with _small_caches({"max_wait_s": 300}, scheduling=ROOM_ONLY) as (gw, urls):
         async with _paused(urls[0]):
             async with _paused(urls[1]):
                 held = await _hold_each(gw, 33)  # 50 of the 64 blocks each
@@ -557,18 +575,16 @@ async def _cached_on(gw: Kvgate, prompt: str, worker: str) -> None:
 async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_ones(
     hold: bool,
 ) -> None:
-    """``kv_room_hold``: a turn that fits in no cache waits for room on its first choice, the
-    replica holding its prefix; a short request queued behind it, which would go there too
-    (its prefix is cached there), is sent to the other replica instead of taking the room the
-    turn waits for. Without the hold it goes to the turn's replica."""
-    queue = {
-        "busy_kv_room": True,
-        "busy_pending_prefill_tokens": None,
-        "kv_room_patience": 1,
-        "kv_room_hold": hold,
-    }
+    """The ``room_hold`` part: a turn that fits in no cache waits for room on its first
+    choice, the replica holding its prefix; a short request queued behind it, which would go
+    there too (its prefix is cached there), is sent to the other replica instead of taking
+    the room the turn waits for. With the part off it goes to the turn's replica."""
+    tuning = Tuning(parts=Parts(room_hold=hold))
     prefix = "an opening shared by both requests here"
-    async with _small_caches(queue) as (gw, urls):
+    async with _small_caches({"max_wait_s": 300}, scheduling=ROOM_ONLY, tuning=tuning) as (
+        gw,
+        urls,
+    ):
         home = (await gw.client.post("/v1/completions", json=_body(prefix))).headers[
             "x-kvgate-worker"
         ]
@@ -587,7 +603,7 @@ async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_on
             assert len(_queue(gw)) == 1
             explained = (await gw.client.post("/debug/route", json=_body(short))).json()
             busy = explained["admission"]["busy_workers"]
-            in_flight = {w.url: w.in_flight for w in gw.gateway.registry}
+            in_flight = _flights_by_url(gw)
             if hold:
                 assert in_flight == {home: 1, other: 2}
                 assert busy[home] == "held for a queued request waiting for KV room there"
@@ -597,22 +613,13 @@ async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_on
         assert [r.status_code for r in replies] == [200] * 4
 
 
-@pytest.mark.parametrize(("holds", "held"), [(8, 2), (2, 2), (1, 1)])
-async def test_requests_waiting_for_kv_room_hold_up_to_kv_room_holds_workers(
-    holds: int, held: int
-) -> None:
-    """``kv_room_holds``: with each of three replicas' caches claimed by its request in
-    flight, the first requests waiting for room hold a worker each, as many as it says (one
-    by default) and never every worker; a short request queued behind them goes to a worker
-    none holds."""
-    queue = {
-        "busy_kv_room": True,
-        "busy_pending_prefill_tokens": None,
-        "kv_room_patience": 1,
-        "kv_room_holds": holds,
-    }
+async def test_requests_waiting_for_kv_room_hold_one_worker() -> None:
+    """With each of three replicas' caches claimed by its request in flight, the first
+    request waiting for room holds one worker (never every worker); a short request queued
+    behind them goes to a worker none holds."""
+    held = 1
     words = " ".join(["a request of some twenty blocks"] * 14)
-    async with _small_caches(queue, replicas=3) as (gw, urls):
+    async with _small_caches({"max_wait_s": 300}, replicas=3, scheduling=ROOM_ONLY) as (gw, urls):
         async with contextlib.AsyncExitStack() as paused:
             for url in urls:
                 await paused.enter_async_context(_paused(url))
@@ -629,24 +636,18 @@ async def test_requests_waiting_for_kv_room_hold_up_to_kv_room_holds_workers(
             waiting.append(_send(gw, _body("short")))
             await _in_flight(gw, 4)  # the short one was sent; the three still wait
             assert len(_queue(gw)) == 3
-            sent = [w.url for w in gw.gateway.registry if w.in_flight == 2]
+            sent = [url for url, n in _flights_by_url(gw).items() if n == 2]
             assert len(sent) == 1 and sent[0] not in busy
         replies = await asyncio.gather(*waiting)
         assert [r.status_code for r in replies] == [200] * 7
 
 
 async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None:
-    """``kv_room_patience``: past that share of its wait limit, a request that still fits
+    """The room patience (a tenth of its wait limit): past it, a request that still fits
     nowhere stops waiting in kvgate and goes as the policy ranked it, to wait in that
     engine's queue, well before its deadline (smaller requests could otherwise keep taking
     the room it waits for)."""
-    queue = {
-        "busy_kv_room": True,
-        "busy_pending_prefill_tokens": None,
-        "max_wait_s": 20,
-        "kv_room_patience": 0.01,
-    }
-    async with _small_caches(queue) as (gw, urls):
+    async with _small_caches({"max_wait_s": 2}, scheduling=ROOM_ONLY) as (gw, urls):
         async with _paused(urls[0]), _paused(urls[1]):
             held = await _hold_each(gw, 33)  # 50 of the 64 blocks each
             words = " ".join(["a request of some twenty blocks"] * 14)
@@ -655,7 +656,7 @@ async def test_a_request_waits_for_kv_room_only_part_of_its_wait_limit() -> None
             queued = _send(gw, _body(words))
             await _in_flight(gw, 3)  # dispatched after 0.2 s, both replicas still paused
             assert len(_queue(gw)) == 0
-            assert sorted(w.in_flight for w in gw.gateway.registry) == [1, 2]
+            assert sorted(_flights(gw)) == [1, 2]
             metrics = (await gw.client.get("/metrics")).text
             entered = [
                 ln for ln in metrics.splitlines() if ln.startswith("kvgate_queue_entered_total")
@@ -670,7 +671,7 @@ async def test_a_key_filling_the_queue_gives_way_to_another_key() -> None:
     """Shares are on by default: key one alone fills the whole queue (then 429), yet key
     two's requests are still queued, each taking the place of key one's newest until both
     hold as many (before: key two got 429 at once)."""
-    async with _setup({"busy_in_flight": 1, "max_length": 4}, api_keys=KEYS) as (gw, url):
+    async with _setup({"max_length": 4}, scheduling=ONE_AT_A_TIME, api_keys=KEYS) as (gw, url):
         one = {"authorization": f"Bearer {KEYS[0]}"}
         two = {"authorization": f"Bearer {KEYS[1]}"}
         async with _paused(url):
@@ -683,7 +684,7 @@ async def test_a_key_filling_the_queue_gives_way_to_another_key() -> None:
             others = []
             for i in range(2):
                 others.append(_send(gw, _body(f"two {i}"), **two))
-                await wait_for(lambda i=i: _queue(gw)._counts.queued_key[TWO] == i + 1)
+                await wait_until(lambda i=i: _queue(gw)._counts.queued_key[TWO] == i + 1)
             refused = await gw.client.post("/v1/completions", json=_body("two more"), headers=two)
             assert refused.status_code == 429 and _error(refused)["code"] == "queue_full"
             assert len(_queue(gw)) == 4
@@ -699,8 +700,8 @@ async def test_queued_bodies_are_bounded_in_bytes() -> None:
     only the count bounded them, 1,024 x 32 MiB); a lighter key still gets its place, and the
     queued bytes are on /metrics."""
     pad = "x" * 1000
-    queue = {"busy_in_flight": 1, "max_bytes": 2500}
-    async with _setup(queue, api_keys=KEYS) as (gw, url):
+    queue = {"max_bytes": 2500}
+    async with _setup(queue, scheduling=ONE_AT_A_TIME, api_keys=KEYS) as (gw, url):
         one = {"authorization": f"Bearer {KEYS[0]}"}
         two = {"authorization": f"Bearer {KEYS[1]}"}
         async with _paused(url):
@@ -718,7 +719,7 @@ async def test_queued_bodies_are_bounded_in_bytes() -> None:
             alone = await gw.client.post("/v1/completions", json=huge, headers=two)
             assert alone.status_code == 429 and _error(alone)["code"] == "queue_bytes_full"
             other = _send(gw, _body(f"two {pad}"), **two)
-            await wait_for(lambda: _queue(gw)._counts.queued_key[TWO] == 1, what="key two in")
+            await wait_until(lambda: _queue(gw)._counts.queued_key[TWO] == 1, what="key two in")
         replies = await asyncio.gather(held, *queued, other)
         assert [r.status_code for r in replies] == [200, 200, 429, 200]
         assert gw.metric("kvgate_queue_rejected_total", {"key": ONE, "reason": "key_share"}) == 1

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 AGING_TOKENS_PER_S = 65536.0
-"""Default credit per second queued (``QueueConfig.aging_tokens_per_s`` too)."""
+"""Credit per second queued: a 32k-token prompt is passed by cheaper requests for about
+half a second at most."""
 BASE_TOKENS = 256
-"""Default work counted for every request (``QueueConfig.base_tokens`` too)."""
+"""Work counted for every request."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,14 +16,15 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from fakes.server import serve, wait_for
+from fakes.server import serve
+from fakes.wait import wait_until
 from prometheus_client import CollectorRegistry
 from test_deploy_shutdown import MODEL, GatedEngine
 
-from backends.discovery import DiscoveredFleet
-from router.app import create_app
-from router.config import ConfigError, load_settings
-from router.gateway import Gateway
+from kvgate.backends.discovery import DiscoveredFleet
+from kvgate.router.app import create_app
+from kvgate.router.config import ConfigError, load_settings
+from kvgate.router.gateway import Gateway
 
 pytestmark = pytest.mark.anyio
 
@@ -108,7 +109,7 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client,
         ):
             assert {w.url for w in gateway.registry} == {url_a, url_b}
-            await wait_for(lambda: gateway.registry.healthy_count() == 2, 10, "both healthy")
+            await wait_until(lambda: gateway.registry.healthy_count() == 2, 10, "both healthy")
 
             # a long stream lands on B (A is busy with one of its own)
             first = asyncio.Event()
@@ -124,14 +125,14 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
                             first.set()
 
             held = [asyncio.create_task(stream("one")), asyncio.create_task(stream("two"))]
-            await wait_for(
+            await wait_until(
                 lambda: len(streams) == 2 and all(len(s) > 1 for s in streams.values()), 10
             )
             assert {s[0] for s in streams.values()} == {url_a, url_b}
             on_b = next(tag for tag, s in streams.items() if s[0] == url_b)
 
             dns.answer = ["127.0.0.1"]  # pod B leaves the headless Service
-            await wait_for(lambda: gateway.registry.find(url_b) is None, 10, "B removed")
+            await wait_until(lambda: gateway.registry.find(url_b) is None, 10, "B removed")
             assert gateway.index is not None
             assert url_b not in gateway.index.workers()
 
@@ -148,11 +149,11 @@ async def test_vanished_pod_is_drained_and_forgotten() -> None:
 
             dns.answer = None  # a DNS outage keeps the last known set
             calls = dns.calls
-            await wait_for(lambda: dns.calls >= calls + 3, 10, "failed resolutions")
+            await wait_until(lambda: dns.calls >= calls + 3, 10, "failed resolutions")
             assert [w.url for w in gateway.registry] == [url_a]
 
             dns.answer = ["127.0.0.1", "127.0.0.2"]  # B is back (a new pod, same address)
-            await wait_for(lambda: gateway.registry.find(url_b) is not None, 10, "B re-added")
+            await wait_until(lambda: gateway.registry.find(url_b) is not None, 10, "B re-added")
 
 
 async def test_statically_configured_worker_is_never_removed_by_discovery() -> None:
@@ -178,7 +179,7 @@ async def test_statically_configured_worker_is_never_removed_by_discovery() -> N
             assert gateway.discovery.owned == set()
             dns.answer = []
             calls = dns.calls
-            await wait_for(lambda: dns.calls >= calls + 3, 10, "resolutions")
+            await wait_until(lambda: dns.calls >= calls + 3, 10, "resolutions")
             assert [w.url for w in gateway.registry] == [static]
 
 

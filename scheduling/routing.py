@@ -1,7 +1,10 @@
-"""Routing decisions: prompt -> block keys -> index matches -> policy ranking.
+"""Routing: prompt -> block keys -> index matches -> the policy's ranking -> the capacity rule.
 
-``Router.decide`` is shared by the proxy path and ``POST /debug/route`` (which only explains).
-The block index is optional: without one, keys and matches are empty and the cache-unaware
+``Router.decide`` keys and matches a request, asks the policy to rank the ready workers by
+price and the capacity rule which of them may take it now (``scheduling.capacity``). The
+result, ``Routed``, keeps the policy's ranking and the order the request is tried in: the
+admitted workers first, in the policy's order, then the refused ones (failover only). The
+block index is optional: without one, keys and matches are empty and the cache-unaware
 baselines still work.
 """
 
@@ -11,21 +14,27 @@ import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from backends.registry import WorkerRegistry
-from index.api import BlockIndex, PromptInput, PromptKeys
-from index.types import NO_MATCH, PrefixMatch, WorkerId
-from router.errors import ModelNotFound, NoHealthyWorker
-from router.tokenize_on import TokenizeOn, TokenizePlanner
-from scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
-from scoring.cost_parts import RequestSize, overlap_tokens, request_size
-
-if TYPE_CHECKING:
-    from router.tracing import RequestSpans
+from kvgate.backends.registry import Worker, WorkerRegistry
+from kvgate.index.api import BlockIndex, PromptInput, PromptKeys
+from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
+from kvgate.scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
+from kvgate.scheduling.errors import ModelNotFound, NoHealthyWorker
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.tokenize_on import TokenizeOn, TokenizePlanner
+from kvgate.scheduling.ttft import ttft_features, ttft_terms
+from kvgate.scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
+from kvgate.scoring.cost import RequestSize, overlap_tokens, request_size
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
+
+
+class Phases(Protocol):
+    """Where a request's routing phases are reported (a trace's spans)."""
+
+    def phase(self, name: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,18 +55,31 @@ class Routed:
     request: RouteRequest
     keys: PromptKeys | None
     candidates: Mapping[WorkerId, Candidate]  # with their matches
-    decision: Decision
+    decision: Decision  # the policy's ranking, by price
+    order: Sequence[WorkerId]  # the order to try: admitted workers first, by the ranking
+    refused: Mapping[WorkerId, Refusal]  # the workers the capacity rule refused, and why
     policy: str
     base_model: str = ""  # the model whose tokenizer, template and block size keyed it
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
-    # the key of its conversation when an engine tokenized its prompt (router/tokenize_on.py)
+    room_waived: bool = False  # KV-room refusals were lifted for it
+    # the key of its conversation when an engine tokenized its prompt (tokenize_on.py)
     conversation: bytes | None = field(default=None, repr=False)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
+    def chosen(self) -> WorkerId:
+        """The worker to try first."""
+        return self.order[0]
+
+    @property
+    def admitted(self) -> bool:
+        """May the first worker take it now (by the capacity rule)?"""
+        return self.order[0] not in self.refused
+
+    @property
     def size(self) -> RequestSize:
-        """``scoring.cost_parts.request_size(self.request)``, computed once."""
+        """``scoring.cost.request_size(self.request)``, computed once."""
         size = self._size
         if size is None:
             size = request_size(self.request)
@@ -92,25 +114,38 @@ class Routed:
 
     @property
     def load_blocks(self) -> int:
-        """The request's blocks, counted as active decode blocks while it runs."""
+        """The request's blocks, counted as held while it runs."""
         return math.ceil(self.request.prompt_tokens / self.request.block_size)
 
 
+def admitted_first(
+    ranked: Sequence[WorkerId], refused: Mapping[WorkerId, Refusal]
+) -> list[WorkerId]:
+    """``ranked`` with the admitted workers first, each group in its ranked order."""
+    if not refused:
+        return list(ranked)
+    return [w for w in ranked if w not in refused] + [w for w in ranked if w in refused]
+
+
 class Router:
-    """Turns a request into a ranked choice of workers."""
+    """Turns a request into a ranked, capacity-checked choice of workers."""
 
     def __init__(
         self,
         registry: WorkerRegistry,
+        ledger: Ledger,
         policy: Policy,
         block_index: BlockIndex | None = None,
         *,
-        retry_after_s: int = 1,
+        limits: Limits | None = None,
+        parts: PartsTable | None = None,
     ) -> None:
         self.registry = registry
+        self.ledger = ledger
         self.policy = policy
         self.block_index = block_index
-        self.retry_after_s = retry_after_s
+        self.limits = limits or Limits()
+        self.parts = parts or PartsTable()
         self.tokenize_planner = TokenizePlanner(registry)
 
     async def decide(
@@ -120,8 +155,9 @@ class Router:
         *,
         session_key: str | None = None,
         max_tokens: int | None = None,
-        spans: RequestSpans | None = None,
+        spans: Phases | None = None,
         only: WorkerId | None = None,
+        held: frozenset[WorkerId] = frozenset(),
     ) -> Routed:
         """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
 
@@ -129,8 +165,8 @@ class Router:
         chat template, block size) in the adapter's cache domain; only workers listing the
         adapter are candidates, and a worker whose own relation for the name puts its blocks
         in another domain gets no match. ``only``: that worker or none (a conversation it
-        holds).
-        ``spans`` (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
+        holds); ``held``: workers the queue holds for other requests (refused). ``spans``
+        (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         base, adapter = self.registry.base_model(model)
         index = self.block_index
@@ -156,25 +192,29 @@ class Router:
         )
         conversation = tokenize_on.key if tokenize_on is not None else None
         domain = _Domain(base, adapter, only, conversation)
-        routed = self._rank(request, keys, matches, domain)  # after the await: fresh load
+        routed = self._rank(request, keys, matches, domain, held=held)  # after the await
         if spans is not None:
             spans.phase("score")
         return routed
 
-    def reroute(self, routed: Routed, exclude: Collection[WorkerId]) -> Routed:
-        """Rank again for a retry after failed attempts: the same request and keys, fresh
-        index matches and load, the workers in ``exclude`` left out (``NoHealthyWorker``
-        when nobody is left). A prefix cached on a failed worker counts for nothing."""
+    def reroute(
+        self,
+        routed: Routed,
+        exclude: Collection[WorkerId] = (),
+        *,
+        held: frozenset[WorkerId] = frozenset(),
+        waive_room: bool = False,
+    ) -> Routed:
+        """Rank again on fresh index matches and load: the same request and keys, the
+        workers in ``exclude`` left out (``NoHealthyWorker`` when nobody is left). For a
+        retry after failed attempts (a prefix cached on a failed worker counts for nothing)
+        and for a queued request at dispatch (``held``: workers the queue holds for others;
+        ``waive_room``: its wait for KV room is over)."""
         matches = self._match(routed.keys)
         domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
-        return self._rank(routed.request, routed.keys, matches, domain, exclude)
-
-    def redecide(self, routed: Routed) -> Routed:
-        """``routed``'s request ranked again on the index and load as they are now (its keys
-        and domain kept: no await), for a queued request at dispatch. ``ModelNotFound`` /
-        ``NoHealthyWorker`` as ``decide``."""
-        self.require_servable(routed.request.model)
-        return self.reroute(routed, ())
+        return self._rank(
+            routed.request, routed.keys, matches, domain, exclude, held=held, waive_room=waive_room
+        )
 
     def _match(self, keys: PromptKeys | None) -> Mapping[WorkerId, PrefixMatch] | None:
         """Each worker's matched prefix of the prompt's keys as its own engine kind keys it
@@ -203,30 +243,41 @@ class Router:
         matches: Mapping[WorkerId, PrefixMatch] | None,
         domain: _Domain,
         exclude: Collection[WorkerId] = (),
+        *,
+        held: frozenset[WorkerId] = frozenset(),
+        waive_room: bool = False,
     ) -> Routed:
-        candidates = self.registry.candidates(
-            request.model,
-            matches,
-            request.block_keys,
-            domain=(domain.base_model, domain.adapter),
-        )
+        workers = self.registry.serving(request.model)
         if domain.only is not None:
-            candidates = [c for c in candidates if c.worker == domain.only]
+            workers = [w for w in workers if w.id == domain.only]
         if exclude:
-            candidates = [c for c in candidates if c.worker not in exclude]
-        if not candidates:
-            raise NoHealthyWorker(request.model, retry_after_s=self.retry_after_s)
+            workers = [w for w in workers if w.id not in exclude]
+        if not workers:
+            raise NoHealthyWorker(request.model)
+        if matches:  # a worker keying the model in another cache domain matches nothing
+            matches = self.registry.in_domain(
+                workers, request.model, matches, (domain.base_model, domain.adapter)
+            )
+        candidates = self.ledger.candidates(workers, matches, request.block_keys)
         decision = self.policy.rank(request, candidates)
+        size = request_size(request)
+        verdicts = judge(
+            size, candidates, self.limits, self.parts.of, held=held, waive_room=waive_room
+        )
         routed = Routed(
             request=request,
             keys=keys,
             candidates={c.worker: c for c in candidates},
             decision=decision,
+            order=admitted_first(decision.ranked, verdicts.refused),
+            refused=verdicts.refused,
             policy=self.policy.name,
             base_model=domain.base_model,
             adapter=domain.adapter,
             only=domain.only,
+            room_waived=verdicts.room_waived,
             conversation=domain.conversation,
+            _size=size,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
@@ -255,20 +306,21 @@ class Router:
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
-        scores = {s.worker: (rank, s) for rank, s in enumerate(routed.decision.scores)}
+        scores = {s.worker: s for s in routed.decision.scores}
+        rank = {w: i for i, w in enumerate(routed.order)}
         request = routed.request
         workers = []
         for worker in self.registry:
             entry: dict[str, Any] = {"worker": worker.url, "healthy": worker.healthy}
-            if worker.id in scores:
-                rank, score = scores[worker.id]
-                entry |= _scored_entry(routed, worker.id, rank, score)
+            score = scores.get(worker.id)
+            if score is not None:
+                entry |= self._scored_entry(routed, worker, rank[worker.id], score)
             else:
                 entry |= {"eligible": False, "reason": _ineligible_reason(request.model, worker)}
             workers.append(entry)
         keys = routed.keys
         return {
-            "chosen": routed.decision.chosen,
+            "chosen": routed.chosen,
             "policy": routed.policy,
             "model": request.model,
             "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
@@ -279,38 +331,63 @@ class Router:
             "prompt_tokens": request.prompt_tokens,
             "request_blocks": len(request.block_keys),
             "session_key": request.session_key,
-            "ranked": list(routed.decision.ranked),
+            "ranked": list(routed.order),
+            "policy_ranked": list(routed.decision.ranked),
             "workers": workers,
         }
 
+    def _scored_entry(
+        self, routed: Routed, worker: Worker, rank: int, score: WorkerScore
+    ) -> dict[str, Any]:
+        candidate = routed.candidates[worker.id]
+        match = candidate.match
+        load = candidate.load
+        terms = dict(score.terms) | self._scheduling_terms(routed, candidate)
+        refusal = routed.refused.get(worker.id)
+        return {
+            "eligible": True,
+            "rank": rank,
+            "chosen": rank == 0,
+            "matched_blocks": {"gpu": match.gpu, "cpu": match.cpu, "disk": match.disk},
+            "overlap_tokens": match.blocks * routed.request.block_size,
+            "prefill_blocks": terms.get(
+                "prefill_blocks", len(routed.request.block_keys) - match.blocks
+            ),
+            "decode_blocks": terms.get("decode_blocks", load.active_decode_blocks),
+            "in_flight": load.in_flight,
+            "predicted_ttft_s": terms["ttft_s"],
+            "cost": score.cost,
+            "terms": terms,
+            "reason": score.reason if refusal is None else f"{score.reason}; {refusal.text}",
+            "admitted": refusal is None,
+            "refused": None if refusal is None else refusal.text,
+            "parts": self.parts.of(worker.id).active(),
+        }
 
-def _scored_entry(
-    routed: Routed, worker: WorkerId, rank: int, score: WorkerScore
-) -> dict[str, Any]:
-    candidate = routed.candidates.get(worker)
-    match = candidate.match if candidate is not None else NO_MATCH
-    load = candidate.load if candidate is not None else None
-    terms = dict(score.terms)
-    request_blocks = len(routed.request.block_keys)
-    return {
-        "eligible": True,
-        "rank": rank,
-        "chosen": rank == 0,
-        "matched_blocks": {"gpu": match.gpu, "cpu": match.cpu, "disk": match.disk},
-        "overlap_tokens": match.blocks * routed.request.block_size,
-        "prefill_blocks": terms.get("prefill_blocks", request_blocks - match.blocks),
-        "decode_blocks": terms.get(
-            "decode_blocks", load.active_decode_blocks if load is not None else 0
-        ),
-        "in_flight": load.in_flight if load is not None else 0,
-        "predicted_ttft_s": terms.get("ttft_s"),
-        "cost": score.cost,
-        "terms": terms,
-        "reason": score.reason,
-    }
+    def _scheduling_terms(self, routed: Routed, candidate: Candidate) -> dict[str, float]:
+        """What the scheduler knows of a worker for this request: its KV shortfall, the
+        prefix a request in flight there holds, its requests blocked for room, its
+        predicted TTFT and the learned model behind it."""
+        entry = self.ledger.entry(candidate.worker)
+        size = routed.size
+        load = candidate.load
+        capacity = load.kv_capacity_blocks or self.limits.kv_capacity_blocks
+        uncached = float(routed.predicted_uncached_tokens(candidate.worker))
+        features = ttft_features(load, uncached, size.prompt_tokens, size.block_size, capacity)
+        params = self.ledger.calibrator.params(candidate.worker)
+        now = self.ledger.now()
+        return {
+            "kv_shortfall_blocks": kv_shortfall(candidate, size, self.limits),
+            "in_flight_prefix_blocks": float(candidate.in_flight_prefix),
+            "blocked_requests": float(entry.blocked_requests if entry is not None else 0),
+            "blocked_s": entry.blocked_s(now) if entry is not None else 0.0,
+            "reuse": entry.reuse if entry is not None else 0.0,
+            "busy": 0.0 if candidate.worker not in routed.refused else 1.0,
+            **ttft_terms(params.predict(features), params),
+        }
 
 
-def _ineligible_reason(model: str, worker: Any) -> str:
+def _ineligible_reason(model: str, worker: Worker) -> str:
     if model not in worker.models:
         return f"does not serve model {model!r}"
     if not worker.healthy:
@@ -327,14 +404,16 @@ def _log_line(routed: Routed) -> str:
         f"model={routed.request.model}",
         f"policy={routed.policy}",
         f"blocks={len(routed.request.block_keys)}",
-        f"chosen={routed.decision.chosen}",
+        f"chosen={routed.chosen}",
     ]
     for score in _top(routed.decision.scores):
         match = routed.match(score.worker)
         terms = " ".join(f"{k}={v:g}" for k, v in score.terms.items())
+        refusal = routed.refused.get(score.worker)
+        refused = f" refused={refusal.text!r}" if refusal is not None else ""
         parts.append(
             f"[{score.worker} gpu={match.gpu} cpu={match.cpu} disk={match.disk} "
-            f"cost={score.cost:g} {terms} reason={score.reason!r}]"
+            f"cost={score.cost:g} {terms} reason={score.reason!r}{refused}]"
         )
     return " ".join(parts)
 

@@ -1,5 +1,5 @@
 """Which workers may tokenize a prompt that has no local tokenizer: only workers the request
-may be routed to, its likeliest destination first (issue 44, finding 13).
+may be routed to, its likeliest destination first (issue 44, finding 13). Pure: no I/O.
 
 The engine ``/tokenize`` fallback (index/keys/_engine.py) hands a worker the whole prompt, and
 its tokens key the prompt for every worker. So the workers asked are the request's candidates
@@ -23,12 +23,12 @@ from typing import Any
 import msgspec
 import xxhash
 
-from backends.registry import WorkerRegistry
-from index.api import PromptInput
-from index.memo import BoundedMemo
-from index.types import WorkerId
-from scoring.api import RouteRequest
-from scoring.tiebreak import rendezvous_weight, session_hash_key
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import PromptInput
+from kvgate.index.memo import BoundedMemo
+from kvgate.index.types import WorkerId
+from kvgate.scoring.api import RouteRequest
+from kvgate.scoring.tiebreak import rendezvous_weight, session_hash_key
 
 REMEMBERED_CONVERSATIONS = 65_536
 """Conversations whose last worker is remembered (about 100 bytes each)."""

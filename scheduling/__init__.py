@@ -1,0 +1,1 @@
+"""The decision core: ledger, capacity rule, routing, queue, dispatch order, affinity."""

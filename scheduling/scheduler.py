@@ -1,0 +1,204 @@
+"""One call decides for a request, without the proxy: ``Scheduler.schedule``.
+
+    grant = await scheduler.schedule(facts, key=..., session=..., timeout_s=..., disconnected=...)
+        # keys -> match -> candidates (registry + ledger) -> policy.rank (pure price)
+        # -> the capacity rule (the first ranked worker it admits) -> admit now or queue
+        # -> Grant (the worker order for attempts, the ledger's tickets, its queue share)
+    scheduler.explain(facts, key)    # /debug/route: the same decision, without sending
+
+The scheduler owns what decides: the ledger (what kvgate sent where), the policy (prices),
+the capacity rule (limits and parts, per worker), the router (keys and matches, the
+ranking, the rule) and the queue; it reads the fleet from the registry and keeps which
+worker produced which stored response (the Responses API's ``previous_response_id``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.backends.registry import WorkerRegistry
+from kvgate.index.api import BlockIndex, PromptInput
+from kvgate.index.types import WorkerId
+from kvgate.scheduling.affinity import ClientKeyId, ResponseAffinity
+from kvgate.scheduling.capacity import PartsTable
+from kvgate.scheduling.config import QueueConfig, SchedulingConfig, Tuning
+from kvgate.scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable, ResponseUnknown
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.queue import AdmissionQueue, QueueEvents
+from kvgate.scheduling.routing import Phases, Routed, Router
+from kvgate.scoring.api import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the scheduler needs to know of one request (the HTTP layer parsed it)."""
+
+    model: str
+    prompt: PromptInput | None = None  # None: not keyed (a pass-through call)
+    session_key: str | None = None  # x-session-id, else the body's ``user``
+    max_tokens: int | None = None
+    only: WorkerId | None = None  # the one worker allowed (a stored response's)
+    spans: Phases | None = None  # a trace's routing phases
+
+
+class _NoEvents:
+    def entered(self, key: str) -> None:
+        pass
+
+    def waited(self, key: str, seconds: float) -> None:
+        pass
+
+    def rejected(self, key: str, reason: str) -> None:
+        pass
+
+
+class Scheduler:
+    """The decision core of one kvgate process."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        block_index: BlockIndex | None = None,
+        *,
+        config: SchedulingConfig | None = None,
+        queue: QueueConfig | None = None,
+        events: QueueEvents | None = None,
+        tuning: Tuning | None = None,
+        affinity: ResponseAffinity | None = None,
+        keys: Sequence[str] = ("-",),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config = config or SchedulingConfig()
+        tuning = tuning or Tuning()
+        limits = config.limits()
+        self.registry = registry
+        self.parts = PartsTable(tuning.parts)
+        self.ledger = Ledger(registry, limits=limits, parts_of=self.parts.of, clock=clock)
+        self.router = Router(
+            registry, self.ledger, policy, block_index, limits=limits, parts=self.parts
+        )
+        self.queue = AdmissionQueue(
+            queue or QueueConfig(),
+            self.router,
+            self.ledger,
+            events or _NoEvents(),
+            tuning=tuning,
+            keys=keys,
+            clock=clock,
+        )
+        self.affinity = affinity if affinity is not None else ResponseAffinity(100_000, 3600.0)
+
+    @property
+    def policy(self) -> Policy:
+        return self.router.policy
+
+    def start(self) -> None:
+        self.queue.start()
+
+    def stop(self) -> None:
+        """Queued requests get ``QueueTimeout``."""
+        self.queue.stop()
+
+    # -- deciding ------------------------------------------------------------------------
+    async def route(self, facts: RequestFacts, *, held: bool = False) -> Routed:
+        """The routing decision alone (``held``: with the workers the queue holds refused,
+        as a dispatch would see them)."""
+        return await self.router.decide(
+            facts.model,
+            facts.prompt,
+            session_key=facts.session_key,
+            max_tokens=facts.max_tokens,
+            spans=facts.spans,
+            only=facts.only,
+            held=self.queue.holds() if held else frozenset(),
+        )
+
+    async def schedule(
+        self,
+        facts: RequestFacts,
+        *,
+        key: str,
+        session: str | None,
+        timeout_s: float | None,
+        disconnected: Callable[[], Awaitable[None]],
+        queued: bool = True,
+        size: int = 0,
+    ) -> Grant:
+        """Decide for ``facts``: route, then admit now or queue until a worker admits it
+        (``queued`` False, or the queue off: sent at once, as ranked; ``size``: the bytes
+        the request holds while queued)."""
+        routed = await self.route(facts)
+        del facts  # a queued request holds its keys, not its prompt
+        return await self.admit(
+            routed,
+            key=key,
+            session=session,
+            timeout_s=timeout_s,
+            disconnected=disconnected,
+            queued=queued,
+            size=size,
+        )
+
+    async def admit(
+        self,
+        routed: Routed,
+        *,
+        key: str,
+        session: str | None,
+        timeout_s: float | None,
+        disconnected: Callable[[], Awaitable[None]],
+        queued: bool = True,
+        size: int = 0,
+    ) -> Grant:
+        """``routed`` through the queue (when it is on and ``queued``), else at once."""
+        if not (queued and self.queue.config.enabled):
+            return Grant(routed, router=self.router, ledger=self.ledger, key=key)
+        return await self.queue.admit(
+            routed,
+            key=key,
+            session=session,
+            timeout_s=timeout_s,
+            disconnected=disconnected,
+            size=size,
+        )
+
+    async def explain(self, facts: RequestFacts, key: str) -> dict[str, Any]:
+        """The decision for ``facts`` and why, without sending (``/debug/route``)."""
+        routed = await self.route(facts, held=True)
+        explained = self.router.explain(routed)
+        explained["admission"] = self.queue.explain(routed, key)
+        return explained
+
+    # -- stored responses ------------------------------------------------------------------
+    def holder(
+        self,
+        response_id: str | None,
+        key: ClientKeyId | None,
+        *,
+        param: str = "previous_response_id",
+        strict: bool = False,
+    ) -> WorkerId | None:
+        """The worker holding a stored response of client ``key`` (None for ``key``: any
+        key's, the admin's view). None: not one kvgate routed, or forgotten (routed by load,
+        the engine answers for it), unless ``strict`` (clients told apart by their keys):
+        then ``ResponseUnknown``. ``ResponseHolderGone`` when its worker left,
+        ``ResponseHolderUnavailable`` when it cannot take a request now."""
+        if response_id is None:
+            return None
+        holder = self.affinity.worker_of(response_id, key)
+        if holder is None:
+            if key is not None and strict:
+                raise ResponseUnknown(response_id, param)
+            return None
+        worker = self.registry.find(holder)
+        if worker is None:
+            raise ResponseHolderGone(response_id, holder)
+        if not worker.ready:
+            why = "not ready" if worker.healthy else "unhealthy"
+            raise ResponseHolderUnavailable(response_id, worker.url, why)
+        return holder
