@@ -72,6 +72,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # built in code (bench.variants: the scheduler's parts, dispatch order or patience)
     **{name: ("kv", ()) for name in TUNINGS},
     "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
+    "kv_nofp": ("kv", ("--scoring-footprint-weight", "0")),  # no footprint term
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
 those in ``bench.variants.TUNINGS`` are served by ``python -m kvgate.bench.variants NAME``."""
