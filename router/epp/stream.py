@@ -56,6 +56,9 @@ from kvgate.scheduling.affinity import ClientKeyId
 
 log = logging.getLogger("kvgate.epp")
 
+# (request, response) body modes in which kvgate sends the body and the answer back itself
+# (it may ask for usage upstream and hide it from the client)
+_REWRITABLE = frozenset({(wire.FULL_DUPLEX, wire.FULL_DUPLEX), (wire.BUFFERED, wire.STREAMED)})
 MAX_REQUEST_MESSAGES = 65_536  # messages before the pick (body pieces, trailers)
 _MAX_REQUEST_ID = 128
 OUTCOMES = ("placed", "refused", "client_gone", "protocol_error", "timeout")
@@ -88,14 +91,28 @@ class EppMetrics:
         self.streams.labels(outcome).inc()
 
 
-@dataclass(frozen=True, slots=True)
 class EppService:
-    """What every stream shares."""
+    """What every stream shares; which answers kvgate reads in full (one in
+    ``answer_sample``, or all when Envoy cannot be told to skip an answer's body)."""
 
-    gateway: Gateway
-    settings: EppSettings
-    placer: Placer
-    metrics: EppMetrics
+    __slots__ = ("_count", "gateway", "metrics", "placer", "settings", "skip_answer")
+
+    def __init__(
+        self, gateway: Gateway, settings: EppSettings, placer: Placer, metrics: EppMetrics
+    ) -> None:
+        self.gateway = gateway
+        self.settings = settings
+        self.placer = placer
+        self.metrics = metrics
+        self.skip_answer = wire.skip_answer_body(wire.BUFFERED)
+        self._count = 0
+
+    def reads_answer(self, modes: tuple[int, int]) -> bool:
+        """Whether kvgate reads this request's answer past its head."""
+        if not wire.can_skip_answer(modes):
+            return True
+        self._count = (self._count + 1) % self.settings.answer_sample
+        return self._count == 0
 
 
 class EppStream:
@@ -222,7 +239,8 @@ class EppStream:
         stored_model, holder = None, None
         if head.path not in KEYED_PATHS:  # (an allowed path: _head saw to it)
             stored_model, holder = gateway._stored_response(normalised_path(head.path), key)
-        can_rewrite = request_mode == wire.FULL_DUPLEX and modes[1] == wire.FULL_DUPLEX
+        reads_answer = self._service.reads_answer(modes)
+        can_rewrite = reads_answer and (request_mode, modes[1]) in _REWRITABLE
         parsed = parse(
             head,
             body,
@@ -248,7 +266,14 @@ class EppStream:
         )
         placement = await self._service.placer.place(ask, self._disconnected)
         answer_tap = gateway.scheduler.affinity.tap(key) if parsed.responses else None
-        exchange = Exchange(self._gateway, placement, parsed, observation, answer_tap=answer_tap)
+        exchange = Exchange(
+            self._gateway,
+            placement,
+            parsed,
+            observation,
+            answer_tap=answer_tap,
+            reads_answer=reads_answer,
+        )
         self._exchange = exchange
         if observation.queued is None:
             observation.queued = placement.waited_s
@@ -353,7 +378,8 @@ class EppStream:
         told = exchange.client_headers()
         if self._service.settings.conformance_headers:
             told.append((wire.TEST_SERVED, served or ""))
-        return wire.headers_continue(request=False, set_headers=told)
+        skip = None if exchange.reads_answer else self._service.skip_answer
+        return wire.headers_continue(request=False, set_headers=told, mode_override=skip)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,13 +193,39 @@ def body_continue(*, request: bool, body: bytes | None = None) -> Message:
     )
 
 
-def headers_continue(*, request: bool, set_headers: Iterable[tuple[str, str]] = ()) -> Message:
+def headers_continue(
+    *,
+    request: bool,
+    set_headers: Iterable[tuple[str, str]] = (),
+    mode_override: Message | None = None,
+) -> Message:
+    """The headers go on (with ``set_headers``); ``mode_override``: the processing mode of
+    the rest of this request (Envoy honours it with ``allow_mode_override``)."""
     common = pb.CommonResponse(header_mutation=_mutation(set_headers))
     answer = pb.HeadersResponse(response=common)
-    return (
+    message = (
         pb.ProcessingResponse(request_headers=answer)
         if request
         else pb.ProcessingResponse(response_headers=answer)
+    )
+    if mode_override is not None:
+        message.mode_override.CopyFrom(mode_override)
+    return message
+
+
+def can_skip_answer(modes: tuple[BodyMode, BodyMode]) -> bool:
+    """Whether Envoy can be told to send no more of an answer than its head: it ignores a
+    mode override when either body mode is full-duplex streamed, and its answer body mode
+    must be streamed (with NONE the stream would end at the head for every request)."""
+    return modes[0] == BUFFERED and modes[1] == STREAMED
+
+
+def skip_answer_body(request_mode: BodyMode) -> Message:
+    """The mode override that sends no more of the answer than its head: no body; the
+    trailers (if any) still sent, so Envoy keeps the stream open until the request ends
+    (ended by the client, the engine or a reset) and its close is the request's end."""
+    return pb.ProcessingMode(
+        request_body_mode=request_mode, response_body_mode=NO_BODY, response_trailer_mode=pb.SEND
     )
 
 

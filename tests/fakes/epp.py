@@ -113,6 +113,9 @@ class Stack:
 
 @asynccontextmanager
 async def envoy_stack(fleet: SimFleet, work_dir: Path, **overrides: Any) -> AsyncIterator[Stack]:
+    """(``answer_sample`` 1 unless given: kvgate reads every answer, as the tests of
+    per-request usage, first tokens and cut answers need.)"""
+    overrides.setdefault("answer_sample", 1)
     async with AsyncExitStack() as stack:
         epp = await stack.enter_async_context(epp_server(worker_specs(fleet), **overrides))
         urls = [r.url for r in fleet.replicas]
