@@ -26,6 +26,7 @@ from fakes.epp import (
 from fakes.simgate import MODEL, fleet_config, long_text, sim_fleets, until, worker_specs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate.router.epp import messages as pb
 from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.anyio
@@ -336,3 +337,44 @@ async def test_client_keys_are_checked_and_never_reach_the_engine_whose_own_key_
         assert "x-api-key" in mutation.remove_headers
         peer.cancel()
         await until(epp.idle)
+
+
+async def test_in_buffered_mode_kvgate_skips_the_body_of_answers_it_does_not_sample() -> None:
+    """Request body buffered, answer streamed (deploy/envoy/envoy.yaml): one answer in
+    ``answer_sample`` is read; the others' heads carry a mode override (no body, trailers
+    sent, so the stream lasts until the request ends), and the stream's end releases them."""
+    modes = (pb.BUFFERED, pb.STREAMED)
+    async with running(answer_sample=2) as (epp, urls), channel(epp.grpc_port) as ch:
+        overrides = []
+        for number in range(2):
+            peer = Peer(ch)
+            await peer.send(request_headers(modes=modes))
+            head = await peer.receive()
+            assert head.WhichOneof("response") == "request_headers"
+            await peer.send(request_body(chat_body(f"question {number}", stream=True)))
+            pick = await peer.receive()
+            assert pick.WhichOneof("response") == "request_body"
+            endpoint = pick.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION]
+            first = endpoint.string_value.split(",")[0]
+            await peer.send(response_headers(200, served=first))
+            answer = await peer.receive()
+            assert answer.WhichOneof("response") == "response_headers"
+            overrides.append(answer.HasField("mode_override"))
+            if answer.HasField("mode_override"):
+                mode = answer.mode_override
+                assert (mode.response_body_mode, mode.response_trailer_mode) == (pb.NONE, pb.SEND)
+                assert epp.in_flight() == 1  # held until the request ends
+            else:  # the sampled one: its answer read as it streams
+                await peer.send(response_body(b'data: {"choices": []}\n\n', end=False))
+                assert (await peer.receive()).WhichOneof("response") == "response_body"
+                await peer.send(response_body(b"data: [DONE]\n\n", end=True))
+                assert (await peer.receive()).WhichOneof("response") == "response_body"
+            await peer.done_writing()  # Envoy closes the stream at the request's end
+            assert await peer.receive() is None
+            await until(epp.idle, what="the request's load released at its stream's end")
+        assert overrides == [True, False]
+        labels = {"model": MODEL, "status": "200"}
+        answered = sum(
+            epp.metric("kvgate_requests_total", {**labels, "worker": url}) for url in urls
+        )
+        assert answered == 2

@@ -217,7 +217,7 @@ class EppStream:
                 "kvgate epp needs the ext_proc request body mode FULL_DUPLEX_STREAMED or BUFFERED",
                 code="epp_misconfigured",
             )
-        return wire.headers_continue(request=True) if modes[0] == wire.BUFFERED else None
+        return wire.HEAD_CONTINUE if modes[0] == wire.BUFFERED else None
 
     async def _pick(
         self,
@@ -363,9 +363,9 @@ class EppStream:
                 if not ended:
                     ended = True
                     exchange.ended()
-                yield wire.trailers_continue(request=False)
+                yield wire.ANSWER_TRAILERS_CONTINUE
             elif kind == "request_trailers":
-                yield wire.trailers_continue(request=True)
+                yield wire.REQUEST_TRAILERS_CONTINUE
             else:
                 raise ProtocolError(f"unexpected {kind} after the pick")
 
@@ -451,7 +451,7 @@ def _pick_messages(
         if had_body and request_mode == wire.FULL_DUPLEX:
             yield from wire.streamed_bodies(body, request=True, end=not trailers)
     if trailers:
-        yield wire.trailers_continue(request=True)
+        yield wire.REQUEST_TRAILERS_CONTINUE
 
 
 def _body_answers(original: bytes, out: bytes, mode: int, *, end: bool) -> Iterator[wire.Message]:
@@ -461,7 +461,7 @@ def _body_answers(original: bytes, out: bytes, mode: int, *, end: bool) -> Itera
         if out or end:
             yield from wire.streamed_bodies(out, request=False, end=end)
         return
-    yield wire.body_continue(request=False, body=None if out == original else out)
+    yield wire.PIECE_CONTINUE if out == original else wire.body_continue(request=False, body=out)
 
 
 def from_refusal(gateway: Gateway, error: KvgateError, observation: Observation) -> wire.Message:

@@ -129,8 +129,8 @@ def _mutation(set_headers: Iterable[tuple[str, str]], remove: Sequence[str] = ()
 
 def _pick_common(endpoints: Sequence[str], rewrite: Rewrite) -> tuple[Message, Message]:
     value = ",".join(endpoints)
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    metadata = struct_pb2.Struct()  # {LB_NAMESPACE: {DESTINATION: value}}
+    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = value
     sets = [(DESTINATION, value), *rewrite.set_headers]
     common = pb.CommonResponse(header_mutation=_mutation(sets, rewrite.remove_headers))
     return common, metadata
@@ -255,6 +255,18 @@ def refusal(error: KvgateError, request_id: str) -> Message:
     headers = [("content-type", content_type), ("x-request-id", request_id), *error.headers.items()]
     details = f"kvgate_{error.code or 'error'}"
     return immediate(error.status, error.body_bytes(), headers, details)
+
+
+def serialize(message: Message | bytes) -> bytes:
+    """The gRPC response serializer: an answer serialized ahead (a constant) goes as is."""
+    return message if isinstance(message, bytes) else bytes(message.SerializeToString())
+
+
+# constant answers, serialized once (``serialize`` sends them as they are)
+HEAD_CONTINUE = serialize(headers_continue(request=True))  # a buffered request's head
+PIECE_CONTINUE = serialize(body_continue(request=False))  # an answer's piece, unchanged
+REQUEST_TRAILERS_CONTINUE = serialize(trailers_continue(request=True))
+ANSWER_TRAILERS_CONTINUE = serialize(trailers_continue(request=False))
 
 
 def message_kind(message: Message) -> str | None:

@@ -151,13 +151,15 @@ def request_headers(
     end: bool = False,
     extra: dict[str, str] | None = None,
     metadata: dict[str, Any] | None = None,
+    modes: tuple[int, int] = (pb.FULL_DUPLEX_STREAMED, pb.FULL_DUPLEX_STREAMED),
 ) -> Any:
-    """The first message of a stream, as Envoy sends it in full-duplex streamed mode."""
+    """The first message of a stream, as Envoy sends it (by default in full-duplex streamed
+    mode; ``modes``: the request's and the answer's body modes)."""
     headers = {":method": method, ":path": path, ":authority": "gw", **(extra or {})}
-    mode = pb.FULL_DUPLEX_STREAMED
+    config = pb.ProtocolConfiguration(request_body_mode=modes[0], response_body_mode=modes[1])
     message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+        protocol_config=config,
     )
     for namespace, fields in (metadata or {}).items():
         message.metadata_context.filter_metadata[namespace].update(fields)
