@@ -238,7 +238,7 @@ class EppStream:
         gateway, key = self._gateway, ClientKeyId(observation.client)
         stored_model, holder = None, None
         if head.path not in KEYED_PATHS:  # (an allowed path: _head saw to it)
-            stored_model, holder = gateway._stored_response(normalised_path(head.path), key)
+            stored_model, holder = gateway.stored_response(normalised_path(head.path), key)
         reads_answer = self._service.reads_answer(modes)
         can_rewrite = reads_answer and (request_mode, modes[1]) in _REWRITABLE
         parsed = parse(
@@ -251,11 +251,11 @@ class EppStream:
         observation.parsed(parsed.model, len(body), stream=parsed.stream)
         if parsed.previous_response_id is not None:
             previous = parsed.previous_response_id
-            holder = gateway._holder(previous, key, "previous_response_id")
+            holder = gateway.holder_of(previous, key, "previous_response_id")
         ask = Ask(
             model=parsed.model,
             prompt=parsed.prompt,
-            session=gateway._namespaced(key, parsed.session),  # in its client key's space
+            session=gateway.namespaced(key, parsed.session),  # in its client key's space
             max_tokens=parsed.max_tokens,
             key=key,
             timeout_s=client_timeout_s(head.headers),
