@@ -378,3 +378,24 @@ async def test_in_buffered_mode_kvgate_skips_the_body_of_answers_it_does_not_sam
             epp.metric("kvgate_requests_total", {**labels, "worker": url}) for url in urls
         )
         assert answered == 2
+
+
+async def test_a_queued_request_is_dispatched_within_its_subset_hint() -> None:
+    """The subset is part of the decision (``RequestFacts.allowed``): the queue's ranking
+    at dispatch keeps to it too."""
+    queue = {"max_in_flight_per_key": 1}
+    async with running(3, queue=queue) as (epp, urls), channel(epp.grpc_port) as ch:
+        first = Peer(ch)
+        held, _ = await pick(first, chat_body("first in"))
+        allowed = [endpoint_of(url) for url in urls if endpoint_of(url) != held[0]][:1]
+        second = Peer(ch)
+        await second.send(request_headers(metadata={"envoy.lb.subset_hint": {SUBSET: allowed}}))
+        await second.send(request_body(chat_body("second, within the subset")))
+        admission = epp.gateway.scheduler.queue
+        await until(lambda: len(admission) == 1, what="the second request queued")
+        await first.send(response_headers(200, served=held[0]))
+        await first.receive()
+        await first.send(response_body(b"data: [DONE]\n\n", end=True))
+        await first.receive()
+        await first.done_writing()  # the first ends: the second is dispatched
+        assert picked(await second.receive()) == allowed
