@@ -23,7 +23,8 @@ to the whole answer (median, p99) and their increase over ``direct``; the rate p
 requests/s and the CPU seconds per request of the kvgate process(es) and of Envoy. Each
 target's sessions are its own (a tag in every prompt), so no target profits from another's
 cache. Predicted and engine-reported cached tokens are read from kvgate's /metrics (summed
-over the epp replicas).
+over the epp replicas; in EPP mode they cover the answers kvgate reads, one in
+``--answer-sample``: ``KVGATE_ANSWER_SAMPLE=1`` reads them all).
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ class Gateway:
                     session_key=session,
                     max_tokens=parsed.output_limit,
                     spans=call.observation.spans,
-                    only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+                    only=self.holder_of(parsed.previous_response_id, key, "previous_response_id"),
                 )
             )
             stored = parsed.store is not False  # store=false: its id is not recorded
@@ -384,7 +384,7 @@ class Gateway:
         tap = self.scheduler.affinity.tap(key) if stored else None
         return self._send(call, grant, body=raw, usage_mode=usage_mode, answer_tap=tap)
 
-    def _holder(
+    def holder_of(
         self, response_id: str | None, key: ClientKeyId | None, param: str
     ) -> WorkerId | None:
         """The worker holding a stored response of client ``key`` (``Scheduler.holder``;
@@ -405,7 +405,7 @@ class Gateway:
                 raise PathNotPassedThrough(request.method, path)
             target = upstream_target(path, request.scope.get("query_string", b""))
             raw = await self._read_client(call)
-            stored, holder = self._stored_response(path, ClientKeyId(call.observation.client))
+            stored, holder = self.stored_response(path, ClientKeyId(call.observation.client))
             call.parsed(stored or self._model_of(request, raw), len(raw), False)
             session = self._session(call, None)
             facts = RequestFacts(
@@ -420,11 +420,13 @@ class Gateway:
     def _session(self, call: _Call, user: str | None) -> str | None:
         """The request's session key (``x-session-id``, else the body's ``user``), in its
         client key's namespace: one tenant cannot steer another's affinity or queue order."""
-        return self._namespaced(
+        return self.namespaced(
             call.observation.client, call.request.headers.get("x-session-id") or user
         )
 
-    def _namespaced(self, key: str, session: str | None) -> str | None:
+    def namespaced(self, key: str, session: str | None) -> str | None:
+        """A session key in client ``key``'s space (with client keys, two keys' sessions
+        never share a worker by name)."""
         if session is None or not self.tenants:
             return session
         return f"{key}:{session}"
@@ -506,13 +508,13 @@ class Gateway:
             )
         )
 
-    def _stored_response(self, path: str, key: ClientKeyId) -> tuple[str | None, WorkerId | None]:
+    def stored_response(self, path: str, key: ClientKeyId) -> tuple[str | None, WorkerId | None]:
         """``/v1/responses/{id}[/...]`` of a response kvgate routed for ``key``: to the
         worker holding it (a model it serves, and its id); anything else: (None, None)."""
         if not path.startswith(_RESPONSES):
             return None, None
         response_id = path.removeprefix(_RESPONSES).partition("/")[0]
-        holder = self._holder(response_id, key, "response_id")
+        holder = self.holder_of(response_id, key, "response_id")
         models = self.registry.get(holder).models if holder is not None else None
         if holder is None or not models:
             return None, None
@@ -642,9 +644,9 @@ class Gateway:
             facts = RequestFacts(
                 body.model,
                 prompt,
-                session_key=self._namespaced(key, session or body.user),
+                session_key=self.namespaced(key, session or body.user),
                 max_tokens=body.output_limit,
-                only=self._holder(body.previous_response_id, None, "previous_response_id"),
+                only=self.holder_of(body.previous_response_id, None, "previous_response_id"),
             )
             extra["responses_prompt"] = keyed
         else:
@@ -656,7 +658,7 @@ class Gateway:
             facts = RequestFacts(
                 parsed.model,
                 parsed.prompt_input(),
-                session_key=self._namespaced(key, session or parsed.user),
+                session_key=self.namespaced(key, session or parsed.user),
                 max_tokens=parsed.output_limit,
             )
         try:

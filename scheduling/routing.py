@@ -46,6 +46,7 @@ class _Domain:
     adapter: str | None
     only: WorkerId | None
     conversation: bytes | None = None
+    allowed: frozenset[WorkerId] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class Routed:
     base_model: str = ""  # the model whose tokenizer, template and block size keyed it
     adapter: str | None = None  # the LoRA adapter named by the request (its cache domain)
     only: WorkerId | None = None  # the one worker allowed (a conversation it holds)
+    allowed: frozenset[WorkerId] | None = None  # the workers it may go to (None: any)
     room_waived: bool = False  # KV-room refusals were lifted for it
     # the key of its conversation when an engine tokenized its prompt (tokenize_on.py)
     conversation: bytes | None = field(default=None, repr=False)
@@ -168,6 +170,7 @@ class Router:
         max_tokens: int | None = None,
         spans: Phases | None = None,
         only: WorkerId | None = None,
+        allowed: frozenset[WorkerId] | None = None,
         held: frozenset[WorkerId] = frozenset(),
     ) -> Routed:
         """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
@@ -176,7 +179,8 @@ class Router:
         chat template, block size) in the adapter's cache domain; only workers listing the
         adapter are candidates, and a worker whose own relation for the name puts its blocks
         in another domain gets no match. ``only``: that worker or none (a conversation it
-        holds); ``held``: workers the queue holds for other requests (refused). ``spans``
+        holds); ``allowed``: only these workers (a gateway's subset of endpoints); ``held``:
+        workers the queue holds for other requests (refused). ``spans``
         (tracing) gets the ``tokenize``, ``index match`` and ``score`` phases."""
         self.require_servable(model)
         base, adapter = self.registry.base_model(model)
@@ -202,7 +206,7 @@ class Router:
             max_tokens=max_tokens,
         )
         conversation = tokenize_on.key if tokenize_on is not None else None
-        domain = _Domain(base, adapter, only, conversation)
+        domain = _Domain(base, adapter, only, conversation, allowed)
         routed = self._rank(request, keys, matches, domain, held=held)  # after the await
         if spans is not None:
             spans.phase("score")
@@ -222,7 +226,9 @@ class Router:
         and for a queued request at dispatch (``held``: workers the queue holds for others;
         ``waive_room``: its wait for KV room is over)."""
         matches = self._match(routed.keys)
-        domain = _Domain(routed.base_model, routed.adapter, routed.only, routed.conversation)
+        domain = _Domain(
+            routed.base_model, routed.adapter, routed.only, routed.conversation, routed.allowed
+        )
         return self._rank(
             routed.request, routed.keys, matches, domain, exclude, held=held, waive_room=waive_room
         )
@@ -261,6 +267,8 @@ class Router:
         workers = self.registry.serving(request.model)
         if domain.only is not None:
             workers = [w for w in workers if w.id == domain.only]
+        if domain.allowed is not None:
+            workers = [w for w in workers if w.id in domain.allowed]
         if exclude:
             workers = [w for w in workers if w.id not in exclude]
         if not workers:
@@ -286,6 +294,7 @@ class Router:
             base_model=domain.base_model,
             adapter=domain.adapter,
             only=domain.only,
+            allowed=domain.allowed,
             room_waived=verdicts.room_waived,
             conversation=domain.conversation,
             _size=size,

@@ -44,6 +44,8 @@ class RequestFacts:
     max_tokens: int | None = None
     only: WorkerId | None = None  # the one worker allowed (a stored response's)
     spans: Phases | None = None  # a trace's routing phases
+    # the workers allowed (a gateway's subset of endpoints); None: any
+    allowed: frozenset[WorkerId] | None = None
 
 
 class _NoEvents:
@@ -118,6 +120,7 @@ class Scheduler:
             max_tokens=facts.max_tokens,
             spans=facts.spans,
             only=facts.only,
+            allowed=facts.allowed,
             held=self.queue.holds() if held else frozenset(),
         )
 

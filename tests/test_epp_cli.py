@@ -33,7 +33,12 @@ def options(parser: object) -> set[str]:
 def test_epp_takes_every_serve_option_and_its_grpc_port() -> None:
     serve, epp = options(serve_parser()), options(build_parser())
     assert serve <= epp
-    assert epp - serve == {"--grpc-port", "--conformance-headers", "--no-conformance-headers"}
+    assert epp - serve == {
+        "--grpc-port",
+        "--answer-sample",
+        "--conformance-headers",
+        "--no-conformance-headers",
+    }
     parsed = build_parser().parse_args(["--grpc-port", "9100", "--sim", "2"])
     assert vars(parsed)["grpc_port"] == "9100" and vars(parsed)["sim"] == "2"
 

@@ -18,10 +18,17 @@ from test_deploy_k8s import flag_values
 from kvgate.backends.discovery import parse_discovery_url
 from kvgate.bench.envoy import BOOTSTRAP, bootstrap, envoy_binary
 from kvgate.router.config import load_settings
+from kvgate.router.epp import messages as pb
 from kvgate.router.epp.cli import build_parser
 from kvgate.router.epp.config import EppSettings
 from kvgate.router.epp.server import EXT_PROC_SERVICE, LIVENESS, READINESS
-from kvgate.router.epp.wire import DESTINATION, LB_NAMESPACE, SERVED, SUBSET_NAMESPACE
+from kvgate.router.epp.wire import (
+    DESTINATION,
+    LB_NAMESPACE,
+    SERVED,
+    SUBSET_NAMESPACE,
+    can_skip_answer,
+)
 from kvgate.router.flags import given_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +86,15 @@ def test_the_bootstrap_speaks_the_endpoint_picker_protocol() -> None:
     assert filters[0]["name"] == "envoy.filters.http.ext_proc"
     assert filters[-1]["name"] == "envoy.filters.http.router"
     modes = ext_proc["processing_mode"]
-    assert modes["request_body_mode"] == modes["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    # kvgate reads the whole body, then tells Envoy to skip most answers' bodies: Envoy
+    # ignores mode overrides when either body mode is FULL_DUPLEX_STREAMED
+    assert (modes["request_body_mode"], modes["response_body_mode"]) == ("BUFFERED", "STREAMED")
+    assert modes["response_trailer_mode"] == "SEND"  # the stream lasts to the request's end
+    assert ext_proc["allow_mode_override"] is True
+    assert can_skip_answer((pb.BUFFERED, pb.STREAMED))
+    assert not can_skip_answer((pb.FULL_DUPLEX_STREAMED, pb.FULL_DUPLEX_STREAMED))
+    listener = config["static_resources"]["listeners"][0]  # a buffered body fits
+    assert listener["per_connection_buffer_limit_bytes"] >= EppSettings().max_body_bytes
     assert ext_proc["failure_mode_allow"] is False
     metadata = ext_proc["metadata_options"]
     assert set(metadata["forwarding_namespaces"]["untyped"]) == {LB_NAMESPACE, SUBSET_NAMESPACE}

@@ -216,3 +216,96 @@ async def test_a_queued_request_holds_its_stream_open_until_dispatched(tmp_path:
         labels = {"key": "-"}
         await until(lambda: stack.epp.metric("kvgate_queue_wait_seconds_count", labels) == 1)
         await until(stack.epp.idle, what="both requests released")
+
+
+# -- answers kvgate does not read (deploy/envoy/envoy.yaml allows mode overrides) -----------
+
+
+def ext_proc_messages(stack: Any) -> int:
+    """Messages Envoy's ext_proc filter sent kvgate so far."""
+    sent = stack.envoy.stats("http.inference.ext_proc.stream_msgs_sent")
+    return int(sent.get("http.inference.ext_proc.stream_msgs_sent", 0))
+
+
+async def test_an_answer_kvgate_skips_reaches_the_client_whole_and_its_end_releases_the_load(
+    tmp_path: Path,
+) -> None:
+    """Not sampled: Envoy sends kvgate the request's head and body and the answer's head,
+    then nothing more; the answer reaches the client untouched; the ext_proc stream's close
+    at the request's end releases kvgate's load accounting."""
+    async with (
+        sim_fleets(fleet_config(2)) as (fleet,),
+        envoy_stack(fleet, tmp_path, answer_sample=1_000_000) as stack,
+    ):
+        whole = await stack.client.post(
+            "/v1/chat/completions", json=turn([], long_text("whole", 30), max_tokens=8)
+        )
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["usage"]["completion_tokens"] == 8
+        assert whole.headers["x-kvgate-worker"] in stack.urls
+        body = turn([], long_text("streamed", 30), max_tokens=8, stream=True)
+        async with stack.client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            text = (await reply.aread()).decode()
+        assert text.count('"content"') >= 8 and text.rstrip().endswith("data: [DONE]")
+        assert '"usage"' not in text  # kvgate asked for none: it would not see it
+        # request headers, request body, response headers: 3 messages a request, no more
+        assert ext_proc_messages(stack) == 6
+        await until(stack.epp.idle, what="both requests released at their ends")
+        epp = stack.epp
+        await until(lambda: epp.metric("kvgate_epp_streams_total", {"outcome": "placed"}) == 2)
+        for url in stack.urls:  # nothing measured, so nothing predicted against it
+            labels = {"model": MODEL, "worker": url}
+            assert epp.metric("kvgate_predicted_cached_tokens_total", labels) == 0
+        answered = sum(
+            epp.metric("kvgate_requests_total", {"worker": u, "model": MODEL, "status": "200"})
+            for u in stack.urls
+        )
+        assert answered == 2
+
+
+async def test_a_skipped_answer_holds_its_load_until_the_client_leaves(tmp_path: Path) -> None:
+    async with (
+        sim_fleets(slow(2)) as (fleet,),
+        envoy_stack(fleet, tmp_path, answer_sample=1_000_000) as stack,
+    ):
+        body = turn([], long_text("a long answer", 60), max_tokens=2000, stream=True)
+        async with (
+            httpx.AsyncClient(base_url=stack.envoy.url, timeout=30.0) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as reply,
+        ):
+            assert reply.status_code == 200
+            chunks = reply.aiter_bytes()
+            await anext(chunks)
+            await anext(chunks)  # the answer streams past kvgate: its load stays counted
+            assert stack.epp.in_flight() == 1
+            assert ext_proc_messages(stack) == 3
+        # the client closed its connection mid-answer: Envoy ends the ext_proc stream
+        await until(stack.epp.idle, what="the load of the abandoned request released")
+
+
+async def test_one_answer_in_n_is_read_and_its_cached_tokens_measured(tmp_path: Path) -> None:
+    async with (
+        sim_fleets(fleet_config(3)) as (fleet,),
+        envoy_stack(fleet, tmp_path, answer_sample=2) as stack,
+    ):
+        history = [{"role": "system", "content": long_text("system", 60)}]
+        served: list[str] = []
+        engine_cached: list[int] = []
+        for number in range(4):
+            body = turn(history, long_text(f"turn {number}", 40), max_tokens=8)
+            if served:
+                await indexed(stack.epp, body, served[0])
+            reply = await stack.client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            served.append(reply.headers["x-kvgate-worker"])
+            engine_cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            answer = reply.json()["choices"][0]["message"]["content"]
+            history += [body["messages"][-1], {"role": "assistant", "content": answer}]
+        assert set(served) == {served[0]}
+        await until(stack.epp.idle, what="every request released")
+        labels = {"model": MODEL, "worker": served[0]}
+        read = engine_cached[1] + engine_cached[3]  # the 2nd and 4th answers were read
+        assert read > 0
+        assert stack.epp.metric("kvgate_engine_cached_tokens_total", labels) == read
+        assert stack.epp.metric("kvgate_predicted_cached_tokens_total", labels) == read

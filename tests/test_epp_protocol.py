@@ -26,6 +26,7 @@ from fakes.epp import (
 from fakes.simgate import MODEL, fleet_config, long_text, sim_fleets, until, worker_specs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate.router.epp import messages as pb
 from kvgate.router.epp.wire import endpoint_of
 
 pytestmark = pytest.mark.anyio
@@ -336,3 +337,65 @@ async def test_client_keys_are_checked_and_never_reach_the_engine_whose_own_key_
         assert "x-api-key" in mutation.remove_headers
         peer.cancel()
         await until(epp.idle)
+
+
+async def test_in_buffered_mode_kvgate_skips_the_body_of_answers_it_does_not_sample() -> None:
+    """Request body buffered, answer streamed (deploy/envoy/envoy.yaml): one answer in
+    ``answer_sample`` is read; the others' heads carry a mode override (no body, trailers
+    sent, so the stream lasts until the request ends), and the stream's end releases them."""
+    modes = (pb.BUFFERED, pb.STREAMED)
+    async with running(answer_sample=2) as (epp, urls), channel(epp.grpc_port) as ch:
+        overrides = []
+        for number in range(2):
+            peer = Peer(ch)
+            await peer.send(request_headers(modes=modes))
+            head = await peer.receive()
+            assert head.WhichOneof("response") == "request_headers"
+            await peer.send(request_body(chat_body(f"question {number}", stream=True)))
+            pick = await peer.receive()
+            assert pick.WhichOneof("response") == "request_body"
+            endpoint = pick.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION]
+            first = endpoint.string_value.split(",")[0]
+            await peer.send(response_headers(200, served=first))
+            answer = await peer.receive()
+            assert answer.WhichOneof("response") == "response_headers"
+            overrides.append(answer.HasField("mode_override"))
+            if answer.HasField("mode_override"):
+                mode = answer.mode_override
+                assert (mode.response_body_mode, mode.response_trailer_mode) == (pb.NONE, pb.SEND)
+                assert epp.in_flight() == 1  # held until the request ends
+            else:  # the sampled one: its answer read as it streams
+                await peer.send(response_body(b'data: {"choices": []}\n\n', end=False))
+                assert (await peer.receive()).WhichOneof("response") == "response_body"
+                await peer.send(response_body(b"data: [DONE]\n\n", end=True))
+                assert (await peer.receive()).WhichOneof("response") == "response_body"
+            await peer.done_writing()  # Envoy closes the stream at the request's end
+            assert await peer.receive() is None
+            await until(epp.idle, what="the request's load released at its stream's end")
+        assert overrides == [True, False]
+        labels = {"model": MODEL, "status": "200"}
+        answered = sum(
+            epp.metric("kvgate_requests_total", {**labels, "worker": url}) for url in urls
+        )
+        assert answered == 2
+
+
+async def test_a_queued_request_is_dispatched_within_its_subset_hint() -> None:
+    """The subset is part of the decision (``RequestFacts.allowed``): the queue's ranking
+    at dispatch keeps to it too."""
+    queue = {"max_in_flight_per_key": 1}
+    async with running(3, queue=queue) as (epp, urls), channel(epp.grpc_port) as ch:
+        first = Peer(ch)
+        held, _ = await pick(first, chat_body("first in"))
+        allowed = [endpoint_of(url) for url in urls if endpoint_of(url) != held[0]][:1]
+        second = Peer(ch)
+        await second.send(request_headers(metadata={"envoy.lb.subset_hint": {SUBSET: allowed}}))
+        await second.send(request_body(chat_body("second, within the subset")))
+        admission = epp.gateway.scheduler.queue
+        await until(lambda: len(admission) == 1, what="the second request queued")
+        await first.send(response_headers(200, served=held[0]))
+        await first.receive()
+        await first.send(response_body(b"data: [DONE]\n\n", end=True))
+        await first.receive()
+        await first.done_writing()  # the first ends: the second is dispatched
+        assert picked(await second.receive()) == allowed

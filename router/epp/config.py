@@ -28,3 +28,12 @@ class EppSettings(Settings):
         "x-conformance-test-served-endpoint): only to run its conformance suite, since any "
         "client may then choose its replica",
     )
+    answer_sample: int = Field(
+        default=16,
+        ge=1,
+        le=1_000_000,
+        description="read one answer in N through kvgate (its usage, first-token time, "
+        "streamed blocks, a cut): the others only to their head, when the gateway's Envoy "
+        "allows mode overrides (deploy/envoy/envoy.yaml). 1 reads every answer: cache and "
+        "TTFT metrics from every request, at about 3x kvgate's CPU per request",
+    )

@@ -12,6 +12,7 @@ it (and returns what the client gets: the usage event kvgate asked for is hidden
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kvgate.backends.registry import Worker
@@ -40,8 +41,8 @@ class Exchange:
 
     __slots__ = (
         "_answer_tap", "_body", "_ended", "_gateway", "_measured", "_observation", "_parsed",
-        "_placement", "_received_at", "_sent_at", "_start", "_status", "_tap", "_ticket",
-        "_trace", "_usage", "_worker",
+        "_placement", "_prefill_timer", "_received_at", "_sent_at", "_start", "_status", "_tap",
+        "_ticket", "_trace", "_usage", "_worker", "reads_answer",
     )  # fmt: skip
 
     def __init__(
@@ -52,8 +53,13 @@ class Exchange:
         observation: Observation,
         *,
         answer_tap: ResponseIdTap | None = None,
+        reads_answer: bool = True,
     ) -> None:
+        """``reads_answer`` False: Envoy is to send the answer's head only (the stream's
+        close is the answer's end; its prompt counts as prefilling until the predicted
+        first token)."""
         self._gateway = gateway
+        self.reads_answer = reads_answer
         self._placement = placement
         self._parsed = parsed
         self._observation = observation
@@ -73,6 +79,17 @@ class Exchange:
         gateway.metrics.overhead.observe(time.perf_counter() - self._received_at)
         self._sent_at = time.monotonic()
         self._ticket: LoadTicket = placement.begin(self._worker)
+        self._prefill_timer: asyncio.TimerHandle | None = None
+        if not reads_answer:
+            self._prefill_timer = asyncio.get_running_loop().call_later(
+                self._ticket.predicted_ttft_s, self._predicted_first_token
+            )
+
+    def _predicted_first_token(self) -> None:
+        """An answer kvgate does not read: its prompt stops counting as prefilling when
+        kvgate predicted its first token (not measured: nothing is learnt from it)."""
+        self._prefill_timer = None
+        self._ticket.first_token(measured=False)
 
     @property
     def worker(self) -> Worker:
@@ -200,6 +217,14 @@ class Exchange:
     def close(self) -> None:
         """The ext_proc stream is over: everything released, the request recorded."""
         placement, ticket = self._placement, self._ticket
+        if self._prefill_timer is not None:
+            self._prefill_timer.cancel()
+            self._prefill_timer = None
+        answered = self._ended  # its body's end seen
+        if not answered and not self.reads_answer and self._status is not None:
+            # the body skipped: the stream ends with the request, which had its head's status
+            ticket.complete(None, None)
+            self._ended = True
         placement.routed.finish_keys()
         observed = ticket.finish()
         placement.release()
@@ -225,7 +250,7 @@ class Exchange:
         route.e2e.observe(time.perf_counter() - self._received_at)
         if worker.id != first:
             route.failovers.inc()
-        if status == "200" and self._parsed.usage is not UsageMode.NONE:
+        if answered and status == "200" and self._parsed.usage is not UsageMode.NONE:
             self._record_cache(usage)
 
     def _record_cache(self, usage: Usage | None) -> None:

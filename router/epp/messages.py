@@ -22,6 +22,8 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 # body send modes (envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode)
 NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, GRPC = range(6)
+# header and trailer send modes (ProcessingMode.HeaderSendMode)
+DEFAULT, SEND, SKIP = range(3)
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
@@ -79,6 +81,12 @@ _MESSAGES: dict[str, list[tuple[int, str, str, bool, str | None]]] = {
                           (2, "headers", "HeaderMutation", False, None),
                           (3, "body", "bytes", False, None),
                           (5, "details", "string", False, None)],
+    "ProcessingMode": [(1, "request_header_mode", "int32", False, None),
+                       (2, "response_header_mode", "int32", False, None),
+                       (3, "request_body_mode", "int32", False, None),
+                       (4, "response_body_mode", "int32", False, None),
+                       (5, "request_trailer_mode", "int32", False, None),
+                       (6, "response_trailer_mode", "int32", False, None)],
     "ProcessingResponse": [
         (1, "request_headers", "HeadersResponse", False, "response"),
         (2, "response_headers", "HeadersResponse", False, "response"),
@@ -88,6 +96,7 @@ _MESSAGES: dict[str, list[tuple[int, str, str, bool, str | None]]] = {
         (6, "response_trailers", "TrailersResponse", False, "response"),
         (7, "immediate_response", "ImmediateResponse", False, "response"),
         (8, "dynamic_metadata", "google.protobuf.Struct", False, None),
+        (9, "mode_override", "ProcessingMode", False, None),
     ],
 }  # fmt: skip
 
@@ -164,4 +173,5 @@ HeadersResponse: Any = _CLASSES["HeadersResponse"]
 BodyResponse: Any = _CLASSES["BodyResponse"]
 TrailersResponse: Any = _CLASSES["TrailersResponse"]
 ImmediateResponse: Any = _CLASSES["ImmediateResponse"]
+ProcessingMode: Any = _CLASSES["ProcessingMode"]
 ProcessingResponse: Any = _CLASSES["ProcessingResponse"]

@@ -4,16 +4,17 @@ not a copy of it.
 
 ``Placer.place`` turns a request's facts into a ``Placement``: the workers Envoy is to try,
 in order (the order the scheduler granted: the chosen worker first, then at most
-``upstream.max_failover`` fallbacks), restricted to the endpoints the proxy allows (its
-subset hint) or the conformance suite forces. ``Placement.begin`` charges a worker with the
-request's load (``Grant.begin``: the scheduler's ledger, the queue's reservation handed
-over) and ``release`` gives the admission's share back.
+``upstream.max_failover`` fallbacks), ranked among the endpoints the proxy allows (its
+subset hint) or the conformance suite forces alone (``RequestFacts.allowed``).
+``Placement.begin`` charges a worker with the request's load (``Grant.begin``: the
+scheduler's ledger, the queue's reservation handed over) and ``release`` gives the
+admission's share back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from kvgate.backends.registry import Worker
 from kvgate.index.api import PromptInput
@@ -89,11 +90,11 @@ class Placer:
             session_key=ask.session,
             max_tokens=ask.max_tokens,
             only=ask.only,
+            allowed=ask.among,  # ranked among these alone, at the pick and at dispatch
         )
         try:
-            routed = _among(await scheduler.route(facts), ask.among, retry)
-            grant = await scheduler.admit(
-                routed,
+            grant = await scheduler.schedule(
+                facts,
                 key=ask.key,
                 session=ask.session,
                 timeout_s=ask.timeout_s,
@@ -103,12 +104,7 @@ class Placer:
             )
         except SchedulingError as exc:
             raise from_scheduling(exc, retry_after_s=retry) from exc
-        try:  # at dispatch the queue ranked afresh: keep to the allowed workers
-            routed = _among(grant.routed, ask.among, retry)
-        except NoHealthyWorker:
-            grant.release()
-            raise
-        grant.routed = routed
+        routed = grant.routed
         order = []
         for worker_id in routed.order[: 1 + self._fallbacks]:
             worker = gateway.registry.find(worker_id)
@@ -118,25 +114,3 @@ class Placer:
             grant.release()
             raise NoHealthyWorker(ask.model, retry_after_s=retry)
         return Placement(routed, grant, tuple(order))
-
-
-def _among(routed: Routed, among: Collection[WorkerId] | None, retry_after_s: int) -> Routed:
-    """``routed`` with only the workers in ``among`` ranked (their order kept);
-    ``NoHealthyWorker`` when none of them is."""
-    if among is None:
-        return routed
-    order = [w for w in routed.order if w in among]
-    if not order:
-        raise NoHealthyWorker(routed.request.model, retry_after_s=retry_after_s)
-    if len(order) == len(routed.order):
-        return routed
-    decision = routed.decision
-    ranked = [w for w in decision.ranked if w in among]
-    scores = [s for s in decision.scores if s.worker in among]
-    return replace(
-        routed,
-        candidates={w: c for w, c in routed.candidates.items() if w in among},
-        decision=replace(decision, ranked=ranked, scores=scores),
-        order=order,
-        refused={w: r for w, r in routed.refused.items() if w in among},
-    )

@@ -46,7 +46,7 @@ class ExternalProcessor:
         process = grpc.stream_stream_rpc_method_handler(
             self.Process,
             request_deserializer=messages.ProcessingRequest.FromString,
-            response_serializer=messages.ProcessingResponse.SerializeToString,
+            response_serializer=wire.serialize,
         )
         return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process})
 

@@ -56,6 +56,9 @@ from kvgate.scheduling.affinity import ClientKeyId
 
 log = logging.getLogger("kvgate.epp")
 
+# (request, response) body modes in which kvgate sends the body and the answer back itself
+# (it may ask for usage upstream and hide it from the client)
+_REWRITABLE = frozenset({(wire.FULL_DUPLEX, wire.FULL_DUPLEX), (wire.BUFFERED, wire.STREAMED)})
 MAX_REQUEST_MESSAGES = 65_536  # messages before the pick (body pieces, trailers)
 _MAX_REQUEST_ID = 128
 OUTCOMES = ("placed", "refused", "client_gone", "protocol_error", "timeout")
@@ -88,14 +91,28 @@ class EppMetrics:
         self.streams.labels(outcome).inc()
 
 
-@dataclass(frozen=True, slots=True)
 class EppService:
-    """What every stream shares."""
+    """What every stream shares; which answers kvgate reads in full (one in
+    ``answer_sample``, or all when Envoy cannot be told to skip an answer's body)."""
 
-    gateway: Gateway
-    settings: EppSettings
-    placer: Placer
-    metrics: EppMetrics
+    __slots__ = ("_count", "gateway", "metrics", "placer", "settings", "skip_answer")
+
+    def __init__(
+        self, gateway: Gateway, settings: EppSettings, placer: Placer, metrics: EppMetrics
+    ) -> None:
+        self.gateway = gateway
+        self.settings = settings
+        self.placer = placer
+        self.metrics = metrics
+        self.skip_answer = wire.skip_answer_body(wire.BUFFERED)
+        self._count = 0
+
+    def reads_answer(self, modes: tuple[int, int]) -> bool:
+        """Whether kvgate reads this request's answer past its head."""
+        if not wire.can_skip_answer(modes):
+            return True
+        self._count = (self._count + 1) % self.settings.answer_sample
+        return self._count == 0
 
 
 class EppStream:
@@ -200,7 +217,7 @@ class EppStream:
                 "kvgate epp needs the ext_proc request body mode FULL_DUPLEX_STREAMED or BUFFERED",
                 code="epp_misconfigured",
             )
-        return wire.headers_continue(request=True) if modes[0] == wire.BUFFERED else None
+        return wire.HEAD_CONTINUE if modes[0] == wire.BUFFERED else None
 
     async def _pick(
         self,
@@ -221,8 +238,9 @@ class EppStream:
         gateway, key = self._gateway, ClientKeyId(observation.client)
         stored_model, holder = None, None
         if head.path not in KEYED_PATHS:  # (an allowed path: _head saw to it)
-            stored_model, holder = gateway._stored_response(normalised_path(head.path), key)
-        can_rewrite = request_mode == wire.FULL_DUPLEX and modes[1] == wire.FULL_DUPLEX
+            stored_model, holder = gateway.stored_response(normalised_path(head.path), key)
+        reads_answer = self._service.reads_answer(modes)
+        can_rewrite = reads_answer and (request_mode, modes[1]) in _REWRITABLE
         parsed = parse(
             head,
             body,
@@ -233,11 +251,11 @@ class EppStream:
         observation.parsed(parsed.model, len(body), stream=parsed.stream)
         if parsed.previous_response_id is not None:
             previous = parsed.previous_response_id
-            holder = gateway._holder(previous, key, "previous_response_id")
+            holder = gateway.holder_of(previous, key, "previous_response_id")
         ask = Ask(
             model=parsed.model,
             prompt=parsed.prompt,
-            session=gateway._namespaced(key, parsed.session),  # in its client key's space
+            session=gateway.namespaced(key, parsed.session),  # in its client key's space
             max_tokens=parsed.max_tokens,
             key=key,
             timeout_s=client_timeout_s(head.headers),
@@ -248,7 +266,14 @@ class EppStream:
         )
         placement = await self._service.placer.place(ask, self._disconnected)
         answer_tap = gateway.scheduler.affinity.tap(key) if parsed.responses else None
-        exchange = Exchange(self._gateway, placement, parsed, observation, answer_tap=answer_tap)
+        exchange = Exchange(
+            self._gateway,
+            placement,
+            parsed,
+            observation,
+            answer_tap=answer_tap,
+            reads_answer=reads_answer,
+        )
         self._exchange = exchange
         if observation.queued is None:
             observation.queued = placement.waited_s
@@ -338,9 +363,9 @@ class EppStream:
                 if not ended:
                     ended = True
                     exchange.ended()
-                yield wire.trailers_continue(request=False)
+                yield wire.ANSWER_TRAILERS_CONTINUE
             elif kind == "request_trailers":
-                yield wire.trailers_continue(request=True)
+                yield wire.REQUEST_TRAILERS_CONTINUE
             else:
                 raise ProtocolError(f"unexpected {kind} after the pick")
 
@@ -353,7 +378,8 @@ class EppStream:
         told = exchange.client_headers()
         if self._service.settings.conformance_headers:
             told.append((wire.TEST_SERVED, served or ""))
-        return wire.headers_continue(request=False, set_headers=told)
+        skip = None if exchange.reads_answer else self._service.skip_answer
+        return wire.headers_continue(request=False, set_headers=told, mode_override=skip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +451,7 @@ def _pick_messages(
         if had_body and request_mode == wire.FULL_DUPLEX:
             yield from wire.streamed_bodies(body, request=True, end=not trailers)
     if trailers:
-        yield wire.trailers_continue(request=True)
+        yield wire.REQUEST_TRAILERS_CONTINUE
 
 
 def _body_answers(original: bytes, out: bytes, mode: int, *, end: bool) -> Iterator[wire.Message]:
@@ -435,7 +461,7 @@ def _body_answers(original: bytes, out: bytes, mode: int, *, end: bool) -> Itera
         if out or end:
             yield from wire.streamed_bodies(out, request=False, end=end)
         return
-    yield wire.body_continue(request=False, body=None if out == original else out)
+    yield wire.PIECE_CONTINUE if out == original else wire.body_continue(request=False, body=out)
 
 
 def from_refusal(gateway: Gateway, error: KvgateError, observation: Observation) -> wire.Message:

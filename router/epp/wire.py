@@ -129,8 +129,8 @@ def _mutation(set_headers: Iterable[tuple[str, str]], remove: Sequence[str] = ()
 
 def _pick_common(endpoints: Sequence[str], rewrite: Rewrite) -> tuple[Message, Message]:
     value = ",".join(endpoints)
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    metadata = struct_pb2.Struct()  # {LB_NAMESPACE: {DESTINATION: value}}
+    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = value
     sets = [(DESTINATION, value), *rewrite.set_headers]
     common = pb.CommonResponse(header_mutation=_mutation(sets, rewrite.remove_headers))
     return common, metadata
@@ -193,13 +193,39 @@ def body_continue(*, request: bool, body: bytes | None = None) -> Message:
     )
 
 
-def headers_continue(*, request: bool, set_headers: Iterable[tuple[str, str]] = ()) -> Message:
+def headers_continue(
+    *,
+    request: bool,
+    set_headers: Iterable[tuple[str, str]] = (),
+    mode_override: Message | None = None,
+) -> Message:
+    """The headers go on (with ``set_headers``); ``mode_override``: the processing mode of
+    the rest of this request (Envoy honours it with ``allow_mode_override``)."""
     common = pb.CommonResponse(header_mutation=_mutation(set_headers))
     answer = pb.HeadersResponse(response=common)
-    return (
+    message = (
         pb.ProcessingResponse(request_headers=answer)
         if request
         else pb.ProcessingResponse(response_headers=answer)
+    )
+    if mode_override is not None:
+        message.mode_override.CopyFrom(mode_override)
+    return message
+
+
+def can_skip_answer(modes: tuple[BodyMode, BodyMode]) -> bool:
+    """Whether Envoy can be told to send no more of an answer than its head: it ignores a
+    mode override when either body mode is full-duplex streamed, and its answer body mode
+    must be streamed (with NONE the stream would end at the head for every request)."""
+    return modes[0] == BUFFERED and modes[1] == STREAMED
+
+
+def skip_answer_body(request_mode: BodyMode) -> Message:
+    """The mode override that sends no more of the answer than its head: no body; the
+    trailers (if any) still sent, so Envoy keeps the stream open until the request ends
+    (ended by the client, the engine or a reset) and its close is the request's end."""
+    return pb.ProcessingMode(
+        request_body_mode=request_mode, response_body_mode=NO_BODY, response_trailer_mode=pb.SEND
     )
 
 
@@ -229,6 +255,18 @@ def refusal(error: KvgateError, request_id: str) -> Message:
     headers = [("content-type", content_type), ("x-request-id", request_id), *error.headers.items()]
     details = f"kvgate_{error.code or 'error'}"
     return immediate(error.status, error.body_bytes(), headers, details)
+
+
+def serialize(message: Message | bytes) -> bytes:
+    """The gRPC response serializer: an answer serialized ahead (a constant) goes as is."""
+    return message if isinstance(message, bytes) else bytes(message.SerializeToString())
+
+
+# constant answers, serialized once (``serialize`` sends them as they are)
+HEAD_CONTINUE = serialize(headers_continue(request=True))  # a buffered request's head
+PIECE_CONTINUE = serialize(body_continue(request=False))  # an answer's piece, unchanged
+REQUEST_TRAILERS_CONTINUE = serialize(trailers_continue(request=True))
+ANSWER_TRAILERS_CONTINUE = serialize(trailers_continue(request=False))
 
 
 def message_kind(message: Message) -> str | None:

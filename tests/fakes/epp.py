@@ -113,6 +113,9 @@ class Stack:
 
 @asynccontextmanager
 async def envoy_stack(fleet: SimFleet, work_dir: Path, **overrides: Any) -> AsyncIterator[Stack]:
+    """(``answer_sample`` 1 unless given: kvgate reads every answer, as the tests of
+    per-request usage, first tokens and cut answers need.)"""
+    overrides.setdefault("answer_sample", 1)
     async with AsyncExitStack() as stack:
         epp = await stack.enter_async_context(epp_server(worker_specs(fleet), **overrides))
         urls = [r.url for r in fleet.replicas]
@@ -148,13 +151,15 @@ def request_headers(
     end: bool = False,
     extra: dict[str, str] | None = None,
     metadata: dict[str, Any] | None = None,
+    modes: tuple[int, int] = (pb.FULL_DUPLEX_STREAMED, pb.FULL_DUPLEX_STREAMED),
 ) -> Any:
-    """The first message of a stream, as Envoy sends it in full-duplex streamed mode."""
+    """The first message of a stream, as Envoy sends it (by default in full-duplex streamed
+    mode; ``modes``: the request's and the answer's body modes)."""
     headers = {":method": method, ":path": path, ":authority": "gw", **(extra or {})}
-    mode = pb.FULL_DUPLEX_STREAMED
+    config = pb.ProtocolConfiguration(request_body_mode=modes[0], response_body_mode=modes[1])
     message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+        protocol_config=config,
     )
     for namespace, fields in (metadata or {}).items():
         message.metadata_context.filter_metadata[namespace].update(fields)

@@ -44,6 +44,7 @@ def epp_behind_envoy(
         "--port", str(http), "--grpc-port", str(grpc_port), "--policy", "kv",
         "--tokenizer", str(tiny_model_dir), "--index-block-size", "32",
         "--health-interval-s", "0.5", "--log-level", "debug",
+        "--answer-sample", "3",  # a third of the answers read: both kinds run
         *(arg for spec in vllm_fleet.worker_flags() for arg in ("--worker", spec)),
     ]  # fmt: skip
     epp = ChildProcess(argv, name="kvgate epp", log_path=logs / "kvgate-epp.log").start()
