@@ -2,7 +2,7 @@
 checks and load scraping of every replica (``HealthConfig``).
 
 A worker can be written as a mapping or in the compact CLI form
-``URL[,engine=vllm][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+``URL[,engine=vllm][,role=prefill|decode|both][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
 A worker URL's ``user:password@`` becomes its HTTP Basic credentials and leaves the URL (the
 worker's id, shown everywhere), so it cannot be displayed; keys live in ``SecretStr`` fields,
 refused when empty and never echoed in errors.
@@ -20,8 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from kvgate.index.types import WorkerId
 
 EngineKind = Literal["vllm", "sglang", "openai"]
+WorkerRole = Literal["prefill", "decode", "both"]
+"""A worker's part in a disaggregated fleet: ``prefill`` workers run the prefill leg of a
+request, ``decode`` workers its decode leg; ``both`` (the default) serve whole requests."""
 
-_WORKER_KEYS = {"engine", "models", "events", "replay", "api_key"}
+_WORKER_KEYS = {"engine", "role", "models", "events", "replay", "api_key"}
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]*@")
 _KEY_VALUE = re.compile(r"(?i)((?:api_?key|token|password|secret)\w*\s*[=:]\s*)[^,\s'\"}]+")
 _URL_PATH_OK = re.compile(r"[!-~]*")  # printable ASCII, no space: it goes in a request line
@@ -111,6 +114,11 @@ class WorkerConfig(BaseModel):
 
     url: str = Field(description="base URL of the engine, e.g. http://127.0.0.1:9001")
     engine: EngineKind = Field(default="vllm", description="engine kind: vllm | sglang | openai")
+    role: WorkerRole = Field(
+        default="both",
+        description="prefill | decode | both: its part in a prefill/decode disaggregated "
+        "fleet (docs/pd.md); both: it serves whole requests",
+    )
     models: list[str] | None = Field(
         default=None, description="models it serves; discovered from its /v1/models when not given"
     )

@@ -127,6 +127,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "engine": self.config.engine,
+            "role": self.config.role,
             "models": sorted(self.models),
             "events": self.config.events,
             "replay": self.config.replay,

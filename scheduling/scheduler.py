@@ -29,7 +29,7 @@ from kvgate.scheduling.errors import ResponseHolderGone, ResponseHolderUnavailab
 from kvgate.scheduling.grant import Grant
 from kvgate.scheduling.ledger import Ledger
 from kvgate.scheduling.queue import AdmissionQueue, QueueEvents
-from kvgate.scheduling.routing import Phases, Routed, Router
+from kvgate.scheduling.routing import Leg, Phases, Routed, Router
 from kvgate.scoring.api import Policy
 
 
@@ -43,6 +43,7 @@ class RequestFacts:
     max_tokens: int | None = None
     only: WorkerId | None = None  # the one worker allowed (a stored response's)
     spans: Phases | None = None  # a trace's routing phases
+    leg: Leg | None = None  # one leg of a disaggregated request: its role's workers only
 
 
 class _NoEvents:
@@ -116,7 +117,13 @@ class Scheduler:
             spans=facts.spans,
             only=facts.only,
             held=self.queue.holds() if held else frozenset(),
+            leg=facts.leg,
         )
+
+    def route_leg(self, routed: Routed, leg: Leg) -> Routed:
+        """``routed``'s request ranked again for ``leg`` of a disaggregated exchange (the
+        same keys; ``NoHealthyWorker`` when no worker of that role is ready)."""
+        return self.router.for_leg(routed, leg)
 
     async def schedule(
         self,

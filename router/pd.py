@@ -1,0 +1,272 @@
+"""The prefill leg of a disaggregated request (vLLM's ``kv_transfer_params`` protocol).
+
+When a model's ready workers include prefill and decode workers (``scheduling.pd``), the
+gateway routes the request's decode leg as an ordinary exchange among the decode workers
+(``Proxy``: queue, retries before the first token, the client's stream) and gives it a
+``TwoLegs``: before each decode attempt the proxy asks it for the body to send
+(``body_for``). It plans the legs for that decode worker (``scheduling.pd.plan_legs``: skip
+the prefill leg when local prefill is no dearer), and otherwise runs the prefill leg:
+
+    POST <prefill worker><path>  client body + kv_transfer_params {do_remote_decode: true,
+                                 ...}, max_tokens 1, stream false (same X-Request-Id)
+        -> its answer's kv_transfer_params
+    decode body = client body + those kv_transfer_params
+
+A failed prefill attempt is retried on the next prefill worker (fresh ranking, failed
+workers left out); when none answers, the decode worker prefills the prompt itself (the
+request is never lost to the prefill tier). A failed decode attempt re-runs the prefill leg
+for the next decode worker. Every leg runs in the exchange's task: a client that leaves
+cancels whichever leg is running. A client's own ``kv_transfer_params`` never reaches an
+engine (``strip_transfer_params``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import msgspec
+
+from kvgate.backends.registry import Worker
+from kvgate.index.errors import JsonDecodeError
+from kvgate.index.jsonsafe import decode_json
+from kvgate.index.types import WorkerId
+from kvgate.router.commit import Reason, failure_reason
+from kvgate.router.errors import from_httpx
+from kvgate.router.observe import Observation
+from kvgate.router.proxy import Proxy
+from kvgate.router.upstream import BodyTooLarge
+from kvgate.router.usage import usage_from_body
+from kvgate.scheduling.errors import NoHealthyWorker
+from kvgate.scheduling.grant import Grant
+from kvgate.scheduling.pd import LegPlan, plan_legs
+from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.scheduler import Scheduler
+from kvgate.scoring.config import KvPolicyConfig
+
+log = logging.getLogger("kvgate.pd")
+
+TRANSFER_PARAMS = "kv_transfer_params"
+_TRANSFER_KEY = b'"kv_transfer_params"'
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""What the prefill leg asks of a vLLM prefill worker: prefill, keep the blocks for a
+decode worker to fetch, and answer with where they are."""
+_MAX_PREFILL_ANSWER = 1 << 20  # a one-token answer and its transfer parameters
+_ENCODE = msgspec.json.Encoder()
+
+
+def strip_transfer_params(raw: bytes, data: dict[str, Any]) -> bytes:
+    """``raw`` (decoding to ``data``) without a client's ``kv_transfer_params``: a malformed
+    one kills a vLLM decode worker, a mismatched one gets a wrong answer. Re-encoded only
+    when the body has one."""
+    if _TRANSFER_KEY not in raw or TRANSFER_PARAMS not in data:
+        return raw
+    return _ENCODE.encode({k: v for k, v in data.items() if k != TRANSFER_PARAMS})
+
+
+def prefill_body(data: dict[str, Any]) -> bytes:
+    """The prefill leg's body: the client's request, one token, not streamed, marked for a
+    remote decode."""
+    body = {k: v for k, v in data.items() if k not in {"stream_options", TRANSFER_PARAMS}}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body[TRANSFER_PARAMS] = REMOTE_DECODE
+    return _ENCODE.encode(body)
+
+
+def with_transfer_params(body: bytes, params: dict[str, Any]) -> bytes:
+    """``body`` (a JSON object without ``kv_transfer_params``) carrying ``params``, its own
+    bytes kept."""
+    start = body.index(b"{") + 1
+    member = _TRANSFER_KEY + b":" + _ENCODE.encode(params)
+    rest = body[start:].lstrip()
+    return body[:start] + member + (b"," if not rest.startswith(b"}") else b"") + body[start:]
+
+
+class _PrefillFailed(Exception):
+    """One prefill attempt failed (its reason and detail)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class TwoLegs:
+    """One disaggregated request's prefill legs, run by its exchange before each decode
+    attempt (``router.proxy.AttemptBody``)."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        scheduler: Scheduler,
+        config: KvPolicyConfig,
+        *,
+        data: dict[str, Any],
+        path: str,
+        request_id: str,
+        headers: list[tuple[bytes, bytes]],
+        key: str,
+    ) -> None:
+        self._proxy = proxy
+        self._scheduler = scheduler
+        self._config = config
+        self._prefill_body = prefill_body(data)
+        self._path = path
+        self._request_id = request_id
+        self._headers = headers
+        self._key = key
+        self.plan: LegPlan | None = None
+        self.prefill_worker: str | None = None  # the prefill worker that answered, if any
+        self._predicted: dict[WorkerId, int] = {}
+
+    @staticmethod
+    def plan_for(
+        scheduler: Scheduler, config: KvPolicyConfig, routed: Routed, worker: WorkerId | None = None
+    ) -> LegPlan:
+        """The plan for decode worker ``worker`` (default: the chosen one) of ``routed``
+        (the decode leg's ranking), the prefill leg ranked now."""
+        try:
+            prefill: Routed | None = scheduler.route_leg(routed, "prefill")
+        except NoHealthyWorker:
+            prefill = None
+        return plan_legs(routed, worker or routed.chosen, prefill, config)
+
+    async def body_for(self, worker: Worker, routed: Routed, body: bytes) -> bytes:
+        """The body of the decode attempt on ``worker``: ``body`` as it is (prefill leg
+        skipped, or failed on every prefill worker), or carrying the prefill leg's answer."""
+        plan = self.plan_for(self._scheduler, self._config, routed, worker.id)
+        self.plan, self.prefill_worker = plan, None
+        metrics = self._proxy.metrics
+        self._predicted[worker.id] = plan.decode_cached_tokens
+        if plan.skipped:
+            metrics.pd_legs.labels("prefill", "skipped").inc()
+            log.debug("%s: prefill leg skipped: %s", self._request_id, plan.reason)
+            return body
+        params = await self._prefill(routed, plan)
+        if params is None:  # every prefill worker failed: prefilled where it decodes
+            self._predicted[worker.id] = routed.predicted_cached_tokens(worker.id)
+            return body
+        metrics.pd_transferred.inc(plan.transfer_blocks * routed.request.block_size)
+        if not params:  # a connector that needs none (it finds the KV by the prompt)
+            return body
+        return with_transfer_params(body, params)
+
+    def predicted(self, worker: WorkerId) -> int | None:
+        """Tokens ``worker`` (a decode worker tried) should report cached."""
+        return self._predicted.get(worker)
+
+    def observe(self, observation: Observation, status: str) -> None:
+        """The exchange is over: the decode leg's outcome, the access log's fields."""
+        outcome = "ok" if status == "200" else "failed"
+        self._proxy.metrics.pd_legs.labels("decode", outcome).inc()
+        plan = self.plan
+        observation.pd = (self.prefill_worker, plan.skipped if plan is not None else None)
+
+    async def _prefill(self, decode: Routed, plan: LegPlan) -> dict[str, Any] | None:
+        """The prefill leg, retried on the next prefill worker (at most ``1 +
+        upstream.max_failover`` attempts); its answer's ``kv_transfer_params`` (empty when it
+        gave none), or None when every attempt failed."""
+        scheduler, proxy = self._scheduler, self._proxy
+        try:
+            routed = scheduler.route_leg(decode, "prefill")
+        except NoHealthyWorker:
+            return None
+        grant = Grant(routed, router=scheduler.router, ledger=scheduler.ledger, key=self._key)
+        tried: list[WorkerId] = []
+        for _ in range(1 + proxy.config.max_failover):
+            worker = proxy.registry.find(grant.routed.chosen)
+            if worker is not None and worker.healthy:
+                try:
+                    params = await self._prefill_on(worker, grant)
+                except _PrefillFailed as exc:
+                    proxy.metrics.pd_legs.labels("prefill", "failed").inc()
+                    log.info("%s: prefill leg failed on %s: %s", self._request_id, worker.url,
+                             exc.detail)  # fmt: skip
+                else:
+                    proxy.metrics.pd_legs.labels("prefill", "ok").inc()
+                    self.prefill_worker = worker.url
+                    return params
+            tried.append(grant.routed.chosen)
+            if grant.reroute(tried) is None:
+                break
+        return None
+
+    async def _prefill_on(self, worker: Worker, grant: Grant) -> dict[str, Any]:
+        proxy = self._proxy
+        headers = [
+            *self._headers,
+            (b"x-request-id", self._request_id.encode()),
+            (b"accept-encoding", b"identity"),
+        ]
+        authorization = worker.config.authorization()
+        if authorization is not None:
+            headers.append((b"authorization", authorization.encode()))
+        ticket = grant.begin(worker.id)  # ends when the prefill answer is in
+        try:
+            try:
+                response = await proxy.upstream.request(
+                    proxy.origin(worker), "POST", self._path, headers, self._prefill_body
+                )
+                try:
+                    answer = await response.aread(_MAX_PREFILL_ANSWER)
+                finally:
+                    await response.aclose()
+            except httpx.HTTPError as exc:
+                error = from_httpx(exc, worker=worker.url)
+                proxy.mark_failed(worker, failure_reason(exc), error.detail)
+                raise _PrefillFailed(failure_reason(exc), error.detail) from exc
+            except BodyTooLarge as exc:
+                raise _PrefillFailed(Reason.TOO_LARGE, "prefill answer too large") from exc
+            ticket.first_token()
+            grant.sent(worker.id)
+            if response.status_code >= 500:
+                detail = f"answered {response.status_code}"
+                proxy.registry.record_failure(worker, detail)
+                raise _PrefillFailed(Reason.HTTP_5XX, detail)
+            if response.status_code >= 400:  # the request's fault: the decode worker says so
+                raise _PrefillFailed("http_4xx", f"answered {response.status_code}")
+            proxy.registry.record_ok_response(worker)
+            params = self._answer(worker, grant, answer)
+            usage = _usage(answer)
+            if usage is not None:
+                ticket.complete(usage.prompt_tokens, usage.cached_tokens)
+                self._count_cache(worker, grant.routed, usage.cached_tokens)
+            return params
+        finally:
+            ticket.finish()
+
+    def _answer(self, worker: Worker, grant: Grant, answer: bytes) -> dict[str, Any]:
+        try:
+            data = decode_json(answer)
+        except JsonDecodeError as exc:
+            raise _PrefillFailed(Reason.BAD_ANSWER, f"its answer: {exc}") from exc
+        params = data.get(TRANSFER_PARAMS) if isinstance(data, dict) else None
+        if params is None:
+            return {}
+        if not isinstance(params, dict):
+            raise _PrefillFailed(Reason.BAD_ANSWER, "its kv_transfer_params is not an object")
+        return params
+
+    def _count_cache(self, worker: Worker, routed: Routed, engine_cached: int | None) -> None:
+        metrics, label = self._proxy.metrics, self._proxy.worker_label(worker)
+        metrics.pd_prefill_predicted.labels(label).inc(routed.predicted_cached_tokens(worker.id))
+        if engine_cached is not None:
+            metrics.pd_prefill_engine_cached.labels(label).inc(engine_cached)
+
+
+def _usage(answer: bytes) -> Any:
+    try:
+        return usage_from_body(answer)
+    except JsonDecodeError:
+        return None
