@@ -1,0 +1,205 @@
+"""Prefill/decode disaggregation end to end: kvgate (real uvicorn) in front of simulated
+vLLM replicas with roles (real HTTP, real ZMQ KV events, the simulator's transfer protocol:
+a decode replica pulls a prefill's blocks over HTTP)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fakes.gateway import Kvgate
+from fakes.simgate import (
+    MODEL,
+    cached_tokens,
+    chat,
+    fleet_config,
+    gate,
+    long_text,
+    predicted,
+    sim_fleets,
+    until,
+)
+
+from kvgate.backends.sim.fleet import SimFleet
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def pd_gate(*roles: str, **overrides: Any) -> AsyncIterator[tuple[Kvgate, SimFleet]]:
+    """kvgate over one simulated replica per role in ``roles``."""
+    async with sim_fleets(fleet_config(len(roles))) as (fleet,):
+        workers = [
+            f"{r.url},events={r.events},replay={r.replay},role={role}"
+            for r, role in zip(fleet.replicas, roles, strict=True)
+        ]
+        async with gate(workers, **overrides) as gw:
+            yield gw, fleet
+
+
+async def warm(gw: Kvgate, url: str, body: dict[str, Any]) -> int:
+    """``body`` sent straight to the replica at ``url``; its prefix indexed there."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        reply = await client.post(f"{url}/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+    return await overlap(gw, body, url)
+
+
+async def overlap(gw: Kvgate, body: dict[str, Any], url: str) -> int:
+    """The overlap kvgate predicts for ``body`` on ``url`` (either leg's ranking) once its
+    events are indexed."""
+    found = 0
+
+    async def some() -> bool:
+        nonlocal found
+        explained = (await gw.client.post("/debug/route", json=body)).json()
+        rankings = [explained, (explained.get("disaggregated") or {}).get("prefill") or {}]
+        entries = [w for r in rankings for w in r.get("workers", []) if w["worker"] == url]
+        found = max((int(w.get("overlap_tokens", 0)) for w in entries), default=0)
+        return found > 0
+
+    await until(some, what=f"blocks of the prompt indexed for {url}")
+    return found
+
+
+def legs(gw: Kvgate, leg: str, outcome: str) -> float:
+    return gw.metric("kvgate_pd_legs_total", {"leg": leg, "outcome": outcome})
+
+
+async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
+    """The prefill worker holds the prompt: the prefill leg runs there, the decode worker
+    receives the blocks, reports them cached as kvgate predicted, and publishes them."""
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        p_url, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text("transfer"), max_tokens=3)
+        await warm(gw, p_url, body)
+        explained = (await gw.client.post("/debug/route", json=body)).json()
+        plan = explained["disaggregated"]["plan"]
+        assert (plan["decode_worker"], plan["prefill_worker"]) == (d_url, p_url)
+        assert plan["skipped"] is False and plan["local_cost"] > plan["remote_cost"]
+        assert explained["leg"] == "decode"
+        assert {w["worker"]: w["role"] for w in explained["workers"]} == {
+            p_url: "prefill",
+            d_url: "decode",
+        }
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvgate-worker"] == d_url
+        assert reply.json()["usage"]["completion_tokens"] == 3
+        assert "kv_transfer_params" not in reply.json()
+        cached = cached_tokens(reply)
+        assert cached > 0 and cached == predicted(reply) == plan["predicted_decode_cached_tokens"]
+        assert legs(gw, "prefill", "ok") == 1 and legs(gw, "decode", "ok") == 1
+        assert gw.metric("kvgate_pd_transferred_tokens_total") == cached
+        prefill_cached = gw.metric(
+            "kvgate_pd_prefill_engine_cached_tokens_total", {"worker": p_url}
+        )
+        assert prefill_cached > 0
+        assert prefill_cached == gw.metric(
+            "kvgate_pd_prefill_predicted_cached_tokens_total", {"worker": p_url}
+        )
+        assert await overlap(gw, body, d_url) == cached  # the received blocks' events
+        assert fleet.replica(1).engine.cache.gpu_cached > 0
+
+
+async def test_streamed_answer_comes_from_the_decode_worker() -> None:
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        p_url, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text("stream"), max_tokens=4)
+        await warm(gw, p_url, body)
+        async with gw.client.stream(
+            "POST", "/v1/chat/completions", json=body | {"stream": True}
+        ) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["x-kvgate-worker"] == d_url
+            text = (await reply.aread()).decode()
+        events = [line for line in text.splitlines() if line.startswith("data: {")]
+        assert len(events) >= 4 and text.rstrip().endswith("data: [DONE]")
+        assert '"usage"' not in text  # kvgate asked for usage, and hid it
+        assert legs(gw, "prefill", "ok") == 1
+        assert gw.metric("kvgate_engine_cached_tokens_total", {"worker": d_url, "model": MODEL}) > 0
+
+
+async def test_an_idle_decode_worker_prefills_a_cold_prompt_itself() -> None:
+    """Nothing cached anywhere, nothing running on the decode worker: a transfer costs more
+    than prefilling there, so the prefill leg is skipped."""
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        d_url = fleet.replicas[1].url
+        body = chat(MODEL, long_text("cold"))
+        explained = (await gw.client.post("/debug/route", json=body)).json()
+        plan = explained["disaggregated"]["plan"]
+        assert plan["skipped"] is True and plan["local_cost"] <= plan["remote_cost"]
+        assert "local prefill" in plan["reason"]
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.headers["x-kvgate-worker"] == d_url
+        assert cached_tokens(reply) == predicted(reply) == 0
+        assert legs(gw, "prefill", "skipped") == 1 and legs(gw, "prefill", "ok") == 0
+        assert gw.metric("kvgate_pd_transferred_tokens_total") == 0
+
+
+async def test_a_failed_prefill_leg_is_retried_on_another_prefill_worker() -> None:
+    async with pd_gate("prefill", "prefill", "decode") as (gw, fleet):
+        p0, p1, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text("retry"))
+        await warm(gw, p0, body)
+        await warm(gw, p1, body)
+        explained = (await gw.client.post("/debug/route", json=body)).json()
+        first = explained["disaggregated"]["plan"]["prefill_worker"]
+        other = p1 if first == p0 else p0
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            fault = {"kind": "fail", "count": 1, "status": 503}
+            assert (await client.post(f"{first}/sim/fault", json=fault)).status_code == 200
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvgate-worker"] == d_url
+        assert legs(gw, "prefill", "failed") == 1 and legs(gw, "prefill", "ok") == 1
+        answered = "kvgate_pd_prefill_engine_cached_tokens_total"
+        assert gw.metric(answered, {"worker": other}) > 0  # the retry's prefill worker
+        assert gw.metric(answered, {"worker": first}) == 0
+        assert cached_tokens(reply) == predicted(reply) > 0
+
+
+async def test_every_prefill_worker_failing_leaves_the_prefill_to_the_decode_worker() -> None:
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        p_url, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text("fallback"))
+        await warm(gw, p_url, body)
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            fault = {"kind": "fail", "count": 1, "status": 503}
+            assert (await client.post(f"{p_url}/sim/fault", json=fault)).status_code == 200
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvgate-worker"] == d_url
+        assert cached_tokens(reply) == predicted(reply) == 0
+        assert legs(gw, "prefill", "failed") == 1 and legs(gw, "decode", "ok") == 1
+
+
+async def test_a_clients_transfer_params_never_reach_an_engine() -> None:
+    """A malformed ``kv_transfer_params`` would make the decode replica fetch from a host
+    the client names; kvgate drops it (aggregated fleet and disaggregated alike)."""
+    hostile = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1}
+    for roles in (("both",), ("prefill", "decode")):
+        async with pd_gate(*roles) as (gw, fleet):
+            body = chat(MODEL, long_text("hostile"), kv_transfer_params=hostile)
+            async with httpx.AsyncClient(timeout=10.0) as client:  # the engine would refuse
+                direct = await client.post(
+                    f"{fleet.replicas[-1].url}/v1/chat/completions", json=body
+                )
+            assert direct.status_code == 400
+            reply = await gw.client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+
+
+async def test_roles_are_shown_to_the_operator() -> None:
+    async with pd_gate("prefill", "decode", "both") as (gw, fleet):
+        urls = [r.url for r in fleet.replicas]
+        listed = (await gw.client.get("/admin/workers")).json()["workers"]
+        assert {w["url"]: w["role"] for w in listed} == dict(
+            zip(urls, ("prefill", "decode", "both"), strict=True)
+        )
+        for url, role in zip(urls, ("prefill", "decode", "both"), strict=True):
+            assert gw.metric("kvgate_worker_role", {"worker": url, "role": role}) == 1
+        await until(lambda: True)
