@@ -98,9 +98,7 @@ async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
             "kvgate_pd_prefill_engine_cached_tokens_total", {"worker": p_url}
         )
         assert prefill_cached > 0
-        assert prefill_cached == gw.metric(
-            "kvgate_pd_prefill_predicted_cached_tokens_total", {"worker": p_url}
-        )
+        assert prefill_cached == gw.metric("kvgate_pd_prefill_predicted_cached_tokens_total", on_p)
         assert await overlap(gw, body, d_url) == cached  # the received blocks' events
         assert fleet.replica(1).engine.cache.gpu_cached > 0
 
