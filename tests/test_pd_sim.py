@@ -94,9 +94,8 @@ async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
         assert cached > 0 and cached == predicted(reply) == plan["predicted_decode_cached_tokens"]
         assert legs(gw, "prefill", "ok") == 1 and legs(gw, "decode", "ok") == 1
         assert gw.metric("kvgate_pd_transferred_tokens_total") == cached
-        prefill_cached = gw.metric(
-            "kvgate_pd_prefill_engine_cached_tokens_total", {"worker": p_url}
-        )
+        on_p = {"worker": p_url}
+        prefill_cached = gw.metric("kvgate_pd_prefill_engine_cached_tokens_total", on_p)
         assert prefill_cached > 0
         assert prefill_cached == gw.metric("kvgate_pd_prefill_predicted_cached_tokens_total", on_p)
         assert await overlap(gw, body, d_url) == cached  # the received blocks' events
