@@ -6,14 +6,18 @@ workers, each ranked by the ordinary cost and checked by the capacity rule. ``pl
 then compares, for the chosen decode worker, the two ways to get the prompt's KV there, in
 the cost model's own units (blocks of prefill, ``scoring.cost.Price``):
 
-* local: ``overlap_credit x prefill_blocks x (1 + in_flight) + queued_prefill_weight x
-  queued``: the decode worker prefills what it lacks, and every request decoding there
-  stalls while it does (``in_flight``: kvgate's requests on it, the request's own not yet);
+* local: ``overlap_credit x lacking x (1 + in_flight) + queued_prefill_weight x queued``:
+  the decode worker prefills the whole blocks it lacks (``lacking``, its cache credit
+  taken off), and every request decoding there stalls while it does (``in_flight``:
+  kvgate's requests on it, the request's own not yet);
 * remote: the prefill worker's ``overlap_credit x prefill_blocks + queued_prefill_weight x
-  queued`` plus ``TRANSFER_BLOCK_COST`` for each block the decode worker lacks (sent over).
+  queued``, plus ``TRANSFER_BLOCK_COST`` for each block the decode worker lacks (sent
+  over), plus ``TRANSFER_SETUP_TOKENS`` (in blocks) for the leg itself.
 
-The prefill leg is skipped when local is no dearer. So an idle decode worker, or one that
-holds most of the prompt, prefills it itself, and a busy one receives it.
+The prompt's partial last block is computed on the decode worker either way, so it is in
+neither. The prefill leg is skipped when local is no dearer: a decode worker that holds
+most of the prompt, or an idle one given a short prompt, prefills it itself; a busy one,
+or one given a long prompt that a prefill worker holds, receives it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ TRANSFER_BLOCK_COST = 0.25
 """Cost of moving one KV block from a prefill worker to a decode worker, in blocks of
 prefill: a transfer reads and writes memory a block at a time where a prefill computes
 every layer's attention for it (a quarter is conservative for loopback and RDMA links)."""
+TRANSFER_SETUP_TOKENS = 256
+"""The prefill leg's own cost, in tokens of prefill: one more request on the prefill
+worker (a scheduling step), two HTTP hops and the decode worker's fetch. A prefill shorter
+than this is a fraction of one engine step on the decode worker."""
 
 
 def disaggregated(workers: Iterable[Worker]) -> bool:
@@ -68,6 +76,7 @@ class LegPlan:
             "remote_cost": self.remote_cost,
             "transfer_blocks": self.transfer_blocks,
             "transfer_block_cost": TRANSFER_BLOCK_COST,
+            "transfer_setup_tokens": TRANSFER_SETUP_TOKENS,
             "predicted_decode_cached_tokens": self.decode_cached_tokens,
             "predicted_prefill_cached_tokens": self.prefill_cached_tokens,
             "reason": self.reason,
@@ -81,7 +90,8 @@ def plan_legs(
     candidates), with ``prefill`` the prefill leg's ranking (None: no prefill worker ready)."""
     size = decode.size
     here = Price(size, decode.candidates[worker], config)
-    local = config.overlap_credit * here.prefill * (1 + here.in_flight)
+    tail = size.blocks - size.full_blocks  # computed where it decodes, either way
+    local = config.overlap_credit * max(here.prefill - tail, 0.0) * (1 + here.in_flight)
     local += config.queued_prefill_weight * here.queued
     own_cached = decode.predicted_cached_tokens(worker)
     lacking = max(size.full_blocks - here.match.blocks, 0)
@@ -90,7 +100,7 @@ def plan_legs(
     chosen = prefill.chosen
     there = Price(prefill.size, prefill.candidates[chosen], config)
     remote = config.overlap_credit * there.prefill + config.queued_prefill_weight * there.queued
-    remote += TRANSFER_BLOCK_COST * lacking
+    remote += TRANSFER_BLOCK_COST * lacking + TRANSFER_SETUP_TOKENS / size.block_size
     if local <= remote:
         why = f"local prefill {local:g} <= prefill worker {remote:g} (transfer included)"
         return LegPlan(worker, None, local, remote, 0, own_cached, 0, why)

@@ -74,7 +74,7 @@ async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
     receives the blocks, reports them cached as kvgate predicted, and publishes them."""
     async with pd_gate("prefill", "decode") as (gw, fleet):
         p_url, d_url = (r.url for r in fleet.replicas)
-        body = chat(MODEL, long_text("transfer"), max_tokens=3)
+        body = chat(MODEL, long_text("transfer", 900), max_tokens=3)
         await warm(gw, p_url, body)
         explained = (await gw.client.post("/debug/route", json=body)).json()
         plan = explained["disaggregated"]["plan"]
@@ -105,7 +105,7 @@ async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
 async def test_streamed_answer_comes_from_the_decode_worker() -> None:
     async with pd_gate("prefill", "decode") as (gw, fleet):
         p_url, d_url = (r.url for r in fleet.replicas)
-        body = chat(MODEL, long_text("stream"), max_tokens=4)
+        body = chat(MODEL, long_text("stream", 900), max_tokens=4)
         await warm(gw, p_url, body)
         async with gw.client.stream(
             "POST", "/v1/chat/completions", json=body | {"stream": True}
@@ -140,7 +140,7 @@ async def test_an_idle_decode_worker_prefills_a_cold_prompt_itself() -> None:
 async def test_a_failed_prefill_leg_is_retried_on_another_prefill_worker() -> None:
     async with pd_gate("prefill", "prefill", "decode") as (gw, fleet):
         p0, p1, d_url = (r.url for r in fleet.replicas)
-        body = chat(MODEL, long_text("retry"))
+        body = chat(MODEL, long_text("retry", 900))
         await warm(gw, p0, body)
         await warm(gw, p1, body)
         explained = (await gw.client.post("/debug/route", json=body)).json()
@@ -162,7 +162,7 @@ async def test_a_failed_prefill_leg_is_retried_on_another_prefill_worker() -> No
 async def test_every_prefill_worker_failing_leaves_the_prefill_to_the_decode_worker() -> None:
     async with pd_gate("prefill", "decode") as (gw, fleet):
         p_url, d_url = (r.url for r in fleet.replicas)
-        body = chat(MODEL, long_text("fallback"))
+        body = chat(MODEL, long_text("fallback", 900))
         await warm(gw, p_url, body)
         async with httpx.AsyncClient(timeout=10.0) as client:
             fault = {"kind": "fail", "count": 1, "status": 503}
