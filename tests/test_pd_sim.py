@@ -4,6 +4,7 @@ a decode replica pulls a prefill's blocks over HTTP)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -200,3 +201,42 @@ async def test_roles_are_shown_to_the_operator() -> None:
         for url, role in zip(urls, ("prefill", "decode", "both"), strict=True):
             assert gw.metric("kvgate_worker_role", {"worker": url, "role": role}) == 1
         await until(lambda: True)
+
+
+async def test_a_failed_decode_leg_reruns_the_prefill_leg_for_the_next_decode_worker() -> None:
+    async with pd_gate("prefill", "decode", "decode") as (gw, fleet):
+        p_url = fleet.replicas[0].url
+        body = chat(MODEL, long_text("decode-retry", 900))
+        await warm(gw, p_url, body)
+        explained = (await gw.client.post("/debug/route", json=body)).json()
+        first = explained["disaggregated"]["plan"]["decode_worker"]
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            fault = {"kind": "fail", "count": 1, "status": 503}
+            assert (await client.post(f"{first}/sim/fault", json=fault)).status_code == 200
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvgate-worker"] not in (first, p_url)
+        assert legs(gw, "prefill", "ok") == 2  # once for each decode worker tried
+        assert cached_tokens(reply) == predicted(reply) > 0
+
+
+async def test_a_client_leaving_during_the_prefill_leg_cancels_it() -> None:
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        p_url = fleet.replicas[0].url
+        body = chat(MODEL, long_text("leave", 900))
+        await warm(gw, p_url, body)
+        prefill = fleet.replica(0).engine
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            pause = {"kind": "pause"}
+            assert (await client.post(f"{p_url}/sim/fault", json=pause)).status_code == 200
+            request = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=body))
+            await until(lambda: len(prefill.waiting) == 1, what="the prefill leg queued")
+            request.cancel()  # the client leaves
+            await until(lambda: not prefill.waiting, what="the prefill leg cancelled")
+            clear = {"kind": "clear", "fault": "pause"}
+            assert (await client.post(f"{p_url}/sim/fault", json=clear)).status_code == 200
+        await until(lambda: legs(gw, "decode", "failed") == 1, what="the exchange recorded")
+        assert legs(gw, "prefill", "ok") == 0
+        assert fleet.replica(1).engine.cache.gpu_cached == 0  # the decode leg never ran
+        for replica in fleet.replicas:  # both legs' tickets released
+            assert gw.metric("kvgate_worker_in_flight", {"worker": replica.url}) == 0
