@@ -228,6 +228,8 @@ class GatewayMetrics:
             self.retries.labels(worker, reason)
         for reason in STREAM_ERROR_REASONS:
             self.stream_errors.labels(worker, reason)
+        self.pd_prefill_predicted.labels(worker)
+        self.pd_prefill_engine_cached.labels(worker)
         self.ttft_error.labels(worker)
 
     def limit_exceeded(self, limit: str) -> None:
