@@ -128,6 +128,7 @@ class Worker:
             "url": self.url,
             "engine": self.config.engine,
             "role": self.config.role,
+            "bootstrap_port": self.config.bootstrap_port,
             "models": sorted(self.models),
             "events": self.config.events,
             "replay": self.config.replay,

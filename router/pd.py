@@ -1,4 +1,5 @@
-"""The prefill leg of a disaggregated request (vLLM's ``kv_transfer_params`` protocol).
+"""The prefill leg of a disaggregated request: vLLM's ``kv_transfer_params`` protocol, and
+SGLang's bootstrap protocol.
 
 When a model's ready workers include prefill and decode workers (``scheduling.pd``), the
 gateway routes the request's decode leg as an ordinary exchange among the decode workers
@@ -18,11 +19,19 @@ request is never lost to the prefill tier). A failed decode attempt re-runs the 
 for the next decode worker. Every leg runs in the exchange's task: a client that leaves
 cancels whichever leg is running. A client's own ``kv_transfer_params`` never reaches an
 engine (``strip_transfer_params``).
+
+A prefill worker with a bootstrap address (``WorkerConfig.bootstrap``: SGLang's) gets
+SGLang's protocol instead: both legs carry ``bootstrap_host``, ``bootstrap_port`` (the prefill
+worker's) and a random ``bootstrap_room``, and are sent at once (the decode worker waits for
+the KV of that room); the prefill answer is read and dropped. A failed prefill fails its
+decode attempt, whose retry runs both legs again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from typing import Any
 
 import httpx
@@ -84,13 +93,25 @@ def prefill_body(data: dict[str, Any]) -> bytes:
     return _ENCODE.encode(body)
 
 
-def with_transfer_params(body: bytes, params: dict[str, Any]) -> bytes:
-    """``body`` (a JSON object without ``kv_transfer_params``) carrying ``params``, its own
+def bootstrap_prefill_body(data: dict[str, Any]) -> bytes:
+    """SGLang's prefill leg: the client's request, not streamed (its answer is dropped)."""
+    body = {k: v for k, v in data.items() if k not in {"stream_options", TRANSFER_PARAMS}}
+    body["stream"] = False
+    return _ENCODE.encode(body)
+
+
+def with_members(body: bytes, members: dict[str, Any]) -> bytes:
+    """``body`` (a JSON object without any of ``members``' names) carrying them, its own
     bytes kept."""
     start = body.index(b"{") + 1
-    member = _TRANSFER_KEY + b":" + _ENCODE.encode(params)
+    added = _ENCODE.encode(members)[1:-1]
     rest = body[start:].lstrip()
-    return body[:start] + member + (b"," if not rest.startswith(b"}") else b"") + body[start:]
+    return body[:start] + added + (b"," if not rest.startswith(b"}") else b"") + body[start:]
+
+
+def with_transfer_params(body: bytes, params: dict[str, Any]) -> bytes:
+    """``body`` (a JSON object without ``kv_transfer_params``) carrying ``params``."""
+    return with_members(body, {TRANSFER_PARAMS: params})
 
 
 class _PrefillFailed(Exception):
@@ -122,6 +143,9 @@ class TwoLegs:
         self._scheduler = scheduler
         self._config = config
         self._prefill_body = prefill_body(data)
+        self._bootstrap_body = bootstrap_prefill_body(data)
+        self._pending: asyncio.Task[None] | None = None  # a bootstrap prefill leg
+        self._room: dict[str, Any] = {}  # its bootstrap fields
         self._path = path
         self._request_id = request_id
         self._headers = headers
@@ -145,6 +169,7 @@ class TwoLegs:
     async def body_for(self, worker: Worker, routed: Routed, body: bytes) -> bytes:
         """The body of the decode attempt on ``worker``: ``body`` as it is (prefill leg
         skipped, or failed on every prefill worker), or carrying the prefill leg's answer."""
+        self._cancel_pending()
         plan = self.plan_for(self._scheduler, self._config, routed, worker.id)
         self.plan, self.prefill_worker = plan, None
         metrics = self._proxy.metrics
@@ -153,6 +178,11 @@ class TwoLegs:
             metrics.pd_legs.labels("prefill", "skipped").inc()
             log.debug("%s: prefill leg skipped: %s", self._request_id, plan.reason)
             return body
+        prefill = self._proxy.registry.find(plan.prefill or "")
+        if prefill is not None and prefill.config.bootstrap is not None:
+            self._bootstrap(routed, prefill)
+            self._proxy.metrics.pd_transferred.inc(plan.transfer_blocks * routed.request.block_size)
+            return with_members(body, self._room)
         params = await self._prefill(routed, plan)
         if params is None:  # every prefill worker failed: prefilled where it decodes
             self._predicted[worker.id] = routed.predicted_cached_tokens(worker.id)
@@ -168,6 +198,7 @@ class TwoLegs:
 
     def observe(self, observation: Observation, status: str) -> None:
         """The exchange is over: the decode leg's outcome, the access log's fields."""
+        self._cancel_pending()
         outcome = "ok" if status == "200" else "failed"
         self._proxy.metrics.pd_legs.labels("decode", outcome).inc()
         plan = self.plan
@@ -202,7 +233,40 @@ class TwoLegs:
                 break
         return None
 
+    def _bootstrap(self, decode: Routed, worker: Worker) -> None:
+        """SGLang's prefill leg on ``worker``, sent beside the decode attempt."""
+        host, port = worker.config.bootstrap or ("", 0)
+        room = random.getrandbits(63)
+        self._room = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        routed = self._scheduler.route_leg(decode, "prefill")
+        grant = Grant(routed, router=self._scheduler.router, ledger=self._scheduler.ledger)
+        body = with_members(self._bootstrap_body, self._room)
+        self._pending = asyncio.get_running_loop().create_task(
+            self._bootstrap_leg(worker, grant, body)
+        )
+
+    async def _bootstrap_leg(self, worker: Worker, grant: Grant, body: bytes) -> None:
+        metrics = self._proxy.metrics
+        try:
+            await self._send_prefill(worker, grant, body)
+        except _PrefillFailed as exc:
+            metrics.pd_legs.labels("prefill", "failed").inc()
+            log.info("%s: prefill leg failed on %s: %s", self._request_id, worker.url, exc.detail)
+            return
+        metrics.pd_legs.labels("prefill", "ok").inc()
+        self.prefill_worker = worker.url
+
+    def _cancel_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.done():
+            pending.cancel()
+
     async def _prefill_on(self, worker: Worker, grant: Grant) -> dict[str, Any]:
+        answer = await self._send_prefill(worker, grant, self._prefill_body)
+        return self._answer(answer)
+
+    async def _send_prefill(self, worker: Worker, grant: Grant, body: bytes) -> bytes:
+        """One prefill attempt on ``worker``: its whole answer (``_PrefillFailed``)."""
         proxy = self._proxy
         headers = [
             *self._headers,
@@ -216,7 +280,7 @@ class TwoLegs:
         try:
             try:
                 response = await proxy.upstream.request(
-                    proxy.origin(worker), "POST", self._path, headers, self._prefill_body
+                    proxy.origin(worker), "POST", self._path, headers, body
                 )
                 try:
                     answer = await response.aread(_MAX_PREFILL_ANSWER)
@@ -237,16 +301,15 @@ class TwoLegs:
             if response.status_code >= 400:  # the request's fault: the decode worker says so
                 raise _PrefillFailed("http_4xx", f"answered {response.status_code}")
             proxy.registry.record_ok_response(worker)
-            params = self._answer(worker, grant, answer)
             usage = _usage(answer)
             if usage is not None:
                 ticket.complete(usage.prompt_tokens, usage.cached_tokens)
                 self._count_cache(worker, grant.routed, usage.cached_tokens)
-            return params
+            return answer
         finally:
             ticket.finish()
 
-    def _answer(self, worker: Worker, grant: Grant, answer: bytes) -> dict[str, Any]:
+    def _answer(self, answer: bytes) -> dict[str, Any]:
         try:
             data = decode_json(answer)
         except JsonDecodeError as exc:

@@ -240,3 +240,74 @@ async def test_a_client_leaving_during_the_prefill_leg_cancels_it() -> None:
         assert fleet.replica(1).engine.cache.gpu_cached == 0  # the decode leg never ran
         for replica in fleet.replicas:  # both legs' tickets released
             assert gw.metric("kvgate_worker_in_flight", {"worker": replica.url}) == 0
+
+
+@asynccontextmanager
+async def bootstrap_gate() -> AsyncIterator[tuple[Kvgate, SimFleet]]:
+    """A prefill replica speaking SGLang's bootstrap protocol (its bootstrap server: its
+    HTTP port, as the simulator serves it) and a decode replica."""
+    async with sim_fleets(fleet_config(2)) as (fleet,):
+        p, d = fleet.replicas
+        port = p.url.rsplit(":", 1)[1]
+        workers = [
+            f"{p.url},events={p.events},replay={p.replay},role=prefill,bootstrap_port={port}",
+            f"{d.url},events={d.events},replay={d.replay},role=decode",
+        ]
+        async with gate(workers) as gw:
+            yield gw, fleet
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_bootstrap_legs_are_sent_together(stream: bool) -> None:
+    """Both legs carry the prefill worker's bootstrap address and one room; the decode
+    replica waits for that room's prefill and reports its blocks cached."""
+    async with bootstrap_gate() as (gw, fleet):
+        p_url, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text(f"bootstrap {stream}", 900), max_tokens=3)
+        await warm(gw, p_url, body)
+        plan = (await gw.client.post("/debug/route", json=body)).json()["disaggregated"]["plan"]
+        assert plan["prefill_worker"] == p_url and not plan["skipped"]
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvgate-worker"] == d_url
+        if stream:
+            usage = [line for line in reply.text.splitlines() if '"usage"' in line][-1]
+            cached = int(usage.split('"cached_tokens":')[1].split("}")[0].split(",")[0])
+        else:
+            cached = cached_tokens(reply)
+        assert cached == predicted(reply) == plan["predicted_decode_cached_tokens"] > 0
+        await until(lambda: legs(gw, "prefill", "ok") == 1, what="the prefill answer read")
+        assert not fleet.replica(0).leases._rooms  # the decode leg took its room
+
+
+async def test_a_decode_replica_refuses_a_transfer_it_cannot_find() -> None:
+    async with sim_fleets(fleet_config(2)) as (fleet,), httpx.AsyncClient(timeout=10) as client:
+        p, d = fleet.replicas
+        body = chat(MODEL, long_text("missing", 300))
+        ask = body | {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
+        params = (await client.post(f"{p.url}/v1/chat/completions", json=ask)).json()[
+            "kv_transfer_params"
+        ]
+        assert params["do_remote_prefill"] is True and params["remote_block_ids"][0]
+        url = f"{d.url}/v1/chat/completions"
+        for wrong in (
+            params | {"remote_engine_id": "restarted"},
+            params | {"remote_block_ids": [[10**6]]},
+            params | {"remote_port": 1},
+        ):
+            refused = await client.post(url, json=body | {"kv_transfer_params": wrong})
+            assert refused.status_code == 400
+            assert refused.json()["error"]["type"] == "BadRequestError"
+        other = chat(MODEL, long_text("another prompt", 300))
+        refused = await client.post(url, json=other | {"kv_transfer_params": params})
+        assert refused.status_code == 400  # the lease was for another prompt (and is gone)
+        ask = body | {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
+        params = (await client.post(f"{p.url}/v1/chat/completions", json=ask)).json()[
+            "kv_transfer_params"
+        ]
+        served = await client.post(url, json=body | {"kv_transfer_params": params})
+        assert cached_tokens(served) > 0
+        again = await client.post(url, json=chat(MODEL, "x") | {"kv_transfer_params": params})
+        assert again.status_code == 400  # a lease is taken once

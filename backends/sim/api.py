@@ -57,8 +57,10 @@ from kvgate.backends.sim.streaming import (
 )
 from kvgate.backends.sim.transfer import (
     TRANSFER_US_PER_TOKEN,
+    bootstrap_of,
     produced,
     pull,
+    pull_room,
     transfer_mode,
     with_params,
 )
@@ -391,10 +393,16 @@ class ReplicaApp:
         self._check_fail()
         ids = await self._prompt_ids(data, chat)
         transfer = transfer_mode(data)
+        bootstrap = bootstrap_of(data)
+        room = None
+        if bootstrap is not None and self._own_address(bootstrap):
+            room = bootstrap[2]  # SGLang's prefill leg: this replica is the bootstrap server
         remote = 0
         if transfer is not None and transfer[0] == "consume":
             remote = await self._receive_kv(transfer[1], ids)
-        produce = transfer is not None and transfer[0] == "produce"
+        elif bootstrap is not None and room is None:
+            remote = await self._receive_kv(bootstrap, ids)
+        produce = (transfer is not None and transfer[0] == "produce") or room is not None
         req = self._submit(
             ids,
             sampling.max_tokens,
@@ -406,15 +414,24 @@ class ReplicaApp:
         )
         framer: Framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
         if produce:
-            framer = _ProducerFramer(framer, self._replica, req)
+            framer = _ProducerFramer(framer, self._replica, req, room)
         await self._serve(req, framer, stream=sampling.stream, asgi=(scope, receive, send))
 
-    async def _receive_kv(self, params: dict[str, Any], ids: list[int]) -> int:
+    def _own_address(self, bootstrap: tuple[str, int, int]) -> bool:
+        replica = self._replica
+        return (bootstrap[0], bootstrap[1]) == (replica.config.host, replica.http_port)
+
+    async def _receive_kv(
+        self, params: dict[str, Any] | tuple[str, int, int], ids: list[int]
+    ) -> int:
         """A decode leg: pull its prefill's blocks (``backends/sim/transfer.py``), taking the
         transfer time of their size; the prompt tokens they hold."""
         replica = self._replica
         bs = replica.config.engine.block_size
-        tokens = await pull(replica.pull_client, params, ids, bs)
+        if isinstance(params, tuple):
+            tokens = await pull_room(replica.pull_client, params, ids, bs)
+        else:
+            tokens = await pull(replica.pull_client, params, ids, bs)
         seconds = tokens * TRANSFER_US_PER_TOKEN / 1e6 / replica.config.timing.speedup
         if seconds > 0:
             await asyncio.sleep(seconds)  # the modelled transfer (the simulator's clock)
@@ -424,9 +441,13 @@ class ReplicaApp:
         """A decode replica pulls the blocks a prefill here kept for it (404: not held)."""
         data = parse_object(body)
         engine, ids = data.get("remote_engine_id"), data.get("remote_block_ids")
-        if not isinstance(engine, str) or not isinstance(ids, list):
+        room = data.get("bootstrap_room")
+        if type(room) is int:
+            lease = await self._replica.leases.take_room(room)
+        elif not isinstance(engine, str) or not isinstance(ids, list):
             raise ApiError(400, "expected remote_engine_id and remote_block_ids")
-        lease = self._replica.leases.take(engine, ids)
+        else:
+            lease = self._replica.leases.take(engine, ids)
         if lease is None:
             raise ApiError(404, "no KV transfer holds these blocks")
         await _json(send, {"token_ids": list(lease.token_ids)})
@@ -488,10 +509,13 @@ class _ProducerFramer:
     """A prefill for a remote decode: its whole answer carries the ``kv_transfer_params``
     where the decode replica finds its blocks (kept for a lease when it ends)."""
 
-    def __init__(self, inner: Framer, replica: SimReplica, req: SimRequest) -> None:
+    def __init__(
+        self, inner: Framer, replica: SimReplica, req: SimRequest, room: int | None
+    ) -> None:
         self._inner = inner
         self._replica = replica
         self._req = req
+        self._room = room  # SGLang's bootstrap room (its answer carries nothing more)
 
     def opening(self) -> list[bytes]:
         return self._inner.opening()
@@ -509,8 +533,11 @@ class _ProducerFramer:
         replica = self._replica
         blocks = req.kept or []
         bs = replica.config.engine.block_size
-        replica.leases.keep(blocks, req.token_ids[: len(blocks) * bs])
+        tokens = req.token_ids[: len(blocks) * bs]
+        if self._room is not None:
+            replica.leases.keep_room(self._room, tokens)
+            return self._inner.full(req)
+        replica.leases.keep(blocks, tokens)
         host = replica.config.host
-        port = int(replica.url.rsplit(":", 1)[1])
-        params = produced(replica.leases, host, port, blocks)
+        params = produced(replica.leases, host, replica.http_port, blocks)
         return with_params(self._inner.full(req), params)

@@ -120,6 +120,10 @@ class SimReplica:
         return f"http://{shown}:{self._http.port}"
 
     @property
+    def http_port(self) -> int:
+        return int(self._http.port)
+
+    @property
     def events_endpoint(self) -> str:
         return self.publisher.endpoint
 

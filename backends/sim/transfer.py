@@ -14,10 +14,17 @@ Every replica plays both parts (vLLM's ``kv_both``):
   announced in KV events (``BlockStored``, as vLLM does for blocks it received) and
   reported as cached. A transfer it cannot find (unknown engine, lease gone, blocks of
   another prompt) is refused with an OpenAI-style 400, before anything runs.
+
+SGLang's bootstrap protocol too: a request with ``bootstrap_host``, ``bootstrap_port`` and
+``bootstrap_room`` is the prefill leg when the bootstrap address is the replica's own (its
+HTTP address: the simulator's bootstrap server), its blocks kept for that room; else the
+decode leg, which pulls the room's blocks from that address, waiting for the prefill to end
+(the two legs arrive together), at most ``ROOM_WAIT_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import OrderedDict
@@ -37,6 +44,8 @@ TRANSFER_US_PER_TOKEN = 1.0
 """Wall microseconds to move one token's KV between replicas (before the speed-up): an
 8B model's 128 KiB a token over a 100 Gb/s link, rounded down."""
 PULL_TIMEOUT_S = 10.0
+ROOM_WAIT_S = 30.0
+"""How long a bootstrap decode leg waits for its room's prefill."""
 _ENCODE = msgspec.json.Encoder()
 
 
@@ -53,7 +62,34 @@ class Leases:
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.engine_id = str(uuid.uuid4())
         self._leases: OrderedDict[tuple[int, ...], Lease] = OrderedDict()
+        self._rooms: OrderedDict[int, Lease] = OrderedDict()  # SGLang's bootstrap rooms
+        self._waiting: dict[int, asyncio.Event] = {}  # decode legs waiting for a room
         self._clock = clock
+
+    def keep_room(self, room: int, token_ids: Sequence[int]) -> None:
+        """A bootstrap prefill's blocks, kept for the decode leg of ``room``."""
+        self._rooms[room] = Lease((), tuple(token_ids), self._clock() + LEASE_S)
+        while len(self._rooms) > MAX_LEASES:
+            self._rooms.popitem(last=False)
+        waiting = self._waiting.get(room)
+        if waiting is not None:
+            waiting.set()
+
+    async def take_room(self, room: int, wait_s: float = ROOM_WAIT_S) -> Lease | None:
+        """The lease of ``room``, waiting at most ``wait_s`` for its prefill to end."""
+        if room not in self._rooms and room not in self._waiting:
+            if len(self._waiting) >= MAX_LEASES:
+                return None
+            event = self._waiting[room] = asyncio.Event()
+            try:
+                async with asyncio.timeout(wait_s):
+                    await event.wait()
+            except TimeoutError:
+                return None
+            finally:
+                self._waiting.pop(room, None)
+        lease = self._rooms.pop(room, None)
+        return lease if lease is not None and lease.expires > self._clock() else None
 
     def keep(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         self._expire()
@@ -76,6 +112,18 @@ class Leases:
             if lease.expires > now:
                 break
             del self._leases[key]
+
+
+def bootstrap_of(data: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(host, port, room) of a request's SGLang bootstrap fields, or None; 400 when they
+    are given but not all well-formed."""
+    fields = (data.get("bootstrap_host"), data.get("bootstrap_port"), data.get("bootstrap_room"))
+    if all(f is None for f in fields):
+        return None
+    host, port, room = fields
+    if not isinstance(host, str) or type(port) is not int or type(room) is not int:
+        raise ApiError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together")
+    return host, port, room
 
 
 def transfer_mode(data: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
@@ -129,13 +177,34 @@ async def pull(
     host, port, engine = (params.get(k) for k in ("remote_host", "remote_port", "remote_engine_id"))
     if not isinstance(host, str) or type(port) is not int or not isinstance(engine, str):
         raise ApiError(400, "kv_transfer_params: remote_host, remote_port, remote_engine_id needed")
-    ids = _block_ids(params)
+    wanted = {"remote_engine_id": engine, "remote_block_ids": _block_ids(params)}
+    return await _pull(client, (host, port), wanted, prompt, block_size, timeout_s=PULL_TIMEOUT_S)
+
+
+async def pull_room(
+    client: httpx.AsyncClient, bootstrap: tuple[str, int, int], prompt: Sequence[int], bs: int
+) -> int:
+    """A bootstrap decode leg: the room's blocks from its prefill replica (``pull``)."""
+    host, port, room = bootstrap
+    wanted = {"bootstrap_room": room}
+    timeout_s = ROOM_WAIT_S + PULL_TIMEOUT_S
+    return await _pull(client, (host, port), wanted, prompt, bs, timeout_s=timeout_s)
+
+
+async def _pull(
+    client: httpx.AsyncClient,
+    address: tuple[str, int],
+    wanted: dict[str, Any],
+    prompt: Sequence[int],
+    block_size: int,
+    *,
+    timeout_s: float,
+) -> int:
+    host, port = address
     shown = f"[{host}]" if ":" in host else host
     try:
         answer = await client.post(
-            f"http://{shown}:{port}/sim/kv_transfer/pull",
-            json={"remote_engine_id": engine, "remote_block_ids": ids},
-            timeout=PULL_TIMEOUT_S,
+            f"http://{shown}:{port}/sim/kv_transfer/pull", json=wanted, timeout=timeout_s
         )
     except httpx.HTTPError as exc:
         raise ApiError(
