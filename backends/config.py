@@ -2,7 +2,8 @@
 checks and load scraping of every replica (``HealthConfig``).
 
 A worker can be written as a mapping or in the compact CLI form
-``URL[,engine=vllm][,role=prefill|decode|both][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+``URL[,engine=vllm][,role=prefill|decode|both][,bootstrap_port=N][,models=a;b]
+[,events=tcp://...][,replay=tcp://...][,api_key=...]``.
 A worker URL's ``user:password@`` becomes its HTTP Basic credentials and leaves the URL (the
 worker's id, shown everywhere), so it cannot be displayed; keys live in ``SecretStr`` fields,
 refused when empty and never echoed in errors.
