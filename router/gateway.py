@@ -404,6 +404,7 @@ class Gateway:
                     max_tokens=parsed.output_limit,
                     spans=call.observation.spans,
                     only=self._holder(parsed.previous_response_id, key, "previous_response_id"),
+                    leg=self._leg(parsed.model),  # whole, on a decode worker (no P/D leg)
                 )
             )
             stored = parsed.store is not False  # store=false: its id is not recorded
@@ -678,6 +679,7 @@ class Gateway:
                 session_key=self._namespaced(key, session or body.user),
                 max_tokens=body.output_limit,
                 only=self._holder(body.previous_response_id, None, "previous_response_id"),
+                leg=self._leg(body.model),
             )
             extra["responses_prompt"] = keyed
         else:
@@ -695,7 +697,7 @@ class Gateway:
             )
         try:
             explained = await self.scheduler.explain(facts, key)
-            if facts.leg is not None:
+            if facts.leg is not None and "input" not in data:
                 extra["disaggregated"] = await self._explain_legs(facts)
         except SchedulingError as exc:
             raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
