@@ -59,7 +59,7 @@ from kvgate.router.listener import ListenerLimits, timed_out_body
 from kvgate.router.metrics import GatewayMetrics, forget_series
 from kvgate.router.observe import Observation, Observer
 from kvgate.router.passthrough import PassThroughPaths
-from kvgate.router.pd import TRANSFER_PARAMS, TwoLegs, strip_transfer_params
+from kvgate.router.pd import TwoLegs, strip_transfer_params
 from kvgate.router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
 from kvgate.router.requests import (
     AnyModelBody,
@@ -337,7 +337,6 @@ class Gateway:
                 )
             )
             raw = strip_transfer_params(raw, data)  # never an engine's to read from a client
-            data.pop(TRANSFER_PARAMS, None)
             legs = self._two_legs(call, data) if leg is not None else None
             usage_mode, body = UsageMode.BODY, raw
             if stream:
@@ -707,11 +706,8 @@ class Gateway:
         """``/debug/route`` of a disaggregated request: its prefill leg's ranking and the
         plan for its chosen decode worker (the skip rule's two costs)."""
         routed = await self.scheduler.route(facts, held=True)
-        plan = TwoLegs.plan_for(self.scheduler, self._policy_config(), routed)
-        try:
-            prefill = self.scheduler.router.explain(self.scheduler.route_leg(routed, "prefill"))
-        except SchedulingError:
-            prefill = None
+        plan, ranked = TwoLegs.plan_for(self.scheduler, self._policy_config(), routed)
+        prefill = self.scheduler.router.explain(ranked) if ranked is not None else None
         return {"plan": plan.describe(), "prefill": prefill}
 
     # -- lifecycle ----------------------------------------------------------------------

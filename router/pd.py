@@ -58,6 +58,9 @@ log = logging.getLogger("kvgate.pd")
 
 TRANSFER_PARAMS = "kv_transfer_params"
 _TRANSFER_KEY = b'"kv_transfer_params"'
+ENGINE_ONLY = frozenset({TRANSFER_PARAMS, "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+"""Request members only kvgate may send an engine: where a leg's KV comes from."""
+_ENGINE_ONLY_KEYS = (_TRANSFER_KEY, b'"bootstrap_')
 REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -73,12 +76,15 @@ _ENCODE = msgspec.json.Encoder()
 
 
 def strip_transfer_params(raw: bytes, data: dict[str, Any]) -> bytes:
-    """``raw`` (decoding to ``data``) without a client's ``kv_transfer_params``: a malformed
-    one kills a vLLM decode worker, a mismatched one gets a wrong answer. Re-encoded only
-    when the body has one."""
-    if _TRANSFER_KEY not in raw or TRANSFER_PARAMS not in data:
+    """``raw`` (decoding to ``data``) without a client's ``kv_transfer_params`` or SGLang
+    ``bootstrap_*`` fields (``ENGINE_ONLY``; removed from ``data`` too): a malformed one
+    kills a vLLM decode worker, a mismatched one gets a wrong answer, and either makes an
+    engine fetch KV from where the client says. Re-encoded only when the body has one."""
+    if not any(key in raw for key in _ENGINE_ONLY_KEYS) or ENGINE_ONLY.isdisjoint(data):
         return raw
-    return _ENCODE.encode({k: v for k, v in data.items() if k != TRANSFER_PARAMS})
+    for name in ENGINE_ONLY:
+        data.pop(name, None)
+    return _ENCODE.encode(data)
 
 
 def prefill_body(data: dict[str, Any]) -> bytes:
@@ -157,33 +163,34 @@ class TwoLegs:
     @staticmethod
     def plan_for(
         scheduler: Scheduler, config: KvPolicyConfig, routed: Routed, worker: WorkerId | None = None
-    ) -> LegPlan:
+    ) -> tuple[LegPlan, Routed | None]:
         """The plan for decode worker ``worker`` (default: the chosen one) of ``routed``
-        (the decode leg's ranking), the prefill leg ranked now."""
+        (the decode leg's ranking), and the prefill leg's ranking made for it now (None: no
+        prefill worker ready)."""
         try:
             prefill: Routed | None = scheduler.route_leg(routed, "prefill")
         except NoHealthyWorker:
             prefill = None
-        return plan_legs(routed, worker or routed.chosen, prefill, config)
+        return plan_legs(routed, worker or routed.chosen, prefill, config), prefill
 
     async def body_for(self, worker: Worker, routed: Routed, body: bytes) -> bytes:
         """The body of the decode attempt on ``worker``: ``body`` as it is (prefill leg
         skipped, or failed on every prefill worker), or carrying the prefill leg's answer."""
         self._cancel_pending()
-        plan = self.plan_for(self._scheduler, self._config, routed, worker.id)
+        plan, ranked = self.plan_for(self._scheduler, self._config, routed, worker.id)
         self.plan, self.prefill_worker = plan, None
         metrics = self._proxy.metrics
         self._predicted[worker.id] = plan.decode_cached_tokens
-        if plan.skipped:
+        if plan.skipped or ranked is None:
             metrics.pd_legs.labels("prefill", "skipped").inc()
             log.debug("%s: prefill leg skipped: %s", self._request_id, plan.reason)
             return body
-        prefill = self._proxy.registry.find(plan.prefill or "")
+        prefill = self._proxy.registry.find(ranked.chosen)
         if prefill is not None and prefill.config.bootstrap is not None:
-            self._bootstrap(routed, prefill)
-            self._proxy.metrics.pd_transferred.inc(plan.transfer_blocks * routed.request.block_size)
+            self._bootstrap(ranked, prefill)
+            metrics.pd_transferred.inc(plan.transfer_blocks * routed.request.block_size)
             return with_members(body, self._room)
-        params = await self._prefill(routed, plan)
+        params = await self._prefill(ranked)
         if params is None:  # every prefill worker failed: prefilled where it decodes
             self._predicted[worker.id] = routed.predicted_cached_tokens(worker.id)
             return body
@@ -204,15 +211,11 @@ class TwoLegs:
         plan = self.plan
         observation.pd = (self.prefill_worker, plan.skipped if plan is not None else None)
 
-    async def _prefill(self, decode: Routed, plan: LegPlan) -> dict[str, Any] | None:
-        """The prefill leg, retried on the next prefill worker (at most ``1 +
-        upstream.max_failover`` attempts); its answer's ``kv_transfer_params`` (empty when it
-        gave none), or None when every attempt failed."""
+    async def _prefill(self, routed: Routed) -> dict[str, Any] | None:
+        """The prefill leg (``routed``: its ranking), retried on the next prefill worker (at
+        most ``1 + upstream.max_failover`` attempts); its answer's ``kv_transfer_params``
+        (empty when it gave none), or None when every attempt failed."""
         scheduler, proxy = self._scheduler, self._proxy
-        try:
-            routed = scheduler.route_leg(decode, "prefill")
-        except NoHealthyWorker:
-            return None
         grant = Grant(routed, router=scheduler.router, ledger=scheduler.ledger, key=self._key)
         tried: list[WorkerId] = []
         for _ in range(1 + proxy.config.max_failover):
@@ -233,12 +236,12 @@ class TwoLegs:
                 break
         return None
 
-    def _bootstrap(self, decode: Routed, worker: Worker) -> None:
-        """SGLang's prefill leg on ``worker``, sent beside the decode attempt."""
+    def _bootstrap(self, routed: Routed, worker: Worker) -> None:
+        """SGLang's prefill leg on ``worker`` (``routed``'s choice), sent beside the decode
+        attempt."""
         host, port = worker.config.bootstrap or ("", 0)
         room = random.getrandbits(63)
         self._room = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-        routed = self._scheduler.route_leg(decode, "prefill")
         grant = Grant(routed, router=self._scheduler.router, ledger=self._scheduler.ledger)
         body = with_members(self._bootstrap_body, self._room)
         self._pending = asyncio.get_running_loop().create_task(

@@ -107,6 +107,9 @@ def test_a_clients_transfer_params_are_stripped_and_the_prefills_added() -> None
     raw = b'{"model":"m","kv_transfer_params":{"do_remote_prefill":true},"prompt":"x"}'
     stripped = strip_transfer_params(raw, msgspec.json.decode(raw))
     assert msgspec.json.decode(stripped) == {"model": "m", "prompt": "x"}
+    sglang = b'{"model":"m","bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2}'
+    data = msgspec.json.decode(sglang)
+    assert msgspec.json.decode(strip_transfer_params(sglang, data)) == {"model": "m"} == data
     plain = b'{"model":"m","prompt":"kv_transfer_params"}'  # the word, not the member
     assert strip_transfer_params(plain, msgspec.json.decode(plain)) is plain
     params = {"remote_engine_id": "e", "remote_block_ids": [[1, 2]]}

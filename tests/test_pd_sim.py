@@ -176,12 +176,15 @@ async def test_every_prefill_worker_failing_leaves_the_prefill_to_the_decode_wor
 
 
 async def test_a_clients_transfer_params_never_reach_an_engine() -> None:
-    """A malformed ``kv_transfer_params`` would make the decode replica fetch from a host
-    the client names; kvgate drops it (aggregated fleet and disaggregated alike)."""
+    """A client's ``kv_transfer_params`` or ``bootstrap_*`` fields would make the replica
+    fetch KV from a host the client names; kvgate drops them (aggregated fleet and
+    disaggregated alike)."""
     hostile = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1}
-    for roles in (("both",), ("prefill", "decode")):
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
+    cases = [(("both",), {"kv_transfer_params": hostile}), (("prefill", "decode"), room)]
+    for roles, fields in cases:
         async with pd_gate(*roles) as (gw, fleet):
-            body = chat(MODEL, long_text("hostile"), kv_transfer_params=hostile)
+            body = chat(MODEL, long_text("hostile")) | fields
             async with httpx.AsyncClient(timeout=10.0) as client:  # the engine would refuse
                 direct = await client.post(
                     f"{fleet.replicas[-1].url}/v1/chat/completions", json=body
