@@ -366,7 +366,8 @@ class ProxyResponse(Response):
             body = await x.legs.body_for(worker, routed, body)
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
-        ticket = x.grant.begin(worker.id)  # the scheduler's ledger counts it there
+        cached = x.legs.predicted(worker.id) if x.legs is not None else None
+        ticket = x.grant.begin(worker.id, cached=cached)  # the scheduler's ledger counts it
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)

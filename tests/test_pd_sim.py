@@ -314,3 +314,23 @@ async def test_a_decode_replica_refuses_a_transfer_it_cannot_find() -> None:
         assert cached_tokens(served) > 0
         again = await client.post(url, json=chat(MODEL, "x") | {"kv_transfer_params": params})
         assert again.status_code == 400  # a lease is taken once
+
+
+async def test_a_decode_leg_given_its_kv_counts_only_its_tail_as_pending_prefill() -> None:
+    async with pd_gate("prefill", "decode") as (gw, fleet):
+        p_url, d_url = (r.url for r in fleet.replicas)
+        body = chat(MODEL, long_text("pending", 900))
+        await warm(gw, p_url, body)
+        plan = (await gw.client.post("/debug/route", json=body)).json()["disaggregated"]["plan"]
+        prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
+        decode = fleet.replica(1).engine
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            pause = {"kind": "pause"}
+            assert (await client.post(f"{d_url}/sim/fault", json=pause)).status_code == 200
+            request = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=body))
+            await until(lambda: len(decode.waiting) == 1, what="the decode leg queued")
+            pending = gw.metric("kvgate_worker_pending_prefill_tokens", {"worker": d_url})
+            assert pending == prompt - plan["predicted_decode_cached_tokens"] < 16
+            clear = {"kind": "clear", "fault": "pause"}
+            assert (await client.post(f"{d_url}/sim/fault", json=clear)).status_code == 200
+            assert (await request).status_code == 200
