@@ -244,9 +244,15 @@ class TwoLegs:
         self._room = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
         grant = Grant(routed, router=self._scheduler.router, ledger=self._scheduler.ledger)
         body = with_members(self._bootstrap_body, self._room)
-        self._pending = asyncio.get_running_loop().create_task(
-            self._bootstrap_leg(worker, grant, body)
-        )
+        pending = asyncio.get_running_loop().create_task(self._bootstrap_leg(worker, grant, body))
+        pending.add_done_callback(self._bootstrap_done)
+        self._pending = pending
+
+    def _bootstrap_done(self, task: asyncio.Task[None]) -> None:
+        """A bootstrap prefill leg that broke unexpectedly costs its request, never silence."""
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self._proxy.metrics.pd_legs.labels("prefill", "failed").inc()
+            log.error("%s: prefill leg broke", self._request_id, exc_info=error)
 
     async def _bootstrap_leg(self, worker: Worker, grant: Grant, body: bytes) -> None:
         metrics = self._proxy.metrics

@@ -15,9 +15,11 @@ the cost model's own units (blocks of prefill, ``scoring.cost.Price``):
   over), plus ``TRANSFER_SETUP_TOKENS`` (in blocks) for the leg itself.
 
 The prompt's partial last block is computed on the decode worker either way, so it is in
-neither. The prefill leg is skipped when local is no dearer: a decode worker that holds
-most of the prompt, or an idle one given a short prompt, prefills it itself; a busy one,
-or one given a long prompt that a prefill worker holds, receives it.
+neither. The prefill leg is skipped when local is no dearer, or when the capacity rule
+admits the request on no prefill worker (each at a limit: the decode worker does not wait
+for them). So a decode worker that holds most of the prompt, or an idle one given a short
+prompt, prefills it itself; a busy one, or one given a long prompt that a prefill worker
+holds, receives it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def plan_legs(
     if prefill is None:
         return LegPlan(worker, None, local, None, 0, own_cached, 0, "no prefill worker ready")
     chosen = prefill.chosen
+    if not prefill.admitted:  # every prefill worker at a limit: no leg to wait for there
+        why = f"no prefill worker admits it ({prefill.refused[chosen].text})"
+        return LegPlan(worker, None, local, None, 0, own_cached, 0, why)
     there = Price(prefill.size, prefill.candidates[chosen], config)
     remote = config.overlap_credit * there.prefill + config.queued_prefill_weight * there.queued
     remote += TRANSFER_BLOCK_COST * lacking + TRANSFER_SETUP_TOKENS / size.block_size

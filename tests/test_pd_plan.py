@@ -3,6 +3,7 @@ bodies (``router.pd``), the role option in every form a worker is written, ``--s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ from kvgate.router.pd import (
     strip_transfer_params,
     with_transfer_params,
 )
+from kvgate.scheduling.capacity import Refusal
 from kvgate.scheduling.pd import TRANSFER_BLOCK_COST, TRANSFER_SETUP_TOKENS, plan_legs
 from kvgate.scheduling.routing import Routed
 from kvgate.scoring.api import Candidate, Decision, RouteRequest, WorkerLoad
@@ -77,6 +79,15 @@ def test_a_decode_worker_holding_the_prefix_skips_the_transfer() -> None:
     plan = plan_legs(decode, WorkerId("d"), routed(20, p=(20, IDLE)), CONFIG)
     assert plan.skipped and plan.decode_cached_tokens == 18 * BS
     assert "local prefill" in plan.reason
+
+
+def test_a_prefill_tier_at_its_limits_is_not_waited_for() -> None:
+    decode = routed(80, d=(0, WorkerLoad(in_flight=3)))
+    prefill = routed(80, p=(80, IDLE))
+    busy = replace(prefill, refused={WorkerId("p"): Refusal("in_flight", 8, 8)})
+    assert not plan_legs(decode, WorkerId("d"), prefill, CONFIG).skipped
+    plan = plan_legs(decode, WorkerId("d"), busy, CONFIG)
+    assert plan.skipped and plan.reason == "no prefill worker admits it (in flight 8 >= 8)"
 
 
 def test_without_a_prefill_worker_the_decode_worker_prefills() -> None:
