@@ -374,6 +374,7 @@ class Gateway:
             request_id=call.request_id,
             headers=forwardable_headers(request.headers.raw),
             key=call.observation.client,
+            spans=call.observation.spans,
         )
 
     async def responses(self, request: Request) -> Response:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -53,6 +54,9 @@ from kvgate.scheduling.pd import LegPlan, plan_legs
 from kvgate.scheduling.routing import Routed
 from kvgate.scheduling.scheduler import Scheduler
 from kvgate.scoring.config import KvPolicyConfig
+
+if TYPE_CHECKING:
+    from kvgate.router.tracing import RequestSpans
 
 log = logging.getLogger("kvgate.pd")
 
@@ -144,8 +148,10 @@ class TwoLegs:
         request_id: str,
         headers: list[tuple[bytes, bytes]],
         key: str,
+        spans: RequestSpans | None = None,
     ) -> None:
         self._proxy = proxy
+        self._spans = spans  # the request's trace: a span per prefill leg
         self._scheduler = scheduler
         self._config = config
         self._prefill_body = prefill_body(data)
@@ -286,6 +292,7 @@ class TwoLegs:
         if authorization is not None:
             headers.append((b"authorization", authorization.encode()))
         ticket = grant.begin(worker.id)  # ends when the prefill answer is in
+        started, failure = time.perf_counter(), "cancelled"
         try:
             try:
                 response = await proxy.upstream.request(
@@ -314,9 +321,15 @@ class TwoLegs:
             if usage is not None:
                 ticket.complete(usage.prompt_tokens, usage.cached_tokens)
                 self._count_cache(worker, grant.routed, usage.cached_tokens)
+            failure = ""
             return answer
+        except _PrefillFailed as exc:
+            failure = exc.detail
+            raise
         finally:
             ticket.finish()
+            if self._spans is not None:
+                self._spans.leg(worker.url, started, failure or None)
 
     def _answer(self, answer: bytes) -> dict[str, Any]:
         try:

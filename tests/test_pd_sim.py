@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from fakes.gateway import Kvgate
+from fakes.otlp import ERROR, SERVER, OtlpReceiver
+from fakes.server import serve
 from fakes.simgate import (
     MODEL,
     cached_tokens,
@@ -334,3 +336,25 @@ async def test_a_decode_leg_given_its_kv_counts_only_its_tail_as_pending_prefill
             clear = {"kind": "clear", "fault": "pause"}
             assert (await client.post(f"{d_url}/sim/fault", json=clear)).status_code == 200
             assert (await request).status_code == 200
+
+
+async def test_the_trace_shows_the_prefill_leg_beside_the_decode_attempt() -> None:
+    sink = OtlpReceiver()
+    async with serve(sink) as collector:
+        endpoint = f"{collector.url}/v1/traces"
+        async with pd_gate("prefill", "decode", otlp_traces_endpoint=endpoint) as (gw, fleet):
+            p_url, d_url = (r.url for r in fleet.replicas)
+            body = chat(MODEL, long_text("traced", 900))
+            await warm(gw, p_url, body)
+            reply = await gw.client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200
+            tracing = gw.gateway.observer.tracing
+            assert tracing is not None
+            assert await asyncio.to_thread(tracing.force_flush, 10.0)
+        await until(lambda: any(s.name == "prefill leg" for s in sink.spans), what="the spans")
+    root = next(s for s in sink.spans if s.kind == SERVER)
+    children = sink.children(root)
+    leg = next(s for s in children if s.name == "prefill leg")
+    upstream = next(s for s in children if s.name == "upstream")
+    assert (leg.attributes["kvgate.worker"], upstream.attributes["kvgate.worker"]) == (p_url, d_url)
+    assert leg.status != ERROR and leg.end_ns <= upstream.start_ns
