@@ -75,6 +75,7 @@ REMOTE_DECODE = {
 }
 """What the prefill leg asks of a vLLM prefill worker: prefill, keep the blocks for a
 decode worker to fetch, and answer with where they are."""
+_CLIENT_ERROR = "http_4xx"  # a prefill answer's 4xx: the request's fault, not retried
 _MAX_PREFILL_ANSWER = 1 << 20  # a one-token answer and its transfer parameters
 _ENCODE = msgspec.json.Encoder()
 
@@ -233,6 +234,8 @@ class TwoLegs:
                     proxy.metrics.pd_legs.labels("prefill", "failed").inc()
                     log.info("%s: prefill leg failed on %s: %s", self._request_id, worker.url,
                              exc.detail)  # fmt: skip
+                    if exc.reason == _CLIENT_ERROR:  # the request's: the decode worker says so
+                        return None
                 else:
                     proxy.metrics.pd_legs.labels("prefill", "ok").inc()
                     self.prefill_worker = worker.url
@@ -315,7 +318,7 @@ class TwoLegs:
                 proxy.registry.record_failure(worker, detail)
                 raise _PrefillFailed(Reason.HTTP_5XX, detail)
             if response.status_code >= 400:  # the request's fault: the decode worker says so
-                raise _PrefillFailed("http_4xx", f"answered {response.status_code}")
+                raise _PrefillFailed(_CLIENT_ERROR, f"answered {response.status_code}")
             proxy.registry.record_ok_response(worker)
             usage = _usage(answer)
             if usage is not None:

@@ -358,3 +358,14 @@ async def test_the_trace_shows_the_prefill_leg_beside_the_decode_attempt() -> No
     upstream = next(s for s in children if s.name == "upstream")
     assert (leg.attributes["kvgate.worker"], upstream.attributes["kvgate.worker"]) == (p_url, d_url)
     assert leg.status != ERROR and leg.end_ns <= upstream.start_ns
+
+
+async def test_a_request_the_prefill_worker_refuses_is_not_retried_and_answered_as_refused() -> None:
+    async with pd_gate("prefill", "prefill", "decode") as (gw, fleet):
+        body = chat(MODEL, long_text("too long", 900), n=2)  # the simulator serves n=1 only
+        for url in (r.url for r in fleet.replicas[:2]):
+            await warm(gw, url, chat(MODEL, long_text("too long", 900)))
+        reply = await gw.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400
+        assert reply.json()["error"]["type"] == "BadRequestError"  # the decode worker's
+        assert legs(gw, "prefill", "failed") == 1 and legs(gw, "prefill", "ok") == 0
