@@ -360,7 +360,7 @@ async def test_the_trace_shows_the_prefill_leg_beside_the_decode_attempt() -> No
     assert leg.status != ERROR and leg.end_ns <= upstream.start_ns
 
 
-async def test_a_request_the_prefill_worker_refuses_is_not_retried_and_answered_as_refused() -> None:
+async def test_a_request_a_prefill_worker_refuses_is_not_retried() -> None:
     async with pd_gate("prefill", "prefill", "decode") as (gw, fleet):
         body = chat(MODEL, long_text("too long", 900), n=2)  # the simulator serves n=1 only
         for url in (r.url for r in fleet.replicas[:2]):
