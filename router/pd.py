@@ -166,6 +166,7 @@ class TwoLegs:
         self.plan: LegPlan | None = None
         self.prefill_worker: str | None = None  # the prefill worker that answered, if any
         self._predicted: dict[WorkerId, int] = {}
+        self._prompt_tokens: int | None = None  # the last prefill answer's count
 
     @staticmethod
     def plan_for(
@@ -202,6 +203,11 @@ class TwoLegs:
             self._predicted[worker.id] = routed.predicted_cached_tokens(worker.id)
             return body
         metrics.pd_transferred.inc(plan.transfer_blocks * routed.request.block_size)
+        counted = self._prompt_tokens
+        if counted is not None:  # the engine's count: every whole block before the last token
+            size = routed.request.block_size
+            sent = (counted - 1) // size * size
+            self._predicted[worker.id] = max(sent, routed.predicted_cached_tokens(worker.id))
         if not params:  # a connector that needs none (it finds the KV by the prompt)
             return body
         return with_transfer_params(body, params)
@@ -321,6 +327,7 @@ class TwoLegs:
                 raise _PrefillFailed(_CLIENT_ERROR, f"answered {response.status_code}")
             proxy.registry.record_ok_response(worker)
             usage = _usage(answer)
+            self._prompt_tokens = usage.prompt_tokens if usage is not None else None
             if usage is not None:
                 ticket.complete(usage.prompt_tokens, usage.cached_tokens)
                 self._count_cache(worker, grant.routed, usage.cached_tokens)
