@@ -357,6 +357,7 @@ class Settings(BaseSettings):
         description="start N simulated replicas and route to them: a demo, or a test bed "
         "without GPUs; NpMd (e.g. 2p2d): N prefill and M decode replicas, a disaggregated "
         "fleet (docs/pd.md)",
+        json_schema_extra={"metavar": "N|NpMd"},
     )
     sim_port: int = Field(
         default=9001,
