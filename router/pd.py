@@ -257,7 +257,8 @@ class TwoLegs:
         host, port = worker.config.bootstrap or ("", 0)
         room = random.getrandbits(63)
         self._room = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-        grant = Grant(routed, router=self._scheduler.router, ledger=self._scheduler.ledger)
+        scheduler = self._scheduler
+        grant = Grant(routed, router=scheduler.router, ledger=scheduler.ledger, key=self._key)
         body = with_members(self._bootstrap_body, self._room)
         pending = asyncio.get_running_loop().create_task(self._bootstrap_leg(worker, grant, body))
         pending.add_done_callback(self._bootstrap_done)
