@@ -151,3 +151,15 @@ def test_sim_takes_a_count_or_prefill_and_decode_replicas() -> None:
     for bad in ("2p", "0p2d", "x"):
         with pytest.raises(Exception, match="NpMd"):
             load_settings(overrides={"sim": bad})
+
+
+def test_bench_serves_the_kv_pd_router_on_a_disaggregated_fleet(tmp_path: Any) -> None:
+    from kvgate.bench.compare import CompareConfig, RouterRun, kvgate_spec, pd_roles  # noqa: PLC0415
+    from kvgate.bench.fleet import FleetSpec  # noqa: PLC0415
+    from kvgate.bench.replay import ReplayConfig  # noqa: PLC0415
+
+    assert pd_roles(4) == ("prefill", "prefill", "decode", "decode")
+    assert pd_roles(1) == ("prefill",)
+    cfg = CompareConfig(FleetSpec(replicas=4), ReplayConfig(target=""), tmp_path, "t")
+    assert kvgate_spec(RouterRun("kv_pd", "kv pd"), cfg).roles == pd_roles(4)
+    assert kvgate_spec(RouterRun("kv", "kv"), cfg).roles == ()
