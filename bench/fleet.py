@@ -417,7 +417,9 @@ def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[st
     for url, events, replay, role in zip(
         fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, roles, strict=True
     ):
-        argv += ["--worker", f"{url},models={model},events={events},replay={replay}{role}"]
+        option = f"{url},models={model},events={events},replay={replay}{role}"
+        engine = getattr(fleet, "worker_engine", None)  # an engine fleet's kind (bench.engines)
+        argv += ["--worker", option if engine is None else f"{option},engine={engine}"]
     return argv + list(spec.extra_args)
 
 

@@ -152,6 +152,8 @@ def all_cells() -> list[Cell]:
 # tiny-model tokens: prompts up to ~2,100 tokens within its 4,096 context) and answers cut
 # to 128 tokens, a slice two cores run in a few minutes. dynamo-mocker: the base cell's
 # traffic and fleet on Dynamo's mocker (its own vLLM scheduler model and timing, speed-up 4).
+# sglang-cpu: the vllm-cpu cell's slice and fleet shape on two real SGLang-CPU replicas (page
+# size 32, a KV pool of 128 pages each).
 VLLM_TRAFFIC = (
     "--trace", str(TRACES / "agentic_sessions.jsonl.gz"), "--session-rate", "0.05",
     "--max-gap", "10", "--max-input-tokens", "100000", "--token-scale", "0.008",
@@ -161,6 +163,9 @@ VLLM_FLEET = (
     "--engine", "vllm", "--replicas", "2", "--block-size", "32", "--capacity-blocks", "128",
 )  # fmt: skip
 MOCKER_FLEET = ("--engine", "dynamo-mocker", *BASE_FLEET)
+SGLANG_FLEET = (
+    "--engine", "sglang", "--replicas", "2", "--block-size", "32", "--capacity-blocks", "128",
+)  # fmt: skip
 
 
 def engine_cells() -> list[Cell]:
@@ -169,9 +174,7 @@ def engine_cells() -> list[Cell]:
     return [
         Cell("vllm-cpu", "real vLLM-CPU, 2 replicas, tiny model", VLLM_TRAFFIC + VLLM_FLEET),
         Cell("dynamo-mocker", "Dynamo's mocker as the engine", BASE_TRAFFIC + MOCKER_FLEET),
-        # real SGLang-CPU replicas: a cell here once backends/sglang_cpu lands, e.g.
-        # Cell("sglang-cpu", "real SGLang-CPU, 2 replicas", VLLM_TRAFFIC + ("--engine",
-        # "sglang", "--replicas", "2", "--block-size", "16", "--capacity-blocks", "512"))
+        Cell("sglang-cpu", "real SGLang-CPU, 2 replicas, tiny model", VLLM_TRAFFIC + SGLANG_FLEET),
     ]
 
 

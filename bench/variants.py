@@ -18,6 +18,7 @@ from kvgate.router import serve
 from kvgate.scheduling.capacity import Parts
 from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.dispatch_order import OrderConfig
+from kvgate.scheduling.guard import GuardConfig
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType(
     {
@@ -39,6 +40,8 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType(
         # the wait for KV room at half and at a thirtieth of the wait limit (a tenth: default)
         "kv_kvroom_p50": Tuning(room_patience=0.5),
         "kv_kvroom_p03": Tuning(room_patience=0.033),
+        # the do-no-harm guard off: every mechanism stays on whatever its moves cost
+        "kv_noguard": Tuning(guard=GuardConfig(enabled=False)),
     }
 )
 """Variant name -> the scheduler's tuning."""

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from kvgate.backends.registry import WorkerRegistry
 from kvgate.index.memo import BoundedMemo
 from kvgate.router.commit import FOLLOWS_REQUEST, RETRY_REASONS, STREAM_ERROR_REASONS
+from kvgate.scheduling.guard import AUDITED, GUARDED, Settled
 from kvgate.scheduling.ledger import Ledger
 
 _MAX_CACHED_ROUTES = 4096  # (worker, model) pairs whose labelled children are kept at hand
@@ -184,6 +185,40 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self.mechanism_moves = Counter(
+            "kvgate_mechanism_moves",
+            "Settled requests a mechanism moved off the worker its price or its cache pointed "
+            "to, or held back (docs/scoring.md, Do no harm), by part ('price': load traded "
+            "for cache)",
+            ["part"],
+            registry=registry,
+        )
+        self.mechanism_gain = Counter(
+            "kvgate_mechanism_gain_seconds",
+            "Seconds of TTFT those moves saved against the prediction where they were moved "
+            "off (moves that paid)",
+            ["part"],
+            registry=registry,
+        )
+        self.mechanism_loss = Counter(
+            "kvgate_mechanism_loss_seconds",
+            "Seconds those moves cost (moves that did not pay, the cache they gave up included)",
+            ["part"],
+            registry=registry,
+        )
+        self.mechanism_turned_off = Counter(
+            "kvgate_mechanism_turned_off",
+            "Times the guard turned a mechanism off on a worker (it lost more than it gained "
+            "over its recent moves there)",
+            ["part"],
+            registry=registry,
+        )
+        for part in AUDITED:  # every series from the start, at 0
+            for counter in (self.mechanism_moves, self.mechanism_gain, self.mechanism_loss):
+                counter.labels(part)
+            if part in GUARDED:
+                self.mechanism_turned_off.labels(part)
+
         self.pd_legs = Counter(
             "kvgate_pd_legs",
             "Legs of disaggregated requests (docs/pd.md), by leg (prefill, decode) and "
@@ -231,6 +266,17 @@ class GatewayMetrics:
         self.pd_prefill_predicted.labels(worker)
         self.pd_prefill_engine_cached.labels(worker)
         self.ttft_error.labels(worker)
+
+    def mechanism_settled(self, settled: Settled) -> None:
+        """A move settled (``scheduling.guard``): its net gain or loss, by part."""
+        part = settled.part
+        self.mechanism_moves.labels(part).inc()
+        if settled.net_s >= 0.0:
+            self.mechanism_gain.labels(part).inc(settled.net_s)
+        else:
+            self.mechanism_loss.labels(part).inc(-settled.net_s)
+        if settled.turned_off:
+            self.mechanism_turned_off.labels(part).inc()
 
     def limit_exceeded(self, limit: str) -> None:
         self._limits[limit].inc()
@@ -338,8 +384,17 @@ class WorkerStateCollector(Collector):
             "(/ready says why)",
             labels=["worker", "fact"],
         )
+        gauges["mechanism"] = GaugeMetricFamily(
+            "kvgate_mechanism_active",
+            "1 when a capacity mechanism is in force on the worker, 0 when it is off (turned "
+            "off by the guard where it did harm)",
+            labels=["worker", "part"],
+        )
         calibrator = self._ledger.calibrator
         for w in self._workers:
+            parts = self._ledger.parts(w.id)
+            for part in GUARDED:
+                gauges["mechanism"].add_metric([w.url, part], float(getattr(parts, part)))
             sent = self._ledger.of(w)
             labels = [w.url]
             params = calibrator.params(w.id)

@@ -396,6 +396,9 @@ class ProxyResponse(Response):
             if observed is not None:
                 miss = observed.measured_s - observed.predicted_s
                 proxy.metrics.ttft_error.labels(worker.url).observe(miss)
+                settled = x.grant.observed(worker.id, observed)
+                if settled is not None:
+                    proxy.metrics.mechanism_settled(settled)
 
     def _transport_failed(self, worker: Worker, exc: httpx.HTTPError) -> AttemptFailed:
         error = from_httpx(exc, worker=worker.url)

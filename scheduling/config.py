@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.scheduling.capacity import Limits, Parts
 from kvgate.scheduling.dispatch_order import OrderConfig
+from kvgate.scheduling.guard import GuardConfig
 
 ROOM_PATIENCE = 0.1
 """Share of its wait limit a queued request waits for KV room (3 s of the default 30 s);
@@ -133,9 +134,11 @@ class QueueConfig(BaseModel):
 @dataclass(frozen=True, slots=True)
 class Tuning:
     """Internal constants of the scheduler: which mechanisms are on (``Parts``, the default
-    for every worker), the queue's dispatch order and its patience for KV room. Benchmarks
-    and tests build a scheduler with other values; users do not."""
+    for every worker), the queue's dispatch order, its patience for KV room and the guard
+    that turns a mechanism off where it does harm. Benchmarks and tests build a scheduler
+    with other values; users do not."""
 
     parts: Parts = field(default_factory=Parts)
     order: OrderConfig = field(default_factory=OrderConfig)
     room_patience: float = ROOM_PATIENCE
+    guard: GuardConfig = field(default_factory=GuardConfig)

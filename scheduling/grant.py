@@ -17,8 +17,11 @@ from collections.abc import Callable, Collection
 
 from kvgate.index.types import WorkerId
 from kvgate.scheduling.errors import NoHealthyWorker
-from kvgate.scheduling.ledger import Ledger, LoadTicket
+from kvgate.scheduling.guard import Move, Settled
+from kvgate.scheduling.ledger import Ledger, LoadTicket, TtftObservation
 from kvgate.scheduling.routing import Routed, Router
+
+Settle = Callable[["Grant", Move, WorkerId, TtftObservation], Settled]
 
 
 class Grant:
@@ -26,6 +29,7 @@ class Grant:
     the queue, with a reservation of its worker's load until its first attempt begins."""
 
     __slots__ = (
+        "_audit",
         "_ledger",
         "_on_release",
         "_released",
@@ -57,6 +61,7 @@ class Grant:
         self._reservation = reservation
         self._on_release = on_release
         self._released = False
+        self._audit: tuple[Move, Settle] | None = None
 
     def begin(self, worker: WorkerId, *, cached: int | None = None) -> LoadTicket:
         """An attempt on ``worker`` starts: the ledger counts the request there (the
@@ -90,6 +95,20 @@ class Grant:
         except NoHealthyWorker:
             return None
         return self.routed
+
+    def audit(self, move: Move, settle: Settle) -> None:
+        """A mechanism moved this request (``scheduling.guard``): settle ``move`` on the
+        first answer's measured TTFT."""
+        self._audit = (move, settle)
+
+    def observed(self, worker: WorkerId, observation: TtftObservation) -> Settled | None:
+        """An attempt on ``worker`` was answered and its TTFT measured: the move that sent
+        it there (if any) is settled, once."""
+        audit, self._audit = self._audit, None
+        if audit is None:
+            return None
+        move, settle = audit
+        return settle(self, move, worker, observation)
 
     def started(self) -> None:
         """The reservation (if any) is handed over to the request's own ticket."""

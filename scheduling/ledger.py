@@ -498,6 +498,10 @@ class Ledger:
         of = self.of
         return [of(w).candidate(matches.get(w.id, NO_MATCH), now, keys) for w in workers]
 
+    def parts(self, worker: WorkerId) -> Parts:
+        """The capacity rule's parts in force on ``worker`` (the guard may turn some off)."""
+        return self._parts_of(worker)
+
     def capacity(self, entry: WorkerLedger) -> int | None:
         """The worker's KV capacity in blocks: its engine's, else the configured one."""
         return capacity_of(entry.load(), self._limits)

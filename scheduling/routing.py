@@ -122,6 +122,17 @@ class Routed:
         return overlap_tokens(best, self.size)
 
     @property
+    def best_matched(self) -> WorkerId | None:
+        """The candidate holding most of the prompt (None when none holds any); among
+        equals, the one ranked first."""
+        best, most = None, 0
+        for worker in self.decision.ranked:
+            candidate = self.candidates.get(worker)
+            if candidate is not None and candidate.match.blocks > most:
+                best, most = worker, candidate.match.blocks
+        return best
+
+    @property
     def load_blocks(self) -> int:
         """The request's blocks, counted as held while it runs."""
         return math.ceil(self.request.prompt_tokens / self.request.block_size)
@@ -328,6 +339,20 @@ class Router:
             own = keys.block_keys
         if own:
             self.block_index.record_routed(worker, own)
+
+    def predicted_ttft_s(self, routed: Routed, worker: WorkerId) -> float:
+        """The worker's predicted TTFT for the request (its learned model on its load in
+        ``routed``); 0 for a worker that was no candidate."""
+        candidate = routed.candidates.get(worker)
+        if candidate is None:
+            return 0.0
+        size = routed.size
+        capacity = candidate.load.kv_capacity_blocks or self.limits.kv_capacity_blocks
+        uncached = float(routed.predicted_uncached_tokens(worker))
+        features = ttft_features(
+            candidate.load, uncached, size.prompt_tokens, size.block_size, capacity
+        )
+        return self.ledger.calibrator.params(worker).predict(features).total_s
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""

@@ -27,7 +27,8 @@ from kvgate.scheduling.capacity import PartsTable
 from kvgate.scheduling.config import QueueConfig, SchedulingConfig, Tuning
 from kvgate.scheduling.errors import ResponseHolderGone, ResponseHolderUnavailable, ResponseUnknown
 from kvgate.scheduling.grant import Grant
-from kvgate.scheduling.ledger import Ledger
+from kvgate.scheduling.guard import Guard, Move, Settled, moved_part, signals
+from kvgate.scheduling.ledger import Ledger, TtftObservation
 from kvgate.scheduling.queue import AdmissionQueue, QueueEvents
 from kvgate.scheduling.routing import Leg, Phases, Routed, Router
 from kvgate.scoring.api import Policy
@@ -93,6 +94,8 @@ class Scheduler:
             clock=clock,
         )
         self.affinity = affinity if affinity is not None else ResponseAffinity(100_000, 3600.0)
+        self.guard = Guard(self.parts, tuning.guard)
+        registry.subscribe(self.guard)
 
     @property
     def policy(self) -> Policy:
@@ -163,15 +166,60 @@ class Scheduler:
         size: int = 0,
     ) -> Grant:
         """``routed`` through the queue (when it is on and ``queued``), else at once."""
+        move = self.move_of(routed)
         if not (queued and self.queue.config.enabled):
-            return Grant(routed, router=self.router, ledger=self.ledger, key=key)
-        return await self.queue.admit(
-            routed,
-            key=key,
-            session=session,
-            timeout_s=timeout_s,
-            disconnected=disconnected,
-            size=size,
+            grant = Grant(routed, router=self.router, ledger=self.ledger, key=key)
+        else:
+            grant = await self.queue.admit(
+                routed,
+                key=key,
+                session=session,
+                timeout_s=timeout_s,
+                disconnected=disconnected,
+                size=size,
+            )
+        if move is not None:
+            grant.audit(move, self._settle)
+        return grant
+
+    # -- do no harm (scheduling.guard) -----------------------------------------------------
+    def move_of(self, routed: Routed) -> Move | None:
+        """The mechanism that moves ``routed`` off the worker its price or its cache points
+        to (a capacity part refusing the policy's first choice, or the price passing over
+        the best-matched worker), with the predicted TTFT there; None: no move."""
+        self.guard.tick(self.ledger.now())
+        if not self.guard.config.enabled:
+            return None
+        ranked = routed.decision.ranked
+        refused = routed.refused
+        found = moved_part(
+            ranked,
+            routed.chosen,
+            lambda w: refused[w].code if w in refused else None,
+            routed.best_matched,
+        )
+        if found is None:
+            return None
+        part, worker = found
+        return Move(
+            part,
+            worker,
+            self.router.predicted_ttft_s(routed, worker),
+            routed.predicted_cached_tokens(worker),
+        )
+
+    def _settle(
+        self, grant: Grant, move: Move, worker: WorkerId, observation: TtftObservation
+    ) -> Settled:
+        cached_there = grant.routed.predicted_cached_tokens(worker)
+        lost = max(move.lost_tokens - cached_there, 0)
+        rate = self.ledger.calibrator.params(worker).prefill_tokens_per_s
+        return self.guard.settle(
+            move,
+            waited_s=grant.waited_s or 0.0,
+            measured_s=observation.measured_s,
+            added_prefill_s=lost / rate if rate > 0 else 0.0,
+            now=self.ledger.now(),
         )
 
     async def explain(self, facts: RequestFacts, key: str) -> dict[str, Any]:
@@ -179,7 +227,28 @@ class Scheduler:
         routed = await self.route(facts, held=True)
         explained = self.router.explain(routed)
         explained["admission"] = self.queue.explain(routed, key)
+        explained["guard"] = self.explain_guard()
         return explained
+
+    def explain_guard(self) -> dict[str, Any]:
+        """Each worker's mechanisms: the parts in force, those whose signal its engine does
+        not give, and the guard's audits (``/debug/route``)."""
+        now = self.ledger.now()
+        out: dict[str, Any] = {}
+        for worker in self.registry:
+            entry = self.ledger.entry(worker.id)
+            capacity = self.ledger.capacity(entry) if entry is not None else None
+            missing = signals(
+                waiting=worker.scraped.waiting is not None,
+                kv_usage=worker.scraped.kv_usage is not None,
+                kv_capacity=capacity is not None,
+            )
+            out[worker.url] = {
+                "parts_in_force": self.parts.of(worker.id).active(),
+                "no_signal": missing,
+                "audits": self.guard.describe(worker.id, now),
+            }
+        return out
 
     # -- stored responses ------------------------------------------------------------------
     def holder(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.backends.sglang_cpu.layout import SglangLayout
 from kvgate.backends.vllm_cpu.layout import EngineLayout
 from kvgate.bench import engines, floor
 from kvgate.bench.args import compare_parser, fleet_spec, load_requests
@@ -58,14 +59,22 @@ def test_mocker_replicas_publish_vllm_events_on_their_own_ports(tmp_path: Path) 
     assert value["--speedup-ratio"] == "4" and value["--model-name"] == "kvgate-sim"
 
 
-def test_sglang_is_a_hook_until_its_launcher_lands(tmp_path: Path) -> None:
-    with pytest.raises(engines.EngineUnavailable, match="sglang_cpu"):
-        engines.start_bench_fleet(FleetSpec(engine="sglang"), tmp_path)
-    with pytest.raises(engines.EngineUnavailable, match="unknown engine"):
-        engines.start_bench_fleet(FleetSpec(engine="nope"), tmp_path)
-    assert engines.needs_private_netns(FleetSpec(engine="dynamo-mocker"))
-    assert engines.needs_private_netns(FleetSpec(engine="vllm"))  # tcp://* events
-    assert not engines.needs_private_netns(FleetSpec(engine="sim"))
+def test_sglang_not_installed_is_said_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVGATE_ENGINES_DIR", str(tmp_path / "none"))
+    with pytest.raises(engines.EngineUnavailable, match="SGLang-CPU is not installed"):
+        engines.start_bench_fleet(FleetSpec(engine="sglang", block_size=32), tmp_path)
+
+
+def test_sglang_replicas_page_by_the_block_size_and_hold_the_capacity(tmp_path: Path) -> None:
+    spec = FleetSpec(replicas=2, block_size=32, capacity_blocks=128, engine="sglang")
+    opts = engines.sglang_options(spec, SglangLayout(tmp_path), tmp_path / "logs")
+    assert (opts.page_size, opts.max_total_tokens) == (32, 4096)
+    assert opts.served_model_name == "kvgate-sim" and opts.topic == ""
+    unbounded = FleetSpec(block_size=32, engine="sglang")
+    options = engines.sglang_options(unbounded, SglangLayout(tmp_path), tmp_path)
+    assert options.max_total_tokens == engines.SGLANG_TOKENS
 
 
 def test_engine_and_output_cap_options_reach_the_fleet_and_the_slice() -> None:

@@ -184,7 +184,7 @@ def test_engine_cells_name_their_engine_and_form_a_set() -> None:
     """The cells on engines we did not write: each parses as a compare slice, names its
     engine, and ``--cells engines`` picks them all; the default run stays the simulator's."""
     cells = matrix.engine_cells()
-    assert matrix.cell_engines(cells) == ["vllm", "dynamo-mocker"]
+    assert matrix.cell_engines(cells) == ["vllm", "dynamo-mocker", "sglang"]
     assert matrix.cell_engines(matrix.all_cells()) == ["sim"] * len(matrix.all_cells())
     vllm = compare_parser().parse_args(list(cells[0].argv))
     spec = fleet_spec(vllm)
@@ -192,7 +192,7 @@ def test_engine_cells_name_their_engine_and_form_a_set() -> None:
     assert spec.capacity_blocks is not None and vllm.max_output_tokens == 128
     args = build_parser().parse_args(["matrix", "--cells", "engines,base", "--slo", "2"])
     cfg = matrix.config_from_args(args, Path("/tmp/x"))
-    assert [c.name for c in cfg.cells] == ["vllm-cpu", "dynamo-mocker", "base"]
+    assert [c.name for c in cfg.cells] == ["vllm-cpu", "dynamo-mocker", "sglang-cpu", "base"]
     assert cfg.slo_s == 2.0
     default = matrix.config_from_args(build_parser().parse_args(["matrix"]), Path("/tmp/x"))
     assert {c.name for c in default.cells}.isdisjoint(matrix.CELL_SETS["engines"])
