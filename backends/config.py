@@ -2,7 +2,8 @@
 checks and load scraping of every replica (``HealthConfig``).
 
 A worker can be written as a mapping or in the compact CLI form
-``URL[,engine=vllm][,models=a;b][,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+``URL[,engine=vllm][,role=prefill|decode|both][,bootstrap_port=N][,models=a;b]
+[,events=tcp://...][,replay=tcp://...][,api_key=...]``.
 A worker URL's ``user:password@`` becomes its HTTP Basic credentials and leaves the URL (the
 worker's id, shown everywhere), so it cannot be displayed; keys live in ``SecretStr`` fields,
 refused when empty and never echoed in errors.
@@ -20,8 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from kvgate.index.types import WorkerId
 
 EngineKind = Literal["vllm", "sglang", "openai"]
+WorkerRole = Literal["prefill", "decode", "both"]
+"""A worker's part in a disaggregated fleet: ``prefill`` workers run the prefill leg of a
+request, ``decode`` workers its decode leg; ``both`` (the default) serve whole requests."""
 
-_WORKER_KEYS = {"engine", "models", "events", "replay", "api_key"}
+_WORKER_KEYS = {"engine", "role", "bootstrap_port", "models", "events", "replay", "api_key"}
+SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]*@")
 _KEY_VALUE = re.compile(r"(?i)((?:api_?key|token|password|secret)\w*\s*[=:]\s*)[^,\s'\"}]+")
 _URL_PATH_OK = re.compile(r"[!-~]*")  # printable ASCII, no space: it goes in a request line
@@ -111,6 +116,18 @@ class WorkerConfig(BaseModel):
 
     url: str = Field(description="base URL of the engine, e.g. http://127.0.0.1:9001")
     engine: EngineKind = Field(default="vllm", description="engine kind: vllm | sglang | openai")
+    role: WorkerRole = Field(
+        default="both",
+        description="prefill | decode | both: its part in a prefill/decode disaggregated "
+        "fleet (docs/pd.md); both: it serves whole requests",
+    )
+    bootstrap_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="a prefill worker speaking SGLang's bootstrap protocol: its "
+        "--disaggregation-bootstrap-port (an sglang prefill worker without it: 8998)",
+    )
     models: list[str] | None = Field(
         default=None, description="models it serves; discovered from its /v1/models when not given"
     )
@@ -170,6 +187,15 @@ class WorkerConfig(BaseModel):
     @property
     def id(self) -> WorkerId:
         return WorkerId(self.url)
+
+    @property
+    def bootstrap(self) -> tuple[str, int] | None:
+        """Where a decode worker fetches this prefill worker's KV by SGLang's bootstrap
+        protocol (host, port); None: it speaks vLLM's ``kv_transfer_params``."""
+        if self.bootstrap_port is None and self.engine != "sglang":
+            return None
+        host = urlsplit(self.url).hostname or ""
+        return host, self.bootstrap_port or SGLANG_BOOTSTRAP_PORT
 
     def authorization(self) -> str | None:
         """The ``Authorization`` header value kvgate sends this engine, if any."""

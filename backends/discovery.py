@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvgate.backends.config import EngineKind
+from kvgate.backends.config import EngineKind, WorkerRole
 from kvgate.backends.errors import DiscoveryUrlError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class DnsDiscoveryConfig:
     port: int
     scheme: Literal["http", "https"] = "http"
     engine: EngineKind = "vllm"
+    role: WorkerRole = "both"
     events_port: int | None = DEFAULT_EVENTS_PORT
     replay_port: int | None = DEFAULT_REPLAY_PORT
     interval_s: float = 5.0
@@ -95,12 +96,14 @@ class DiscoveredWorker:
     events: str | None  # KV events ZMQ PUB endpoint
     replay: str | None  # KV events replay ZMQ ROUTER endpoint
     address: str
+    role: WorkerRole = "both"
 
     def worker_fields(self) -> dict[str, str | None]:
         """The ``backends.config.WorkerConfig`` fields of this replica (models: /v1/models)."""
         return {
             "url": self.url,
             "engine": self.engine,
+            "role": self.role,
             "events": self.events,
             "replay": self.replay,
         }
@@ -111,7 +114,8 @@ def parse_discovery_url(url: str) -> DnsDiscoveryConfig:
 
     Options: ``events_port``, ``replay_port`` (a port, or ``auto``/``none``: not derived; a
     vLLM worker's endpoints are then read from its ``GET /kv_event_sources``),
-    ``engine`` (vllm | sglang | openai), ``scheme`` (http | https), ``interval`` and
+    ``engine`` (vllm | sglang | openai), ``role`` (prefill | decode | both: one Service
+    per role in a disaggregated fleet), ``scheme`` (http | https), ``interval`` and
     ``timeout`` (seconds), ``family`` (any | ipv4 | ipv6), ``remove_after`` (rounds).
     """
     parts = urlsplit(url.strip())
@@ -152,6 +156,7 @@ def parse_discovery_url(url: str) -> DnsDiscoveryConfig:
         port=port,
         scheme=option("scheme", _parse_scheme, "http"),
         engine=option("engine", _parse_engine, "vllm"),
+        role=option("role", _parse_role, "both"),
         events_port=option("events_port", _parse_optional_port, DEFAULT_EVENTS_PORT),
         replay_port=option("replay_port", _parse_optional_port, DEFAULT_REPLAY_PORT),
         interval_s=option("interval", _parse_seconds, 5.0),
@@ -168,6 +173,7 @@ _OPTIONS = (
     "interval",
     "remove_after",
     "replay_port",
+    "role",
     "scheme",
     "timeout",
 )
@@ -230,6 +236,13 @@ def _parse_engine(raw: str) -> EngineKind:
     raise ValueError(f"{raw!r} is not one of {', '.join(get_args(EngineKind))}")
 
 
+def _parse_role(raw: str) -> WorkerRole:
+    for role in get_args(WorkerRole):
+        if raw == role:
+            return cast(WorkerRole, role)
+    raise ValueError(f"{raw!r} is not one of {', '.join(get_args(WorkerRole))}")
+
+
 def _parse_family(raw: str) -> AddressFamily:
     for family in get_args(AddressFamily):
         if raw == family:
@@ -258,6 +271,7 @@ def worker_for_address(config: DnsDiscoveryConfig, address: str) -> DiscoveredWo
     return DiscoveredWorker(
         url=f"{config.scheme}://{host}:{config.port}",
         engine=config.engine,
+        role=config.role,
         events=events,
         replay=replay,
         address=address,

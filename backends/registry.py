@@ -127,6 +127,8 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "engine": self.config.engine,
+            "role": self.config.role,
+            "bootstrap_port": self.config.bootstrap_port,
             "models": sorted(self.models),
             "events": self.config.events,
             "replay": self.config.replay,

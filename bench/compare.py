@@ -58,6 +58,8 @@ ALL_ROUTERS = (
 )
 
 
+PD_VARIANT = "kv_pd"
+"""kvgate over the same fleet disaggregated (docs/pd.md), against the aggregated routers."""
 BASELINE_TREE = "kv_baseline"
 """Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
 
@@ -73,6 +75,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{name: ("kv", ()) for name in TUNINGS},
     "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
     "kv_nofp": ("kv", ("--scoring-footprint-weight", "0")),  # no footprint term
+    "kv_pd": ("kv", ()),  # disaggregated: the first half of the replicas prefill, the rest decode
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
 those in ``bench.variants.TUNINGS`` are served by ``python -m kvgate.bench.variants NAME``."""
@@ -163,7 +166,15 @@ def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
         return KvgateSpec("kv", (), extra, cfg.baseline_tree)
     policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
     args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
-    return KvgateSpec(policy, (), args, variant=run.name if run.name in TUNINGS else None)
+    variant = run.name if run.name in TUNINGS else None
+    roles = pd_roles(cfg.fleet.replicas) if run.name == PD_VARIANT else ()
+    return KvgateSpec(policy, (), args, variant=variant, roles=roles)
+
+
+def pd_roles(replicas: int) -> tuple[str, ...]:
+    """Router ``kv_pd``'s roles: the first half of the replicas prefill, the rest decode."""
+    prefill = max(replicas // 2, 1)
+    return ("prefill",) * prefill + ("decode",) * (replicas - prefill)
 
 
 def _start_router(

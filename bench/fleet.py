@@ -397,6 +397,8 @@ class KvgateSpec:
     ``python -m kvgate.router.cli`` started in it imports its packages first."""
     variant: str | None = None
     """A variant built in code (``bench.variants``): ``python -m kvgate.bench.variants NAME``."""
+    roles: tuple[str, ...] = ()
+    """Each replica's worker role, in order (docs/pd.md; empty: whole-request workers)."""
 
 
 def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[str]:
@@ -411,10 +413,11 @@ def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[st
         argv = [sys.executable, "-m", "kvgate.bench.variants", spec.variant, *flags]
     else:
         argv = kvgate_argv("serve", *flags)
-    for url, events, replay in zip(
-        fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, strict=True
+    roles = [f",role={r}" for r in spec.roles] or [""] * len(fleet.urls)  # (older trees)
+    for url, events, replay, role in zip(
+        fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, roles, strict=True
     ):
-        option = f"{url},models={model},events={events},replay={replay}"
+        option = f"{url},models={model},events={events},replay={replay}{role}"
         engine = getattr(fleet, "worker_engine", None)  # an engine fleet's kind (bench.engines)
         argv += ["--worker", option if engine is None else f"{option},engine={engine}"]
     return argv + list(spec.extra_args)

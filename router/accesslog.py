@@ -37,6 +37,8 @@ ACCESS_FIELDS = (
     #                        best - predicted, traded for balance)
     "engine_cached_tokens",  # usage.prompt_tokens_details.cached_tokens; null when unknown
     "output_tokens",  # usage.completion_tokens, else content events counted in the stream
+    "prefill_worker",  # disaggregated: the prefill worker that answered the prefill leg
+    "prefill_skipped",  # disaggregated: prefilled on the decode worker; null: not disaggregated
     "queued_ms",  # time waited in kvgate's queue before a worker was chosen; null: not queued
     "ttft_ms",  # request received -> first streamed body byte; null when not streamed
     "duration_ms",  # request received -> last byte

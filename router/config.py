@@ -14,6 +14,7 @@ fields only: they are refused when empty and never echoed in errors.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -212,6 +213,29 @@ def _tokenizer_map(value: Any) -> Any:
     return value
 
 
+_SIM_ROLES = re.compile(r"(\d{1,3})p(\d{1,3})d")
+
+
+def sim_roles_spec(value: Any) -> int | str:
+    """``--sim``'s value: a replica count, or ``NpMd``; ``ValueError`` otherwise."""
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return int(text)
+    found = _SIM_ROLES.fullmatch(text)
+    if found is None or not int(found[1]) or not int(found[2]):
+        raise ValueError("expected a replica count N, or NpMd (N prefill, M decode: 2p2d)")
+    return text
+
+
+def sim_roles(sim: int | str) -> list[str]:
+    """The role of each replica of ``--sim`` ``sim`` (``sim_roles_spec``'s form)."""
+    if isinstance(sim, int):
+        return ["both"] * sim
+    found = _SIM_ROLES.fullmatch(sim)
+    assert found is not None
+    return ["prefill"] * int(found[1]) + ["decode"] * int(found[2])
+
+
 class Settings(BaseSettings):
     """Every knob of ``kvgate serve``."""
 
@@ -328,11 +352,12 @@ class Settings(BaseSettings):
         description="with --trace-sample-rate, follow the sampled flag of the client's "
         "traceparent (when every client is a trusted service whose traces you want whole)",
     )
-    sim: int = Field(
+    sim: int | str = Field(
         default=0,
-        ge=0,
         description="start N simulated replicas and route to them: a demo, or a test bed "
-        "without GPUs",
+        "without GPUs; NpMd (e.g. 2p2d): N prefill and M decode replicas, a disaggregated "
+        "fleet (docs/pd.md)",
+        json_schema_extra={"metavar": "N|NpMd"},
     )
     sim_port: int = Field(
         default=9001,
@@ -367,6 +392,17 @@ class Settings(BaseSettings):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     index: IndexConfig = Field(default_factory=lambda: IndexConfig.model_validate({}))
     scoring: KvPolicyConfig = Field(default_factory=lambda: KvPolicyConfig.model_validate({}))
+
+    @field_validator("sim", mode="before")
+    @classmethod
+    def _sim_fleet(cls, value: Any) -> int | str:
+        """``N`` (whole-request replicas) or ``NpMd`` (prefill and decode replicas)."""
+        return sim_roles_spec(value)
+
+    @property
+    def sim_roles(self) -> list[str]:
+        """The role of each ``--sim`` replica, in order."""
+        return sim_roles(self.sim)
 
     @field_validator("workers", "api_keys", "worker_allow", "pass_through_paths", mode="before")
     @classmethod

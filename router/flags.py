@@ -292,7 +292,11 @@ def add_moved_flags(
 
 
 def _shape(info: FieldInfo) -> dict[str, Any]:
-    """Metavar (and choices) of a scalar flag from its annotation."""
+    """Metavar (and choices) of a scalar flag from its annotation (or its ``metavar`` in
+    ``json_schema_extra``)."""
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("metavar"), str):
+        return {"metavar": extra["metavar"]}
     annotation = info.annotation
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) in (Union, types.UnionType) and len(args) == 1:

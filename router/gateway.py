@@ -59,6 +59,7 @@ from kvgate.router.listener import ListenerLimits, timed_out_body
 from kvgate.router.metrics import GatewayMetrics, forget_series
 from kvgate.router.observe import Observation, Observer
 from kvgate.router.passthrough import PassThroughPaths
+from kvgate.router.pd import TwoLegs, strip_transfer_params
 from kvgate.router.proxy import AnswerTap, Exchange, Proxy, UsageMode, forwardable_headers
 from kvgate.router.requests import (
     AnyModelBody,
@@ -76,8 +77,10 @@ from kvgate.router.requests import (
 from kvgate.scheduling.affinity import ClientKeyId
 from kvgate.scheduling.errors import QueueTimeout, SchedulingError
 from kvgate.scheduling.grant import Grant
-from kvgate.scheduling.routing import Routed
+from kvgate.scheduling.pd import disaggregated
+from kvgate.scheduling.routing import Leg, Routed
 from kvgate.scheduling.scheduler import RequestFacts, Scheduler
+from kvgate.scoring.config import KvPolicyConfig
 
 log = logging.getLogger("kvgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -322,6 +325,7 @@ class Gateway:
             stream = bool(parsed.stream)
             call.parsed(parsed.model, len(raw), stream)
             session = self._session(call, parsed.user)
+            leg = self._leg(parsed.model)
             routed = await self._route(
                 RequestFacts(
                     parsed.model,
@@ -329,8 +333,11 @@ class Gateway:
                     session_key=session,
                     max_tokens=parsed.output_limit,
                     spans=call.observation.spans,
+                    leg=leg,
                 )
             )
+            raw = strip_transfer_params(raw, data)  # never an engine's to read from a client
+            legs = self._two_legs(call, data) if leg is not None else None
             usage_mode, body = UsageMode.BODY, raw
             if stream:
                 asked = parsed.stream_options is not None and parsed.stream_options.include_usage
@@ -344,7 +351,31 @@ class Gateway:
             grant = await self._admit(call, routed, len(body))
         except KvgateError as exc:
             return self._refuse(exc, call)
-        return self._send(call, grant, body=body, usage_mode=usage_mode)
+        return self._send(call, grant, body=body, usage_mode=usage_mode, legs=legs)
+
+    def _leg(self, model: str) -> Leg | None:
+        """``decode`` when ``model``'s ready workers are disaggregated (prefill and decode
+        workers): the request is routed as its decode leg, its prefill leg before each
+        attempt (router/pd.py); else None (whole requests)."""
+        return "decode" if disaggregated(self.scheduler.registry.serving(model)) else None
+
+    def _policy_config(self) -> KvPolicyConfig:
+        config = getattr(self.scheduler.policy, "config", None)
+        return config if isinstance(config, KvPolicyConfig) else KvPolicyConfig()
+
+    def _two_legs(self, call: _Call, data: dict[str, Any]) -> TwoLegs:
+        request = call.request
+        return TwoLegs(
+            self.proxy,
+            self.scheduler,
+            self._policy_config(),
+            data=data,
+            path=request.scope["path"],
+            request_id=call.request_id,
+            headers=forwardable_headers(request.headers.raw),
+            key=call.observation.client,
+            spans=call.observation.spans,
+        )
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: keyed like a chat when kvgate renders its prompt as the
@@ -373,6 +404,7 @@ class Gateway:
                     max_tokens=parsed.output_limit,
                     spans=call.observation.spans,
                     only=self.holder_of(parsed.previous_response_id, key, "previous_response_id"),
+                    leg=self._leg(parsed.model),  # whole, on a decode worker (no P/D leg)
                 )
             )
             stored = parsed.store is not False  # store=false: its id is not recorded
@@ -488,6 +520,7 @@ class Gateway:
         usage_mode: UsageMode,
         path: str | None = None,
         answer_tap: AnswerTap | None = None,
+        legs: TwoLegs | None = None,
     ) -> Response:
         """Proxy the accepted request to the workers its grant names, in order."""
         request = call.request
@@ -505,6 +538,7 @@ class Gateway:
                 received_at=call.received_at,
                 observation=call.observation,
                 answer_tap=answer_tap,
+                legs=legs,
             )
         )
 
@@ -647,6 +681,7 @@ class Gateway:
                 session_key=self.namespaced(key, session or body.user),
                 max_tokens=body.output_limit,
                 only=self.holder_of(body.previous_response_id, None, "previous_response_id"),
+                leg=self._leg(body.model),
             )
             extra["responses_prompt"] = keyed
         else:
@@ -660,12 +695,23 @@ class Gateway:
                 parsed.prompt_input(),
                 session_key=self.namespaced(key, session or parsed.user),
                 max_tokens=parsed.output_limit,
+                leg=self._leg(parsed.model),
             )
         try:
             explained = await self.scheduler.explain(facts, key)
+            if facts.leg is not None and "input" not in data:
+                extra["disaggregated"] = await self._explain_legs(facts)
         except SchedulingError as exc:
             raise from_scheduling(exc, retry_after_s=self.settings.retry_after_s) from exc
         return json_response(explained | extra)
+
+    async def _explain_legs(self, facts: RequestFacts) -> dict[str, Any]:
+        """``/debug/route`` of a disaggregated request: its prefill leg's ranking and the
+        plan for its chosen decode worker (the skip rule's two costs)."""
+        routed = await self.scheduler.route(facts, held=True)
+        plan, ranked = TwoLegs.plan_for(self.scheduler, self._policy_config(), routed)
+        prefill = self.scheduler.router.explain(ranked) if ranked is not None else None
+        return {"plan": plan.describe(), "prefill": prefill}
 
     # -- lifecycle ----------------------------------------------------------------------
     def index_stats(self) -> dict[str, Any]:

@@ -219,6 +219,36 @@ class GatewayMetrics:
             if part in GUARDED:
                 self.mechanism_turned_off.labels(part)
 
+        self.pd_legs = Counter(
+            "kvgate_pd_legs",
+            "Legs of disaggregated requests (docs/pd.md), by leg (prefill, decode) and "
+            "outcome (ok, failed; a prefill leg also skipped: prefilled on the decode worker)",
+            ["leg", "outcome"],
+            registry=registry,
+        )
+        for leg, outcome in (("prefill", "ok"), ("prefill", "failed"), ("prefill", "skipped")):
+            self.pd_legs.labels(leg, outcome)
+        for outcome in ("ok", "failed"):
+            self.pd_legs.labels("decode", outcome)
+        self.pd_transferred = Counter(
+            "kvgate_pd_transferred_tokens",
+            "Prompt tokens of disaggregated requests predicted sent from a prefill worker to a "
+            "decode worker (the blocks the decode worker lacked)",
+            registry=registry,
+        )
+        self.pd_prefill_predicted = Counter(
+            "kvgate_pd_prefill_predicted_cached_tokens",
+            "Prompt tokens kvgate predicted cached on the prefill worker of a prefill leg",
+            ["worker"],
+            registry=registry,
+        )
+        self.pd_prefill_engine_cached = Counter(
+            "kvgate_pd_prefill_engine_cached_tokens",
+            "Prompt tokens a prefill worker reported cached for its prefill legs",
+            ["worker"],
+            registry=registry,
+        )
+
         self._routes: BoundedMemo[tuple[str, str], RouteMetrics] = BoundedMemo(_MAX_CACHED_ROUTES)
         # per worker label (workers, "none", "removed"), the models with series of their own
         self._labelled: dict[str, set[str]] = {}
@@ -233,6 +263,8 @@ class GatewayMetrics:
             self.retries.labels(worker, reason)
         for reason in STREAM_ERROR_REASONS:
             self.stream_errors.labels(worker, reason)
+        self.pd_prefill_predicted.labels(worker)
+        self.pd_prefill_engine_cached.labels(worker)
         self.ttft_error.labels(worker)
 
     def mechanism_settled(self, settled: Settled) -> None:
@@ -340,6 +372,12 @@ class WorkerStateCollector(Collector):
             key: GaugeMetricFamily(name, text, labels=["worker"])
             for key, name, text in (*_WORKER_GAUGES, *_MODEL_GAUGES)
         }
+        gauges["role"] = GaugeMetricFamily(
+            "kvgate_worker_role",
+            "1 for the worker's role: prefill, decode or both (a prefill/decode "
+            "disaggregated fleet, docs/pd.md)",
+            labels=["worker", "role"],
+        )
         gauges["mismatch"] = GaugeMetricFamily(
             "kvgate_worker_config_mismatch",
             "1 when an engine fact (block_size) contradicts kvgate's: the worker is not ready "
@@ -368,6 +406,7 @@ class WorkerStateCollector(Collector):
                 gauges["abs_error"].add_metric(labels, error.mean_abs_s)
                 gauges["bias"].add_metric(labels, error.bias_s)
             gauges["healthy"].add_metric(labels, 1.0 if w.healthy else 0.0)
+            gauges["role"].add_metric([w.url, w.config.role], 1.0)
             gauges["in_flight"].add_metric(labels, sent.in_flight)
             gauges["prefill"].add_metric(labels, sent.pending_prefill_tokens)
             gauges["decode"].add_metric(labels, sent.active_decode_blocks)

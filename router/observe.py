@@ -117,8 +117,8 @@ class Observation:
 
     __slots__ = (
         "_events", "_headers", "_observer", "_tail", "attempts", "bytes_in", "bytes_out",
-        "client", "method", "model", "path", "queued", "received_at", "request_id", "spans",
-        "stream", "ttft",
+        "client", "method", "model", "path", "pd", "predicted", "queued", "received_at",
+        "request_id", "spans", "stream", "ttft",
     )  # fmt: skip
 
     def __init__(
@@ -148,6 +148,9 @@ class Observation:
         self.ttft: float | None = None
         self.queued: float | None = None
         """Seconds waited in kvgate's queue (scheduling/queue.py); None: never queued."""
+        self.pd: tuple[str | None, bool | None] | None = None
+        """A disaggregated request's (prefill worker, prefill leg skipped); None: not one."""
+        self.predicted: int | None = None  # cached tokens predicted, when not the routing's
         self._events = 0
         self._tail = b""
 
@@ -267,6 +270,8 @@ class Observation:
             "best_cached_tokens": None,
             "engine_cached_tokens": usage.cached_tokens if usage is not None else None,
             "output_tokens": output,
+            "prefill_worker": self.pd[0] if self.pd is not None else None,
+            "prefill_skipped": self.pd[1] if self.pd is not None else None,
             "queued_ms": _ms(self.queued),
             "ttft_ms": _ms(self.ttft),
             "duration_ms": _ms(duration),
@@ -276,7 +281,10 @@ class Observation:
         if routed is not None and worker is not None:
             fields["reason"] = _reason(routed, worker)
             fields["failover"] = worker.id != routed.chosen
-            fields["predicted_cached_tokens"] = routed.predicted_cached_tokens(worker.id)
+            predicted = self.predicted
+            if predicted is None:
+                predicted = routed.predicted_cached_tokens(worker.id)
+            fields["predicted_cached_tokens"] = predicted
         if routed is not None and routed.keys is not None:
             fields["prompt_tokens"] = routed.request.prompt_tokens
             fields["best_cached_tokens"] = routed.best_available_cached_tokens

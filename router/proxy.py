@@ -130,6 +130,23 @@ class Exchange:
     received_at: float  # time.perf_counter() when the request arrived
     observation: Observation  # access log, trace and stream metrics of this request
     answer_tap: AnswerTap | None = None  # shown a successful answer's first bytes
+    legs: AttemptBody | None = None  # a disaggregated request's prefill legs (router/pd.py)
+
+
+class AttemptBody(Protocol):
+    """What runs before each attempt of a disaggregated request (``router.pd.TwoLegs``)."""
+
+    async def body_for(self, worker: Worker, routed: Routed, body: bytes) -> bytes:
+        """The body to send ``worker`` (the prefill leg runs first, unless skipped)."""
+        ...
+
+    def predicted(self, worker: WorkerId) -> int | None:
+        """Tokens ``worker`` should report cached (None: the routing's prediction)."""
+        ...
+
+    def observe(self, observation: Observation, status: str) -> None:
+        """The exchange is over with ``status``."""
+        ...
 
 
 class AnswerTap(Protocol):
@@ -344,9 +361,13 @@ class ProxyResponse(Response):
     ) -> None:
         """One worker's try; ``AttemptFailed`` when it fails before the commit."""
         proxy, x = self._proxy, self._x
+        body = x.body
+        if x.legs is not None:  # its prefill leg first (or not: skipped)
+            body = await x.legs.body_for(worker, routed, body)
         headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
         spans = x.observation.spans
-        ticket = x.grant.begin(worker.id)  # the scheduler's ledger counts it there
+        cached = x.legs.predicted(worker.id) if x.legs is not None else None
+        ticket = x.grant.begin(worker.id, cached=cached)  # the scheduler's ledger counts it
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
@@ -357,7 +378,7 @@ class ProxyResponse(Response):
                     x.method,
                     x.path,
                     headers,
-                    x.body,
+                    body,
                     sent=spans.sent if spans is not None else None,
                 )
             except httpx.HTTPError as exc:
@@ -572,13 +593,18 @@ class ProxyResponse(Response):
     def _client_headers(
         self, worker: Worker, routed: Routed, response: UpstreamResponse
     ) -> list[tuple[bytes, bytes]]:
-        predicted = routed.predicted_cached_tokens(worker.id)
+        predicted = self._predicted(worker, routed)
         return [
             *_relay_headers(response),
             (b"x-kvgate-worker", worker.url.encode()),
             (b"x-request-id", self._x.request_id.encode()),
             (b"x-kvgate-predicted-cached-tokens", str(predicted).encode()),
         ]
+
+    def _predicted(self, worker: Worker, routed: Routed) -> int:
+        legs = self._x.legs
+        predicted = legs.predicted(worker.id) if legs is not None else None
+        return routed.predicted_cached_tokens(worker.id) if predicted is None else predicted
 
     async def _commit(
         self, send: Send, status: int, headers: list[tuple[bytes, bytes]], outcome: _Outcome
@@ -637,6 +663,10 @@ class ProxyResponse(Response):
         status = _CLIENT_CLOSED if self._client_gone and not self._completed else outcome.status
         worker = outcome.worker
         route = self._proxy.route_metrics(worker, x.model) if worker is not None else None
+        if x.legs is not None:
+            x.legs.observe(x.observation, status)
+            if worker is not None:
+                x.observation.predicted = x.legs.predicted(worker.id)
         x.observation.finish(
             status,
             routed=outcome.routed,
@@ -663,7 +693,7 @@ class ProxyResponse(Response):
             prompt_tokens = usage.prompt_tokens
         route.record_cache(
             prompt_tokens=prompt_tokens,
-            predicted=routed.predicted_cached_tokens(worker.id),
+            predicted=self._predicted(worker, routed),
             best_available=routed.best_available_cached_tokens,
             engine_cached=usage.cached_tokens if usage is not None else None,
         )

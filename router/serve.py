@@ -134,11 +134,14 @@ def supervise(
             go(settings)
             return 0
         with SimFleet(
-            settings.sim, base_port=settings.sim_port, events_port=settings.sim_events_port
+            len(settings.sim_roles),
+            base_port=settings.sim_port,
+            events_port=settings.sim_events_port,
+            roles=settings.sim_roles,
         ) as fleet:
             overrides = fleet.settings_overrides(overrides)
             settings = load_settings(config, overrides, model=type(settings))
-            log.info("routing to %d simulated replicas", settings.sim)
+            log.info("routing to %s simulated replicas", settings.sim)
             go(settings)
     except ConfigError as exc:  # found while building the gateway (e.g. tracing's extra)
         log.error("%s: %s", command, exc)

@@ -32,9 +32,15 @@ class SimFleet:
     """Start ``replicas`` simulated engines; stop them when the ``with`` block ends."""
 
     def __init__(
-        self, replicas: int, *, base_port: int = BASE_PORT, events_port: int = EVENTS_PORT
+        self,
+        replicas: int,
+        *,
+        base_port: int = BASE_PORT,
+        events_port: int = EVENTS_PORT,
+        roles: list[str] | None = None,
     ) -> None:
         self.replicas = replicas
+        self.roles = roles or ["both"] * replicas  # each replica's worker role
         self.base_port = base_port
         self.events_port = events_port
         self._process: ChildProcess | None = None
@@ -54,7 +60,7 @@ class SimFleet:
         for i in range(self.replicas):
             events = self.events_port + 2 * i
             specs.append(
-                f"http://127.0.0.1:{self.base_port + i},models={SIM_MODEL},"
+                f"http://127.0.0.1:{self.base_port + i},models={SIM_MODEL},role={self.roles[i]},"
                 f"events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{events + 1}"
             )
         return specs

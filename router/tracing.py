@@ -227,6 +227,9 @@ class Tracing:
         return not closing.is_alive()
 
 
+_MAX_LEGS = 16  # prefill-leg spans kept per request (attempts x retries are bounded anyway)
+
+
 def _clean(attributes: Attributes) -> dict[str, AttributeValue]:
     return {k: v for k, v in attributes.items() if v is not None}
 
@@ -253,8 +256,8 @@ class RequestSpans:
     upstream attempt; ``finish`` builds and exports the spans (when sampled)."""
 
     __slots__ = (
-        "_attempts", "_last", "_name", "_parent", "_phases", "_t0", "_t0_ns", "_tracing",
-        "context", "recording",
+        "_attempts", "_last", "_legs", "_name", "_parent", "_phases", "_t0", "_t0_ns",
+        "_tracing", "context", "recording",
     )  # fmt: skip
 
     def __init__(
@@ -276,6 +279,7 @@ class RequestSpans:
         self._last = received_at
         self._phases: list[tuple[str, float, float]] = []
         self._attempts: list[_Attempt] = []
+        self._legs: list[_Attempt] = []  # a disaggregated request's prefill legs
 
     @property
     def trace_id(self) -> str:
@@ -307,6 +311,13 @@ class RequestSpans:
         if root.trace_state:
             kept.append((b"tracestate", root.trace_state.to_header().encode("latin-1")))
         return kept
+
+    def leg(self, worker: str, start: float, error: str | None) -> None:
+        """A prefill leg on ``worker`` (docs/pd.md) from ``start`` (perf_counter) to now."""
+        if len(self._legs) < _MAX_LEGS:
+            span = _Attempt(self._child_context(), worker, len(self._legs), start)
+            span.end, span.error = time.perf_counter(), error
+            self._legs.append(span)
 
     def _current(self) -> _Attempt | None:
         attempt = self._attempts[-1] if self._attempts else None
@@ -363,6 +374,15 @@ class RequestSpans:
             self._emit(name, self._child_context(), root, start, stop)
         for attempt in self._attempts:
             self._emit_attempt(attempt)
+        for leg in self._legs:
+            marks: dict[str, AttributeValue] = {
+                "kvgate.worker": leg.worker,
+                "kvgate.attempt": leg.number,
+            }
+            self._emit(
+                "prefill leg", leg.context, root, leg.start, leg.end,
+                kind=SpanKind.CLIENT, attributes=marks, error=leg.error,
+            )  # fmt: skip
 
     def _child_context(self) -> SpanContext:
         root = self.context

@@ -63,16 +63,20 @@ class Grant:
         self._released = False
         self._audit: tuple[Move, Settle] | None = None
 
-    def begin(self, worker: WorkerId) -> LoadTicket:
+    def begin(self, worker: WorkerId, *, cached: int | None = None) -> LoadTicket:
         """An attempt on ``worker`` starts: the ledger counts the request there (the
         queue's reservation, if any, is handed over first: the request's own reservation is
-        no load ahead of it)."""
+        no load ahead of it). ``cached``: the prompt tokens it will find cached there, when
+        not its predicted match (a decode leg given its prefill's KV)."""
         self.started()
         routed = self.routed
         request = routed.request
+        uncached = routed.predicted_uncached_tokens(worker)
+        if cached is not None:
+            uncached = max(request.prompt_tokens - cached, 0)
         return self._ledger.begin(
             worker,
-            routed.predicted_uncached_tokens(worker),
+            uncached,
             routed.load_blocks,
             request.block_size,
             request.prompt_tokens,

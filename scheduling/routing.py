@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kvgate.backends.registry import Worker, WorkerRegistry
 from kvgate.index.api import BlockIndex, PromptInput, PromptKeys
@@ -29,6 +29,13 @@ from kvgate.scoring.cost import RequestSize, overlap_tokens, request_size
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
+
+Leg = Literal["prefill", "decode"]
+"""A leg of a disaggregated request: ranked among the workers of that role (``LEG_ROLES``)."""
+LEG_ROLES: Mapping[Leg, frozenset[str]] = {
+    "prefill": frozenset({"prefill"}),
+    "decode": frozenset({"decode", "both"}),  # a whole-request worker can decode too
+}
 
 
 class Phases(Protocol):
@@ -47,6 +54,7 @@ class _Domain:
     only: WorkerId | None
     conversation: bytes | None = None
     allowed: frozenset[WorkerId] | None = None
+    leg: Leg | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,7 @@ class Routed:
     room_waived: bool = False  # KV-room refusals were lifted for it
     # the key of its conversation when an engine tokenized its prompt (tokenize_on.py)
     conversation: bytes | None = field(default=None, repr=False)
+    leg: Leg | None = None  # ranked for one leg of a disaggregated request (its role's workers)
     _size: RequestSize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -172,8 +181,10 @@ class Router:
         only: WorkerId | None = None,
         allowed: frozenset[WorkerId] | None = None,
         held: frozenset[WorkerId] = frozenset(),
+        leg: Leg | None = None,
     ) -> Routed:
-        """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``).
+        """Rank the ready workers serving ``model`` (``ModelNotFound`` / ``NoHealthyWorker``;
+        ``leg``: those of its role only).
 
         A ``model`` that names a LoRA adapter is keyed as its base model's prompt (tokenizer,
         chat template, block size) in the adapter's cache domain; only workers listing the
@@ -206,7 +217,7 @@ class Router:
             max_tokens=max_tokens,
         )
         conversation = tokenize_on.key if tokenize_on is not None else None
-        domain = _Domain(base, adapter, only, conversation, allowed)
+        domain = _Domain(base, adapter, only, conversation, allowed=allowed, leg=leg)
         routed = self._rank(request, keys, matches, domain, held=held)  # after the await
         if spans is not None:
             spans.phase("score")
@@ -227,11 +238,31 @@ class Router:
         ``waive_room``: its wait for KV room is over)."""
         matches = self._match(routed.keys)
         domain = _Domain(
-            routed.base_model, routed.adapter, routed.only, routed.conversation, routed.allowed
+            routed.base_model,
+            routed.adapter,
+            routed.only,
+            routed.conversation,
+            allowed=routed.allowed,
+            leg=routed.leg,
         )
         return self._rank(
             routed.request, routed.keys, matches, domain, exclude, held=held, waive_room=waive_room
         )
+
+    def for_leg(self, routed: Routed, leg: Leg) -> Routed:
+        """The same request (its keys, not keyed again) ranked for ``leg`` of a
+        disaggregated exchange: among the workers of that role, on fresh matches and load
+        (``NoHealthyWorker`` when the role has no ready worker)."""
+        matches = self._match(routed.keys)
+        domain = _Domain(
+            routed.base_model,
+            routed.adapter,
+            routed.only,
+            routed.conversation,
+            allowed=routed.allowed,
+            leg=leg,
+        )
+        return self._rank(routed.request, routed.keys, matches, domain)
 
     def _match(self, keys: PromptKeys | None) -> Mapping[WorkerId, PrefixMatch] | None:
         """Each worker's matched prefix of the prompt's keys as its own engine kind keys it
@@ -269,6 +300,9 @@ class Router:
             workers = [w for w in workers if w.id == domain.only]
         if domain.allowed is not None:
             workers = [w for w in workers if w.id in domain.allowed]
+        if domain.leg is not None:
+            roles = LEG_ROLES[domain.leg]
+            workers = [w for w in workers if w.config.role in roles]
         if exclude:
             workers = [w for w in workers if w.id not in exclude]
         if not workers:
@@ -297,6 +331,7 @@ class Router:
             allowed=domain.allowed,
             room_waived=verdicts.room_waived,
             conversation=domain.conversation,
+            leg=domain.leg,
             _size=size,
         )
         if log.isEnabledFor(logging.DEBUG):
@@ -345,16 +380,22 @@ class Router:
         request = routed.request
         workers = []
         for worker in self.registry:
-            entry: dict[str, Any] = {"worker": worker.url, "healthy": worker.healthy}
+            entry: dict[str, Any] = {
+                "worker": worker.url,
+                "role": worker.config.role,
+                "healthy": worker.healthy,
+            }
             score = scores.get(worker.id)
             if score is not None:
                 entry |= self._scored_entry(routed, worker, rank[worker.id], score)
             else:
-                entry |= {"eligible": False, "reason": _ineligible_reason(request.model, worker)}
+                reason = _ineligible_reason(request.model, worker, routed.leg)
+                entry |= {"eligible": False, "reason": reason}
             workers.append(entry)
         keys = routed.keys
         return {
             "chosen": routed.chosen,
+            "leg": routed.leg,
             "policy": routed.policy,
             "model": request.model,
             "cache_domain": {"base_model": routed.base_model, "adapter": routed.adapter},
@@ -421,7 +462,9 @@ class Router:
         }
 
 
-def _ineligible_reason(model: str, worker: Worker) -> str:
+def _ineligible_reason(model: str, worker: Worker, leg: Leg | None) -> str:
+    if leg is not None and worker.config.role not in LEG_ROLES[leg]:
+        return f"role {worker.config.role}: not a {leg} worker"
     if model not in worker.models:
         return f"does not serve model {model!r}"
     if not worker.healthy:

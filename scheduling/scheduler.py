@@ -30,7 +30,7 @@ from kvgate.scheduling.grant import Grant
 from kvgate.scheduling.guard import Guard, Move, Settled, moved_part, signals
 from kvgate.scheduling.ledger import Ledger, TtftObservation
 from kvgate.scheduling.queue import AdmissionQueue, QueueEvents
-from kvgate.scheduling.routing import Phases, Routed, Router
+from kvgate.scheduling.routing import Leg, Phases, Routed, Router
 from kvgate.scoring.api import Policy
 
 
@@ -46,6 +46,7 @@ class RequestFacts:
     spans: Phases | None = None  # a trace's routing phases
     # the workers allowed (a gateway's subset of endpoints); None: any
     allowed: frozenset[WorkerId] | None = None
+    leg: Leg | None = None  # one leg of a disaggregated request: its role's workers only
 
 
 class _NoEvents:
@@ -122,7 +123,13 @@ class Scheduler:
             only=facts.only,
             allowed=facts.allowed,
             held=self.queue.holds() if held else frozenset(),
+            leg=facts.leg,
         )
+
+    def route_leg(self, routed: Routed, leg: Leg) -> Routed:
+        """``routed``'s request ranked again for ``leg`` of a disaggregated exchange (the
+        same keys; ``NoHealthyWorker`` when no worker of that role is ready)."""
+        return self.router.for_leg(routed, leg)
 
     async def schedule(
         self,

@@ -12,6 +12,7 @@ OpenAI: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or no
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -53,6 +54,15 @@ from kvgate.backends.sim.streaming import (
     Scope,
     Send,
     respond,
+)
+from kvgate.backends.sim.transfer import (
+    TRANSFER_US_PER_TOKEN,
+    bootstrap_of,
+    produced,
+    pull,
+    pull_room,
+    transfer_mode,
+    with_params,
 )
 from kvgate.index.errors import TemplateError
 
@@ -114,6 +124,7 @@ class ReplicaApp:
             ("POST", "/v1/chat/completions/render"): self._render_chat,
             ("POST", "/v1/load_lora_adapter"): self._load_lora,
             ("POST", "/v1/unload_lora_adapter"): self._unload_lora,
+            ("POST", "/sim/kv_transfer/pull"): self._pull,
         }
         self._paths = {path for _, path in self._routes}
 
@@ -331,6 +342,8 @@ class ReplicaApp:
         arrival: float,
         adapter: Adapter | None,
         param: str = "max_tokens",
+        remote_tokens: int = 0,
+        keep: bool = False,
     ) -> SimRequest:
         """Into the engine, with the ``abort`` fault drawn for it if one is standing."""
         replica = self._replica
@@ -340,7 +353,16 @@ class ReplicaApp:
         if abort is not None:
             replica.metrics.on_fault("abort")
             fault = RequestFault(int(abort.value), abort.drop)
-        return replica.engine.submit(ids, max_tokens, salt, arrival, lora=adapter, fault=fault)
+        return replica.engine.submit(
+            ids,
+            max_tokens,
+            salt,
+            arrival,
+            lora=adapter,
+            fault=fault,
+            remote_tokens=remote_tokens,
+            keep=keep,
+        )
 
     async def _serve(
         self, req: SimRequest, framer: Framer, *, stream: bool, asgi: tuple[Scope, Receive, Send]
@@ -370,11 +392,65 @@ class ReplicaApp:
         sampling = parse_sampling(data, self._default_max_tokens(chat), chat=chat)
         self._check_fail()
         ids = await self._prompt_ids(data, chat)
+        transfer = transfer_mode(data)
+        bootstrap = bootstrap_of(data)
+        room = None
+        if bootstrap is not None and self._own_address(bootstrap):
+            room = bootstrap[2]  # SGLang's prefill leg: this replica is the bootstrap server
+        remote = 0
+        if transfer is not None and transfer[0] == "consume":
+            remote = await self._receive_kv(transfer[1], ids)
+        elif bootstrap is not None and room is None:
+            remote = await self._receive_kv(bootstrap, ids)
+        produce = (transfer is not None and transfer[0] == "produce") or room is not None
         req = self._submit(
-            ids, sampling.max_tokens, salt=sampling.cache_salt, arrival=arrival, adapter=adapter
+            ids,
+            sampling.max_tokens,
+            salt=sampling.cache_salt,
+            arrival=arrival,
+            adapter=adapter,
+            remote_tokens=remote,
+            keep=produce,
         )
-        framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
+        framer: Framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
+        if produce:
+            framer = _ProducerFramer(framer, self._replica, req, room)
         await self._serve(req, framer, stream=sampling.stream, asgi=(scope, receive, send))
+
+    def _own_address(self, bootstrap: tuple[str, int, int]) -> bool:
+        replica = self._replica
+        return (bootstrap[0], bootstrap[1]) == (replica.config.host, replica.http_port)
+
+    async def _receive_kv(
+        self, params: dict[str, Any] | tuple[str, int, int], ids: list[int]
+    ) -> int:
+        """A decode leg: pull its prefill's blocks (``backends/sim/transfer.py``), taking the
+        transfer time of their size; the prompt tokens they hold."""
+        replica = self._replica
+        bs = replica.config.engine.block_size
+        if isinstance(params, tuple):
+            tokens = await pull_room(replica.pull_client, params, ids, bs)
+        else:
+            tokens = await pull(replica.pull_client, params, ids, bs)
+        seconds = tokens * TRANSFER_US_PER_TOKEN / 1e6 / replica.config.timing.speedup
+        if seconds > 0:
+            await asyncio.sleep(seconds)  # the modelled transfer (the simulator's clock)
+        return tokens
+
+    async def _pull(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """A decode replica pulls the blocks a prefill here kept for it (404: not held)."""
+        data = parse_object(body)
+        engine, ids = data.get("remote_engine_id"), data.get("remote_block_ids")
+        room = data.get("bootstrap_room")
+        if type(room) is int:
+            lease = await self._replica.leases.take_room(room)
+        elif not isinstance(engine, str) or not isinstance(ids, list):
+            raise ApiError(400, "expected remote_engine_id and remote_block_ids")
+        else:
+            lease = self._replica.leases.take(engine, ids)
+        if lease is None:
+            raise ApiError(404, "no KV transfer holds these blocks")
+        await _json(send, {"token_ids": list(lease.token_ids)})
 
     # --- the Responses API ---------------------------------------------------------------
 
@@ -427,3 +503,41 @@ class ReplicaApp:
         raise ApiError(
             400, "Cannot cancel a synchronous response.", "response_id", "invalid_request_error"
         )
+
+
+class _ProducerFramer:
+    """A prefill for a remote decode: its whole answer carries the ``kv_transfer_params``
+    where the decode replica finds its blocks (kept for a lease when it ends)."""
+
+    def __init__(
+        self, inner: Framer, replica: SimReplica, req: SimRequest, room: int | None
+    ) -> None:
+        self._inner = inner
+        self._replica = replica
+        self._req = req
+        self._room = room  # SGLang's bootstrap room (its answer carries nothing more)
+
+    def opening(self) -> list[bytes]:
+        return self._inner.opening()
+
+    def tokens(self, req: SimRequest, new: Sequence[int]) -> list[bytes]:
+        return self._inner.tokens(req, new)
+
+    def closing(self, req: SimRequest) -> list[bytes]:
+        return self._inner.closing(req)
+
+    def error(self, error: ApiError) -> list[bytes]:
+        return self._inner.error(error)
+
+    def full(self, req: SimRequest) -> bytes:
+        replica = self._replica
+        blocks = req.kept or []
+        bs = replica.config.engine.block_size
+        tokens = req.token_ids[: len(blocks) * bs]
+        if self._room is not None:
+            replica.leases.keep_room(self._room, tokens)
+            return self._inner.full(req)
+        replica.leases.keep(blocks, tokens)
+        host = replica.config.host
+        params = produced(replica.leases, host, replica.http_port, blocks)
+        return with_params(self._inner.full(req), params)

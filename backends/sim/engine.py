@@ -139,12 +139,14 @@ class SimRequest:
         "cached_tokens",
         "fault",
         "hashes",
+        "kept",
         "lora",
         "max_tokens",
         "num_computed",
         "num_output",
         "num_registered",
         "prompt_len",
+        "remote_tokens",
         "state",
         "stream",
         "token_ids",
@@ -159,8 +161,13 @@ class SimRequest:
         *,
         lora: Adapter | None = None,
         fault: RequestFault | None = None,
+        remote_tokens: int = 0,
+        keep: bool = False,
     ) -> None:
         self.token_ids = token_ids
+        self.remote_tokens = remote_tokens  # prompt tokens whose KV a transfer brought
+        # a prefill for a remote decode: its prompt's blocks, kept when it ends (else None)
+        self.kept: list[int] | None = [] if keep else None
         self.prompt_len = len(token_ids)
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
@@ -230,12 +237,26 @@ class Engine:
         *,
         lora: Adapter | None = None,
         fault: RequestFault | None = None,
+        remote_tokens: int = 0,
+        keep: bool = False,
     ) -> SimRequest:
         """Queue a request (``arrival``: ``time.monotonic()`` when it was received), served
-        with adapter ``lora`` (its blocks are cached apart) and failing as ``fault`` says."""
+        with adapter ``lora`` (its blocks are cached apart) and failing as ``fault`` says;
+        ``remote_tokens``: its prompt's first tokens arrived by a KV transfer (loaded, not
+        computed); ``keep``: its prompt's block ids are kept in ``kept`` when it ends (a
+        prefill for a remote decode)."""
         if not token_ids or len(token_ids) + max_tokens > self.config.effective_max_model_len:
             raise ValueError("empty request, or longer than the effective max_model_len")
-        req = SimRequest(token_ids, max_tokens, cache_salt, arrival, lora=lora, fault=fault)
+        req = SimRequest(
+            token_ids,
+            max_tokens,
+            cache_salt,
+            arrival,
+            lora=lora,
+            fault=fault,
+            remote_tokens=remote_tokens,
+            keep=keep,
+        )
         self.waiting.append(req)
         self._wakeup.set()
         return req
@@ -435,7 +456,8 @@ class Engine:
         gpu_hit = cache.gpu_prefix(hashes, max_hit)
         g = len(gpu_hit)
         c = cache.cpu_prefix(hashes, g, max_hit) if cache.cpu_capacity else 0
-        computed = (g + c) * bs
+        r = max(min(req.remote_tokens // bs, max_hit) - g - c, 0)  # arrived by a transfer
+        computed = (g + c + r) * bs
         n = min(total - computed, budget)
         need = -(-(computed + n) // bs) - g
         if need > cache.free_blocks - cache.evictable(gpu_hit):
@@ -448,14 +470,15 @@ class Engine:
             raise RuntimeError("block accounting broke")
         req.blocks = gpu_hit + new
         req.num_registered = g
-        if c:
+        if c + r:  # loaded (CPU tier, transfer): stored in the cache as vLLM stores them
             parent = hashes[g - 1] if g else None
-            tokens = req.token_ids[g * bs : (g + c) * bs]
+            tokens = req.token_ids[g * bs : (g + c + r) * bs]
             cache.register(
-                new[:c], hashes[g : g + c], parent, tokens, req.cache_salt, lora=req.lora
+                new[: c + r], hashes[g : g + c + r], parent, tokens, req.cache_salt, lora=req.lora
             )
-            req.num_registered = g + c
+            req.num_registered = g + c + r
             work.cpu_loaded_tokens += c * bs
+        req.remote_tokens = 0  # once: a preempted request computes them again
         req.num_computed = computed
         self._register_full(req, computed + n)
         if req.cached_tokens < 0:
@@ -500,6 +523,8 @@ class Engine:
         self._observer.on_preempted()
 
     def _release(self, req: SimRequest) -> None:
+        if req.kept is not None and not req.kept:
+            req.kept = req.blocks[: req.prompt_len // self.config.block_size]
         self.cache.free(req.blocks[::-1])
         req.blocks = []
 

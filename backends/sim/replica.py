@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, get_args
 
+import httpx
 import xxhash
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -33,6 +34,7 @@ from kvgate.backends.sim.publisher import EventPublisher
 from kvgate.backends.sim.responses import ResponseStore
 from kvgate.backends.sim.server import HttpServer
 from kvgate.backends.sim.tokenizer import SimTokenizer
+from kvgate.backends.sim.transfer import Leases
 from kvgate.index.events import KvEvent
 
 _STANDING: tuple[str, ...] = get_args(StandingKind)
@@ -88,6 +90,8 @@ class SimReplica:
             cpu_tier=cfg.cpu_offload_blocks > 0,
         )
         self.adapters = AdapterRegistry(cfg.model, cfg.lora_modules)
+        self.leases = Leases()  # prefills kept for a remote decode (backends/sim/transfer.py)
+        self._pull_client: httpx.AsyncClient | None = None
         self.responses = ResponseStore(config.api.responses_store, config.api.responses_store_bytes)
         self.publisher = EventPublisher(config.events, self.faults, self.metrics, time.monotonic)
         self.engine = Engine(
@@ -114,6 +118,10 @@ class SimReplica:
         host = self.config.host
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{self._http.port}"
+
+    @property
+    def http_port(self) -> int:
+        return int(self._http.port)
 
     @property
     def events_endpoint(self) -> str:
@@ -185,6 +193,16 @@ class SimReplica:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.publisher.stop()
+        if self._pull_client is not None:
+            await self._pull_client.aclose()
+            self._pull_client = None
+
+    @property
+    def pull_client(self) -> httpx.AsyncClient:
+        """The HTTP client that pulls KV transfers from prefill replicas."""
+        if self._pull_client is None:
+            self._pull_client = httpx.AsyncClient(trust_env=False)
+        return self._pull_client
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)

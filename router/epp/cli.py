@@ -84,8 +84,9 @@ def port_clash(settings: EppSettings) -> str | None:
         return None
     if port == settings.port:
         return f"--grpc-port {port} is also --port"
-    sims = range(settings.sim_port, settings.sim_port + settings.sim)
-    events = range(settings.sim_events_port, settings.sim_events_port + 2 * settings.sim)
+    replicas = len(settings.sim_roles)
+    sims = range(settings.sim_port, settings.sim_port + replicas)
+    events = range(settings.sim_events_port, settings.sim_events_port + 2 * replicas)
     if port in sims or port in events:
         return (
             f"--grpc-port {port} is a port of the simulated replicas (--sim-port "
