@@ -513,7 +513,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--routers",
         default=",".join(ROUTERS),
         help="comma list of routers: kv, its variants (bench compare's kv_*: kv_noqueue, "
-        "kv_plain, kv_nofit, ...), kv_baseline, "
+        "kv_plain, kv_fit, ...), kv_baseline, "
         f"{', '.join(PEER_ROUTERS)}",
     )
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")

@@ -12,26 +12,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from kvgate.router import serve
-from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.capacity import KV_FIT
 from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.dispatch_order import OrderConfig
 from kvgate.scheduling.guard import GuardConfig
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType(
     {
-        # the KV room check off: no worker is refused for lacking room, none waits for it
-        "kv_nofit": Tuning(parts=Parts(kv_room=False)),
-        # the queue does not wait for KV room where none has it (refused where another has)
-        "kv_nokvroom": Tuning(parts=Parts(room_wait=False)),
-        # a request waiting for KV room does not hold the worker it waits for
-        "kv_noroomhold": Tuning(parts=Parts(room_hold=False)),
-        # held blocks: the prompts' only, not the blocks streamed answers have filled
-        "kv_noanswerblocks": Tuning(parts=Parts(answer_blocks=False)),
-        # plain overlap versus load: no KV room, no answers' blocks (with --no-queue-enabled)
-        "kv_plain": Tuning(parts=Parts(kv_room=False, answer_blocks=False)),
+        # the KV room rule and answers' blocks on (the defaults before issue 46)
+        "kv_fit": Tuning(parts=KV_FIT),
+        # with them: the queue does not wait for KV room where none has it
+        "kv_nokvroom": Tuning(parts=replace(KV_FIT, room_wait=False)),
+        # with them: a request waiting for KV room does not hold the worker it waits for
+        "kv_noroomhold": Tuning(parts=replace(KV_FIT, room_hold=False)),
+        # plain overlap versus load (with --no-queue-enabled): the default parts, no queue
+        "kv_plain": Tuning(),
         # the queue first come first served (aging so fast that work never counts)
         "kv_fifo": Tuning(order=OrderConfig(aging_tokens_per_s=1e9)),
         # the dispatch order's aging at 4,096 and 16,384 tokens/s (65,536: the default)

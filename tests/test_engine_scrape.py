@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from test_sim_support import fault, sim_config, sim_fleet
 
 from kvgate.backends.engines import SGLANG, VLLM
 from kvgate.backends.sim.tokenizer import tokenizer_dir
-from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.capacity import KV_FIT
 from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.ledger import WorkerLedger
 
@@ -67,7 +68,7 @@ async def one_replica() -> AsyncIterator[tuple[Kvgate, httpx.AsyncClient, Worker
     async with sim_fleet(config) as fleet:
         url = fleet.replicas[0].url
         tokenizers = [f"{MODEL}={tokenizer_dir()}"]
-        tuning = Tuning(parts=Parts(room_wait=False))
+        tuning = Tuning(parts=replace(KV_FIT, room_wait=False))
         async with (
             kvgate(
                 [f"{url},models={MODEL}"], policy="kv", tokenizers=tokenizers, tuning=tuning

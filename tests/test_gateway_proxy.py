@@ -12,6 +12,9 @@ from fakes.engine import FakeEngine
 from fakes.gateway import fleet, kvgate
 from fakes.wait import wait_until
 
+from kvgate.scheduling.capacity import KV_FIT
+from kvgate.scheduling.config import Tuning
+
 pytestmark = pytest.mark.anyio
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
@@ -91,7 +94,7 @@ async def test_a_streamed_answer_counts_its_blocks_as_held_until_it_ends() -> No
     stream releases the prompt's and the answer's blocks together."""
     engine = FakeEngine()
     body = {**CHAT, "stream": True, "fake": {"tokens": 65, "hold": "before_last_chunk"}}
-    async with fleet(engine) as f, kvgate(f.urls) as gw:
+    async with fleet(engine) as f, kvgate(f.urls, tuning=Tuning(parts=KV_FIT)) as gw:
         worker = gw.sent(f.urls[0])
         prompt = (await gw.client.post("/debug/route", json=body)).json()["prompt_tokens"]
         prompt_blocks = -(-prompt // 16)

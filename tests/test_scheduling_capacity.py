@@ -5,6 +5,7 @@ after the admitted ones (docs/scoring.md, *Capacity*)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from kvgate.index.types import BlockKey, PrefixMatch, WorkerId
 from kvgate.scheduling.capacity import (
     HELD_TEXT,
+    KV_FIT,
     ROOM_TEXT,
     Limits,
     Parts,
@@ -29,7 +31,12 @@ from kvgate.scoring.kv import KvPolicy
 
 BS = 16
 DEFAULT = SchedulingConfig().limits()
-ALL_ON = Parts()
+ALL_ON = KV_FIT  # every part on (the KV-room rule is off by default)
+
+
+def on(**off: bool) -> Parts:
+    """Every part on but those named."""
+    return replace(KV_FIT, **off)
 
 
 def req(blocks: int) -> RouteRequest:
@@ -105,13 +112,13 @@ def test_each_limit_is_a_part_that_can_be_switched_off() -> None:
     load = WorkerLoad(scraped_waiting=40, pending_prefill_tokens=10**6, scraped_kv_usage=1.0)
     refusal = busy(load, DEFAULT, ALL_ON)
     assert refusal is not None and refusal.code == "waiting"
-    no_waiting = Parts(waiting=False)
+    no_waiting = on(waiting=False)
     refusal = busy(load, DEFAULT, no_waiting)
     assert refusal is not None and refusal.code == "pending_prefill"
-    only_usage = Parts(waiting=False, pending_prefill=False)
+    only_usage = on(waiting=False, pending_prefill=False)
     refusal = busy(load, DEFAULT, only_usage)
     assert refusal is not None and refusal.code == "kv_usage"
-    none = Parts(waiting=False, pending_prefill=False, kv_usage=False)
+    none = on(waiting=False, pending_prefill=False, kv_usage=False)
     assert busy(load, DEFAULT, none) is None
     assert "waiting" not in none.active() and "kv_room" in none.active()
 
@@ -235,7 +242,7 @@ def test_when_nothing_fits_the_request_waits_for_room_or_goes_as_ranked() -> Non
     fleet = _fleet(home_held=3_900, other_held=3_900)
     order, refused = route(1_440, fleet)
     assert order[0] == "home" and set(refused) == {"home", "other"}
-    no_wait = {WorkerId("home"): Parts(room_wait=False), WorkerId("other"): Parts(room_wait=False)}
+    no_wait = {WorkerId("home"): on(room_wait=False), WorkerId("other"): on(room_wait=False)}
     order, refused = route(1_440, fleet, parts=no_wait)
     assert order[0] == "home" and not refused
     order, refused = route(1_440, fleet, waive_room=True)
@@ -262,7 +269,7 @@ def test_a_worker_without_room_is_set_aside_even_when_it_is_less_loaded() -> Non
     assert order == ["room", "full"]
     assert refused == {"full": Refusal("kv_room")}
     assert kv_shortfall(fleet[0], request_size(req(500)), DEFAULT) == 400.0
-    off = {WorkerId("full"): Parts(kv_room=False)}
+    off = {WorkerId("full"): on(kv_room=False)}
     order, refused = route(500, fleet, parts=off)
     assert order[0] == "full" and not refused  # the part off on that worker
 

@@ -20,7 +20,7 @@ from test_sim_support import fault, sim_config, sim_fleet
 
 from kvgate.backends.sim.tokenizer import tokenizer_dir
 from kvgate.index.types import WorkerId
-from kvgate.scheduling.capacity import Parts, PartsTable
+from kvgate.scheduling.capacity import KV_FIT, PartsTable
 from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.guard import (
     GUARDED,
@@ -37,7 +37,7 @@ A, B = WorkerId("a"), WorkerId("b")
 
 
 def _guard(**config: Any) -> Guard:
-    return Guard(PartsTable(), GuardConfig(**config))
+    return Guard(PartsTable(KV_FIT), GuardConfig(**config))  # every part on
 
 
 def _settle(guard: Guard, part: str, net_s: float, now: float = 0.0, worker: WorkerId = A) -> Any:
@@ -53,7 +53,7 @@ def test_a_part_that_loses_is_turned_off_on_that_worker_only() -> None:
     assert _settle(guard, "waiting", -0.5).turned_off
     assert not guard.parts.of(A).waiting
     assert guard.parts.of(A).kv_room  # the other parts stay
-    assert guard.parts.of(B) == Parts()  # and the other workers
+    assert guard.parts.of(B) == KV_FIT  # and the other workers
     assert guard.is_off(A, "waiting")
 
 
@@ -69,7 +69,7 @@ def test_the_price_is_audited_never_turned_off() -> None:
     settled = _settle(guard, PRICE, -3.0)
     assert settled.net_s == pytest.approx(-3.0)
     assert not settled.turned_off
-    assert guard.parts.of(A) == Parts()
+    assert guard.parts.of(A) == KV_FIT
     assert guard.describe(A, 0.0)[PRICE]["moves"] == 1
 
 
@@ -78,7 +78,7 @@ def test_a_part_comes_back_after_its_time_off_and_stays_off_longer_next_time() -
     _settle(guard, "pending_prefill", -1.0, now=0.0)
     assert guard.tick(9.9) == []
     assert guard.tick(10.0) == [(A, "pending_prefill")]
-    assert guard.parts.of(A) == Parts()  # back to the default: no override kept
+    assert guard.parts.of(A) == KV_FIT  # back to the default: no override kept
     _settle(guard, "pending_prefill", -1.0, now=20.0)  # off again: 20 s this time
     assert guard.tick(39.9) == []
     assert guard.tick(40.0) == [(A, "pending_prefill")]
@@ -99,7 +99,7 @@ def test_the_window_is_bounded_and_a_departed_worker_is_forgotten() -> None:
 def test_a_disabled_guard_audits_but_turns_nothing_off() -> None:
     guard = _guard(enabled=False, min_moves=1)
     assert not _settle(guard, "waiting", -5.0).turned_off
-    assert guard.parts.of(A) == Parts()
+    assert guard.parts.of(A) == KV_FIT
 
 
 def test_the_net_counts_the_wait_the_ttft_and_the_prefill_given_up() -> None:
@@ -119,7 +119,7 @@ def test_which_part_moved_a_request() -> None:
     assert moved_part([B, A], B, code, best_matched=None) is None
     assert moved_part([], B, code, best_matched=None) is None
     assert part_of("held") == "room_hold"
-    assert set(GUARDED) <= set(Parts().active())
+    assert set(GUARDED) <= set(KV_FIT.active())
 
 
 def test_missing_signals_are_named() -> None:

@@ -9,7 +9,7 @@ from kvgate.backends.config import WorkerConfig
 from kvgate.backends.registry import WorkerRegistry
 from kvgate.index.keys import shared_prefix_blocks
 from kvgate.index.types import BlockKey, WorkerId
-from kvgate.scheduling.capacity import Limits, Parts, kv_overcommit
+from kvgate.scheduling.capacity import KV_FIT, Limits, Parts, kv_overcommit
 from kvgate.scheduling.ledger import FLIGHTS_COMPARED, Ledger
 
 BS = 16
@@ -38,7 +38,7 @@ def _ledger(
     now = clock if clock is not None else [0.0]
     reg = WorkerRegistry(clock=lambda: now[0])
     worker = reg.add(WorkerConfig(url="http://w", models=["m"]))
-    chosen = parts or Parts()
+    chosen = parts or KV_FIT  # answers' blocks on (off by default)
     sent = Ledger(reg, limits=limits, parts_of=lambda w: chosen, clock=lambda: now[0])
     return reg, sent, worker.id
 
@@ -147,7 +147,7 @@ def test_where_none_is_scraped_the_configured_capacity_caps_an_answer() -> None:
 
 
 def test_the_answer_blocks_part_off_counts_the_prompts_only() -> None:
-    _, reg, wid = _ledger(parts=Parts(answer_blocks=False))
+    _, reg, wid = _ledger(parts=replace(KV_FIT, answer_blocks=False))
     (worker,) = list(reg)
     ticket = reg.begin(wid, 16, 1, BS, prompt_tokens=16)
     ticket.streamed(1_000)

@@ -11,6 +11,7 @@ import json
 from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ from kvgate.router.config import Settings, load_settings
 from kvgate.router.flags import given_settings
 from kvgate.router.logs import configure_logging
 from kvgate.router.serve import build_parser
-from kvgate.scheduling.capacity import Parts
+from kvgate.scheduling.capacity import KV_FIT, Parts
 from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.dispatch_order import OrderConfig
 from kvgate.scheduling.queue import AdmissionQueue
@@ -92,6 +93,15 @@ async def _queued(gw: Kvgate, n: int) -> None:
     await wait_until(lambda: len(_queue(gw)) == n, what=f"{n} queued")
 
 
+def with_kv_fit(tuning: Tuning | None) -> Tuning:
+    """``tuning`` with the KV-room rule and answers' blocks on (off by default): the small
+    caches' tests are about them."""
+    tuning = tuning or Tuning()
+    if tuning.parts == Parts():
+        tuning = replace(tuning, parts=KV_FIT)
+    return tuning
+
+
 @asynccontextmanager
 async def _small_caches(
     queue: dict[str, Any],
@@ -115,7 +125,7 @@ async def _small_caches(
             kv_index=True,
             # the sims' capacity (no scrape here)
             scheduling={"kv_capacity_blocks": 64, **(scheduling or {})},
-            tuning=tuning,
+            tuning=with_kv_fit(tuning),
         ) as gw:
             yield gw, urls
 
@@ -579,7 +589,7 @@ async def test_a_request_waiting_for_kv_room_holds_its_worker_against_smaller_on
     choice, the replica holding its prefix; a short request queued behind it, which would go
     there too (its prefix is cached there), is sent to the other replica instead of taking
     the room the turn waits for. With the part off it goes to the turn's replica."""
-    tuning = Tuning(parts=Parts(room_hold=hold))
+    tuning = Tuning(parts=replace(KV_FIT, room_hold=hold))
     prefix = "an opening shared by both requests here"
     async with _small_caches({"max_wait_s": 300}, scheduling=ROOM_ONLY, tuning=tuning) as (
         gw,
