@@ -187,7 +187,7 @@ def _shown(flag: _Flag, default: Any) -> str:
     their values, never their Python repr), plain text otherwise."""
     if not _is_structured(flag.info.annotation):
         return str(default.value if isinstance(default, enum.Enum) else default)
-    plain = TypeAdapter(flag.info.annotation).dump_python(default, mode="json")
+    plain = TypeAdapter[Any](flag.info.annotation or Any).dump_python(default, mode="json")
     return msgspec.json.encode(plain).decode()
 
 
@@ -304,8 +304,9 @@ def add_moved_flags(
 def _shape(info: FieldInfo) -> dict[str, Any]:
     """Metavar (and choices) of a scalar flag from its annotation."""
     extra = info.json_schema_extra
-    if isinstance(extra, dict) and isinstance(extra.get("choices"), list):
-        return {"choices": list(extra["choices"])}
+    choices = extra.get("choices") if isinstance(extra, dict) else None
+    if isinstance(choices, list):
+        return {"choices": list(choices)}
     annotation = info.annotation
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) in (Union, types.UnionType) and len(args) == 1:
