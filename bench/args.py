@@ -75,7 +75,9 @@ def trace_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="shrink every block to 512*scale words (only when the box cannot keep up)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic trace and the arrival times"
+    )
     g.add_argument(
         "--skip-sessions",
         type=int,
@@ -161,9 +163,16 @@ def replay_args(p: argparse.ArgumentParser) -> None:
         help="goodput's TTFT objective, seconds (requests answered within it in the load "
         "window, per second)",
     )
-    g.add_argument("--model", default="kvgate-sim")
-    g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>)")
+    g.add_argument(
+        "--model", default="kvgate-sim", help="model name sent in each request (the target's)"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    g.add_argument(
+        "--out",
+        type=Path,
+        help="results folder (default: <checkout>/bench/results/<stamp> in a checkout, else "
+        "$XDG_CACHE_HOME/kvgate/bench-results/<stamp>)",
+    )
 
 
 ENGINE_CHOICES = ("sim", "vllm", "dynamo-mocker", "sglang")
@@ -185,7 +194,7 @@ def fleet_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="extra argument for each replica of an engine other than the simulator (repeatable)",
     )
-    g.add_argument("--replicas", type=int, default=4)
+    g.add_argument("--replicas", type=int, default=4, help="replicas in the fleet")
     g.add_argument(
         "--capacity-blocks",
         type=int,

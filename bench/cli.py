@@ -56,8 +56,9 @@ from kvgate.bench.oracle import oracle
 from kvgate.bench.overload import PointResult, run_point, write_ramp
 from kvgate.bench.peers import ENGINES_DIR, PEERS, ensure_installed
 from kvgate.bench.replay import replay, select_slice, write_records
+from kvgate.bench.results import results_dir
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = results_dir()
 
 
 def _out_dir(args: argparse.Namespace, kind: str) -> Path:
@@ -234,7 +235,7 @@ def cmd_overload(args: argparse.Namespace, argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate bench",
-        description=__doc__,
+        description=__doc__.replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_args(p)
     replay_args(p)
     p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--label", default="target")
+    p.add_argument("--label", default="target", help="name of the target in tables and plots")
     p.add_argument("--replicas", type=int, default=4, help="replicas behind the target")
 
     p = sub.add_parser("compare", help="all routers on the same cold fleet and trace slice")
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_args(p)
     p.add_argument("--knob", default="footprint_weight", help="a kv scoring knob (KvPolicyConfig)")
     p.add_argument("--values", default="0,0.25,0.5,1", help="comma list of the knob's values")
-    p.add_argument("--temperature", default="0")
+    p.add_argument("--temperature", default="0", help="comma list of scoring temperatures to cross")
 
     p = sub.add_parser(
         "matrix",
@@ -287,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     trace_args(p)
     replay_args(p)
     fleet_args(p)
-    p.add_argument("--routers", default="kv,kv_noqueue,vllm_kv_aware")
+    p.add_argument(
+        "--routers", default="kv,kv_noqueue,vllm_kv_aware", help="comma list of routers to ramp"
+    )
     p.add_argument(
         "--saturation-rate",
         type=float,

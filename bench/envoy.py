@@ -24,9 +24,10 @@ import httpx
 import yaml
 
 from kvgate.backends.process import ChildProcess, wait_http
+from kvgate.bench.results import results_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-BOOTSTRAP = ROOT / "deploy" / "envoy" / "envoy.yaml"
+# deploy/envoy/envoy.yaml, linked here to ship as package data (a wheel has no deploy/)
+BOOTSTRAP = Path(__file__).resolve().with_name("envoy.yaml")
 LOOPBACK = "127.0.0.1"
 EPP_CLUSTER = "kvgate-epp"
 POOL_CLUSTER = "pool"
@@ -167,7 +168,7 @@ def _demo(replicas: int, log_dir: Path) -> Iterator[tuple[ChildProcess, Envoy]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvgate.bench.envoy", description=__doc__)
     parser.add_argument("command", choices=["demo"])
-    parser.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "results" / "demo-envoy")
+    parser.add_argument("--log-dir", type=Path, default=results_dir() / "demo-envoy")
     args = parser.parse_args(argv)
     with _demo(4, args.log_dir) as (epp, envoy):
         print(

@@ -55,6 +55,7 @@ from kvgate.bench.fleet import (
     wait_own_http,
 )
 from kvgate.bench.overhead import Connection, machine
+from kvgate.bench.results import results_dir
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite what you rely on. " * 8
 ANSWER = "Here is a short answer that the next turn keeps in its history. " * 3
@@ -368,7 +369,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out: Path = args.out or Path(__file__).resolve().parent / "results" / "epp"
+    out: Path = args.out or results_dir() / "epp"
     plan = Plan(
         sessions=args.sessions,
         turns=args.turns,

@@ -518,7 +518,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, help="runs per router and cell (default 3; quick 1)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per slice (default 40)")
-    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="per run: after the last send, wait this long for answers, then cancel",
+    )
     p.add_argument(
         "--slo",
         type=float,

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Protocol
 
 from kvgate.backends.process import LOOPBACK
+from kvgate.backends.vllm_cpu.layout import EngineLayout
 from kvgate.bench.fleet import BenchFleet, ManagedProcess, bench_port_range, wait_own_http
 
-ENGINES_DIR = Path(__file__).resolve().parent.parent / ".engines"
+ENGINES_DIR = EngineLayout.default().root  # beside the engines (KVGATE_ENGINES_DIR)
 BENCH_DIR = Path(__file__).resolve().parent
 
 

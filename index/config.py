@@ -61,7 +61,7 @@ class IndexConfig(BaseModel):
     )
     medium_tiers: dict[str, Tier] = Field(
         default_factory=lambda: dict(DEFAULT_MEDIUM_TIERS),
-        description="Event `medium` (upper-cased) → tier.",
+        description="Event `medium` (upper-cased) → tier: 0 GPU, 1 CPU, 2 disk.",
     )
     unknown_medium_tier: Tier = Field(Tier.DISK, description="Tier of media not listed above.")
     tokenize_cache_tokens: int = Field(
@@ -78,7 +78,12 @@ class IndexConfig(BaseModel):
         "locally only and kvgate needs a --tokenizer; turn it off when the engines are not "
         "equally trusted (docs/security.md).",
     )
-    engine_tokenize_timeout_s: float = Field(2.0, gt=0)
+    engine_tokenize_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait for an engine's /tokenize answer; past it the next candidate "
+        "is asked (raise it for engines that tokenize long prompts slowly).",
+    )
     topic: str = Field("", description="ZMQ topic prefix subscribed to ('' = every topic).")
     reconnect_backoff_s: float = Field(0.2, gt=0, description="First reconnect delay.")
     reconnect_backoff_max_s: float = Field(5.0, gt=0, description="Longest reconnect delay.")

@@ -11,7 +11,7 @@ from importlib import metadata
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
         "kvgate.router.serve",
-        "run the gateway (``kvgate serve --sim 4`` for the embedded demo)",
+        "run the gateway (`kvgate serve --sim 4` for the embedded demo)",
     ),
     "epp": ("kvgate.router.epp.cli", "be the endpoint picker of an Envoy gateway (ext_proc gRPC)"),
     "sim": ("kvgate.backends.sim.cli", "run a simulated vLLM-like engine fleet"),

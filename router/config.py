@@ -262,7 +262,8 @@ class Settings(BaseSettings):
     policy: str = Field(
         default="kv",
         description="routing policy: kv (cache-aware), or a cache-unaware baseline to compare "
-        f"against: {' | '.join(POLICY_NAMES)}",
+        "against",
+        json_schema_extra={"choices": list(POLICY_NAMES)},
     )
     seed: int | None = Field(
         default=None,

@@ -15,6 +15,7 @@ variables only; ``--help-all`` lists them. A setting in neither is shown last, u
 from __future__ import annotations
 
 import argparse
+import enum
 import fnmatch
 import types
 from argparse import SUPPRESS
@@ -24,7 +25,7 @@ from types import MappingProxyType
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 import msgspec
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 
 # fields whose flag is repeatable and singular: field -> (flag, metavar, help)
@@ -177,8 +178,17 @@ def _fields(model: type[BaseModel], prefix: str = "") -> Iterator[_Flag]:
 def _help(flag: _Flag, text: str | None = None) -> str:
     text = text or flag.info.description or ""
     default = flag.info.get_default(call_default_factory=True)
-    shown = "" if default in (None, [], {}) else f"default: {default}; "
+    shown = "" if default in (None, [], {}) else f"default: {_shown(flag, default)}; "
     return f"{text} ({shown}env {flag.env})".replace("%", "%%")
+
+
+def _shown(flag: _Flag, default: Any) -> str:
+    """A default as the user would write it: JSON for structured settings (enum members as
+    their values, never their Python repr), plain text otherwise."""
+    if not _is_structured(flag.info.annotation):
+        return str(default.value if isinstance(default, enum.Enum) else default)
+    plain = TypeAdapter[Any](flag.info.annotation or Any).dump_python(default, mode="json")
+    return msgspec.json.encode(plain).decode()
 
 
 def _matches(dest: str, patterns: Sequence[str]) -> bool:
@@ -292,11 +302,14 @@ def add_moved_flags(
 
 
 def _shape(info: FieldInfo) -> dict[str, Any]:
-    """Metavar (and choices) of a scalar flag from its annotation (or its ``metavar`` in
-    ``json_schema_extra``)."""
+    """Metavar (and choices) of a scalar flag from its annotation (or its ``metavar`` or
+    ``choices`` in ``json_schema_extra``)."""
     extra = info.json_schema_extra
     if isinstance(extra, dict) and isinstance(extra.get("metavar"), str):
         return {"metavar": extra["metavar"]}
+    choices = extra.get("choices") if isinstance(extra, dict) else None
+    if isinstance(choices, list):
+        return {"choices": list(choices)}
     annotation = info.annotation
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) in (Union, types.UnionType) and len(args) == 1:

@@ -1,8 +1,11 @@
 """deploy/Dockerfile, read statically (Docker does not run on this machine).
 
-The image cannot be built here; these checks hold the file to the repository: it copies
-every package pyproject.toml installs, pins with constraints.txt, runs as a non-root user,
-health-checks /health on kvgate's port, and its build context filter keeps what it copies.
+The image cannot be built here; these checks hold the file to the repository: its first
+stage builds kvgate's wheel from every package pyproject.toml installs (the same `pip wheel`
+as `make wheel`, which tests/test_wheel.py runs and installs), the next installs that wheel
+pinned by constraints.txt without the sources or a compiler, the image runs as a non-root
+user, health-checks /health on kvgate's port, and its build context filter keeps what it
+copies.
 """
 
 from __future__ import annotations
@@ -49,27 +52,25 @@ def test_installs_every_package_with_constraints() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.rstrip("*") for p in patterns}
-    build = stages()[0]
+    wheel, install, _ = stages()
     # COPY SRC... DEST: every source, trailing slash dropped
-    copied = {src.rstrip("/") for kw, rest in build if kw == "COPY" for src in rest.split()[:-1]}
+    copied = {src.rstrip("/") for kw, rest in wheel if kw == "COPY" for src in rest.split()[:-1]}
     assert packages <= copied
-    build_files = {
-        "pyproject.toml",
-        "setup.py",
-        "constraints.txt",
-        "build-constraints.txt",
-        "README.md",
-    }
-    assert build_files <= copied
+    build_files = {"pyproject.toml", "setup.py", "MANIFEST.in", "build-constraints.txt"}
+    assert build_files | {"README.md", "deploy/envoy/envoy.yaml"} <= copied
     for name in packages | build_files:
         assert (ROOT / name).exists(), name
-    runs = " ".join(rest for kw, rest in build if kw == "RUN")
-    # pip and the build backend pinned too; tracing ready, off by default; kvgate epp ready
-    assert "pip install -c build-constraints.txt pip" in runs
-    assert "--build-constraint build-constraints.txt '.[otel,epp]'" in runs
-    assert "kvgate epp --help" in runs
-    # the index's native core is compiled in the build stage and checked to import there
-    assert "gcc" in runs and "kvgate.index._native" in runs
+    assert (ROOT / "bench" / "envoy.yaml").resolve() == ROOT / "deploy" / "envoy" / "envoy.yaml"
+    runs = " ".join(rest for kw, rest in wheel if kw == "RUN")
+    # the native core is compiled here, into the wheel, with pip and setuptools pinned
+    assert "gcc" in runs and "pip install -c build-constraints.txt pip" in runs
+    assert "pip wheel --no-deps --build-constraint build-constraints.txt" in runs
+    # the install stage has no sources and no compiler: the wheel, its pins, its extras
+    assert not [rest for kw, rest in install if kw == "COPY" and "router" in rest]
+    runs = " ".join(rest for kw, rest in install if kw == "RUN")
+    assert "gcc" not in runs
+    assert "-c /tmp/pins/constraints.txt" in runs and "kvgate-*.whl)[otel,epp]" in runs
+    assert "kvgate.index._native" in runs and "kvgate epp --help" in runs
 
 
 def test_runtime_runs_unprivileged_with_healthcheck() -> None:
@@ -112,7 +113,14 @@ def test_build_context_keeps_sources_and_drops_venvs() -> None:
         for line in DOCKERIGNORE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    for kept in ("pyproject.toml", "constraints.txt", "router/app.py", "backends/discovery.py"):
+    for kept in (
+        "pyproject.toml",
+        "MANIFEST.in",
+        "constraints.txt",
+        "router/app.py",
+        "backends/discovery.py",
+        "deploy/envoy/envoy.yaml",
+    ):
         assert not ignored(kept, patterns), kept
     for dropped in (".venv/bin/python", ".engines/vllm-venv/bin/python", "tests/conftest.py"):
         assert ignored(dropped, patterns), dropped

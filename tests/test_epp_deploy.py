@@ -1,8 +1,8 @@
-"""deploy/envoy and deploy/k8s-epp, checked offline: the Envoy bootstrap validates with the
-real Envoy and keeps the Endpoint Picker Protocol's names; the Kubernetes manifests are
-schema-valid (built-in kinds against the bundled schemas, the InferencePool and HTTPRoute
-against the fields of their v1 APIs), consistent with each other, with the engines of
-deploy/k8s and with kvgate epp's own command line and settings loader."""
+"""deploy/envoy and deploy/k8s/epp, checked offline: the Envoy bootstrap validates with the
+real Envoy and keeps the Endpoint Picker Protocol's names; the epp overlay, rendered by
+`kubectl kustomize` (built-in kinds validated in tests/test_deploy_kustomize.py), has the
+InferencePool and HTTPRoute fields of their v1 APIs and is consistent with itself, with the
+engines of the base and with kvgate epp's own command line and settings loader."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from kubernetes_validate import utils as kv_utils
+from kustomize import by_name, render
 from test_deploy_k8s import flag_values
 
 from kvgate.backends.discovery import parse_discovery_url
@@ -31,24 +30,14 @@ from kvgate.router.epp.wire import (
 )
 from kvgate.router.flags import given_settings
 
-ROOT = Path(__file__).resolve().parent.parent
-EPP = ROOT / "deploy" / "k8s-epp"
-ENGINES = ROOT / "deploy" / "k8s"
-KUBERNETES_VERSIONS = ("1.29", "1.37")
-CUSTOM_KINDS = {"InferencePool", "HTTPRoute"}
-
-
-def documents(path: Path) -> list[dict[str, Any]]:
-    with path.open() as f:
-        return [doc for doc in yaml.safe_load_all(f) if doc]
-
-
-def manifests() -> list[Path]:
-    return [p for p in sorted(EPP.glob("*.yaml")) if p.name != "kustomization.yaml"]
-
 
 def resources() -> dict[tuple[str, str], dict[str, Any]]:
-    return {(d["kind"], d["metadata"]["name"]): d for p in manifests() for d in documents(p)}
+    """The epp overlay as `kubectl apply -k deploy/k8s/epp` would create it."""
+    return by_name(render("epp"))
+
+
+def engines_deployment() -> dict[str, Any]:
+    return resources()[("Deployment", "vllm")]
 
 
 def container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -131,14 +120,6 @@ def test_the_bootstrap_is_rewritten_in_its_addresses_only() -> None:
 # -- Kubernetes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("path", manifests(), ids=lambda p: p.name)
-def test_built_in_kinds_validate_strictly_offline(path: Path, version: str) -> None:
-    for doc in documents(path):
-        if doc["kind"] not in CUSTOM_KINDS:
-            assert kv_utils.validate(doc, version, strict=True)
-
-
 def _only_keys(node: dict[str, Any], allowed: set[str], where: str) -> None:
     unknown = set(node) - allowed
     assert not unknown, f"{where}: fields not in the API: {unknown}"
@@ -179,7 +160,7 @@ def test_the_http_route_sends_the_openai_api_to_the_pool() -> None:
 
 def test_the_pool_selects_the_engines_and_names_the_epp_service() -> None:
     pool = resources()[("InferencePool", "vllm-pool")]["spec"]
-    engines = next(d for d in documents(ENGINES / "vllm-deployment.yaml"))
+    engines = engines_deployment()
     pod_labels = engines["spec"]["template"]["metadata"]["labels"]
     assert pool["selector"]["matchLabels"].items() <= pod_labels.items()
     vllm = container(engines)
@@ -224,10 +205,10 @@ def test_the_epp_deployment_runs_valid_kvgate_epp_settings(tmp_path: Path) -> No
     settings = epp_settings_of(tmp_path, deployment)
     assert settings.host == "0.0.0.0" and settings.policy == "kv"
     (url,) = settings.discover
-    headless = next(d for d in documents(ENGINES / "vllm-headless-service.yaml"))
+    headless = resources()[("Service", "vllm-engines")]
     config = parse_discovery_url(url)
     assert config.host == f"{headless['metadata']['name']}.llm.svc.cluster.local"
-    engines = next(d for d in documents(ENGINES / "vllm-deployment.yaml"))
+    engines = engines_deployment()
     (block_size,) = flag_values(container(engines)["args"], "--block-size")
     assert settings.index.block_size == int(block_size)  # keyed like the engines
     epp = container(deployment)
@@ -240,24 +221,14 @@ def test_the_epp_deployment_runs_valid_kvgate_epp_settings(tmp_path: Path) -> No
     assert pod["terminationGracePeriodSeconds"] > pause + settings.shutdown_timeout_s
 
 
-def test_the_engines_admit_the_gateway_and_the_epp_beside_kvgate() -> None:
-    """deploy/k8s fences the engines to kvgate pods; this policy opens the engines' HTTP
-    port to the gateway's proxies and their KV-event ports to kvgate-epp."""
-    policy = resources()[("NetworkPolicy", "vllm-from-gateway-and-epp")]
-    engines = next(d for d in documents(ENGINES / "vllm-deployment.yaml"))
-    labels = engines["spec"]["template"]["metadata"]["labels"]
+def test_the_engines_admit_the_gateway_on_the_pools_port() -> None:
+    """The base fences the engines to the router's pods (kvgate-epp here, on HTTP and the
+    KV-event ports: tests/test_deploy_kustomize.py); this policy opens the pool's port to
+    the gateway's proxies named by the HTTPRoute."""
+    policy = resources()[("NetworkPolicy", "vllm-from-gateway")]
+    labels = engines_deployment()["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
-    epp_rule, gateway_rule = policy["spec"]["ingress"]
-    epp_labels = resources()[("Deployment", "kvgate-epp")]["spec"]["template"]["metadata"]
-    (epp_from,) = epp_rule["from"]
-    assert epp_from["podSelector"]["matchLabels"].items() <= epp_labels["labels"].items()
-    settings = EppSettings(discover=[_discover_url()])
-    events = parse_discovery_url(settings.discover[0])
-    assert {p["port"] for p in epp_rule["ports"]} == {
-        events.port,
-        events.events_port,
-        events.replay_port,
-    }
+    (gateway_rule,) = policy["spec"]["ingress"]
     (gateway_from,) = gateway_rule["from"]
     route = resources()[("HTTPRoute", "llm-openai")]
     (parent,) = route["spec"]["parentRefs"]
@@ -267,23 +238,12 @@ def test_the_engines_admit_the_gateway_and_the_epp_beside_kvgate() -> None:
     assert [p["port"] for p in gateway_rule["ports"]] == [
         t["number"] for t in pool["spec"]["targetPorts"]
     ]
+    settings = EppSettings(discover=[_discover_url()])
+    events = parse_discovery_url(settings.discover[0])
+    assert events.port == pool["spec"]["targetPorts"][0]["number"]
 
 
 def _discover_url() -> str:
     epp = container(resources()[("Deployment", "kvgate-epp")])
     (url,) = flag_values(epp["args"], "--discover")
     return url
-
-
-def test_kustomization_lists_every_manifest_and_no_secret_value() -> None:
-    (kustomization,) = documents(EPP / "kustomization.yaml")
-    assert sorted(kustomization["resources"]) == [p.name for p in manifests()]
-    for (kind, name), doc in resources().items():
-        assert kind != "Secret" or not (doc.get("data") or doc.get("stringData")), name
-    (generator,) = kustomization["secretGenerator"]
-    (source,) = generator["files"]
-    assert (EPP / source.split("=", 1)[1]).relative_to(ROOT).as_posix() in (
-        ROOT / ".gitignore"
-    ).read_text().splitlines()
-    token = next(e for e in container(resources()[("Deployment", "kvgate-epp")])["env"])
-    assert token["valueFrom"]["secretKeyRef"]["name"] == generator["name"]

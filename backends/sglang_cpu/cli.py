@@ -28,6 +28,7 @@ from kvgate.backends.sglang_cpu.launch import (
 )
 from kvgate.backends.sglang_cpu.layout import SglangLayout
 from kvgate.backends.vllm_cpu.install import InstallError
+from kvgate.backends.vllm_cpu.layout import ENGINES_DIR_HELP
 from kvgate.backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
 
 
@@ -108,12 +109,14 @@ def _down(args: argparse.Namespace, layout: SglangLayout) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvgate engines --engine sglang", description=__doc__.split("\n")[0]
+        prog="kvgate engines --engine sglang", description=__doc__.split("\n")[0].replace("``", "`")
     )
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="sglang", help=ENGINE_HELP)
+    parser.add_argument("--dir", type=Path, default=None, help=ENGINES_DIR_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     install = sub.add_parser(
-        "install", help=f"create .engines/sglang-venv with a pinned SGLang {SGLANG_VERSION}"
+        "install",
+        help=f"create sglang-venv in the engines folder, with a pinned SGLang {SGLANG_VERSION}",
     )
     install.add_argument("--force", action="store_true", help="reinstall even when complete")
     install.add_argument(
@@ -122,11 +125,18 @@ def _parser() -> argparse.ArgumentParser:
         help="reinstall resolving freely and pin the result in constraints-sglang.txt",
     )
     model = sub.add_parser("model", help="build the tiny random-weight model and tokenizer")
-    model.add_argument("--out", type=Path, default=None, help="default .engines/tiny-model")
-    model.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    model.add_argument("--force", action="store_true")
+    model.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="model folder (default: tiny-model in the engines folder)",
+    )
+    model.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="weights seed: another seed, another model"
+    )
+    model.add_argument("--force", action="store_true", help="rebuild even when present")
     up = sub.add_parser("up", help="start replicas on 127.0.0.1 and wait until ready")
-    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--replicas", type=int, default=2, help="replicas to start")
     up.add_argument("--port", type=int, default=8201, help="HTTP port of replica 0 (+i)")
     up.add_argument(
         "--events-port",
@@ -156,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    layout = SglangLayout.default()
+    layout = SglangLayout.default(args.dir)
     commands = {"install": _install, "model": _model, "up": _up, "down": _down}
     try:
         return commands[args.command](args, layout)

@@ -16,9 +16,9 @@ class SglangLayout:
     root: Path
 
     @classmethod
-    def default(cls) -> SglangLayout:
-        """``KVGATE_ENGINES_DIR``, else ``<repo>/.engines`` (as for vLLM)."""
-        return cls(EngineLayout.default().root)
+    def default(cls, given: Path | None = None) -> SglangLayout:
+        """The engines folder the vLLM set-up uses (``EngineLayout.default``)."""
+        return cls(EngineLayout.default(given).root)
 
     @property
     def venv(self) -> Path:

