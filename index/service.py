@@ -25,7 +25,7 @@ from kvgate.index.events import Discovery, EndpointCheck, Subscriber, Subscripti
 from kvgate.index.keys import PromptKeyer
 from kvgate.index.metrics import IndexMetrics
 from kvgate.index.table import ApproxIndex, EventIndex, new_table
-from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
+from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,24 @@ class KvIndexService:
                 if current is None or _better(found, current):
                     best[domain.worker] = found
         return best
+
+    def rank_matches(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
+        """For each worker with several data-parallel ranks: every rank's matched prefix (a
+        rank without one: ``NO_MATCH``). Workers with one rank are left out."""
+        out: dict[WorkerId, dict[int, PrefixMatch]] = {}
+        for worker in self._workers:
+            ranks = self._subscriptions.dp_ranks(worker)
+            if len(ranks) > 1:
+                out[worker] = dict.fromkeys(ranks, NO_MATCH)
+        if not out or not keys:
+            return out
+        for domain, found in self.events.find_matches(keys).items():
+            ranks_of = out.get(domain.worker)
+            if ranks_of is not None and domain.dp_rank in ranks_of:
+                ranks_of[domain.dp_rank] = found
+        return out
 
     def _reach(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys`` (a prefix) the worker with the longest match holds."""

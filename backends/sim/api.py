@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvgate.backends.sim.engine import RequestFault, SimRequest
+from kvgate.backends.sim.engine import Engine, RequestFault, SimRequest
 from kvgate.backends.sim.faults import FaultError
 from kvgate.backends.sim.lora import Adapter, LoraError
 from kvgate.backends.sim.protocol import (
@@ -64,6 +64,7 @@ Handler = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
 MAX_BODY_BYTES = 64 * 1024 * 1024
 VERSION = "kvgate-sim 0.1.0"
 _RESPONSES = "/v1/responses/"
+_DP_RANK_HEADER = b"x-data-parallel-rank"  # the target rank (vLLM and SGLang)
 
 
 async def _json(send: Send, payload: Any, status: int = 200) -> None:
@@ -207,7 +208,7 @@ class ReplicaApp:
     async def _reset_prefix_cache(
         self, scope: Scope, body: bytes, receive: Receive, send: Send
     ) -> None:
-        if not self._replica.engine.reset_prefix_cache():
+        if not self._replica.reset_prefix_cache():
             raise ApiError(409, "blocks are in use: the prefix cache was not reset")
         await respond(send, 200, b"", [])
 
@@ -324,6 +325,7 @@ class ReplicaApp:
 
     def _submit(
         self,
+        scope: Scope,
         ids: list[int],
         max_tokens: int,
         *,
@@ -331,23 +333,45 @@ class ReplicaApp:
         arrival: float,
         adapter: Adapter | None,
         param: str = "max_tokens",
-    ) -> SimRequest:
-        """Into the engine, with the ``abort`` fault drawn for it if one is standing."""
+    ) -> tuple[Engine, SimRequest]:
+        """Into the engine of the rank it asks for (else the least loaded), with the
+        ``abort`` fault drawn for it if one is standing."""
         replica = self._replica
+        engine = replica.engine_for(self._dp_rank(scope))
         check_length(len(ids), max_tokens, replica.config.engine.effective_max_model_len, param)
         abort = replica.faults.hit("abort")
         fault = None
         if abort is not None:
             replica.metrics.on_fault("abort")
             fault = RequestFault(int(abort.value), abort.drop)
-        return replica.engine.submit(ids, max_tokens, salt, arrival, lora=adapter, fault=fault)
+        return engine, engine.submit(ids, max_tokens, salt, arrival, lora=adapter, fault=fault)
+
+    def _dp_rank(self, scope: Scope) -> int | None:
+        """The ``X-data-parallel-rank`` header's rank (None: absent or not an integer, as
+        vLLM reads it); a rank the server does not have is a 400."""
+        raw = next((v for k, v in scope["headers"] if k.lower() == _DP_RANK_HEADER), None)
+        if raw is None:
+            return None
+        try:
+            rank = int(raw.decode("latin-1").strip())
+        except ValueError:
+            return None
+        if not 0 <= rank < len(self._replica.ranks):
+            raise ApiError(400, f"data parallel rank {rank} is out of range", "dp_rank")
+        return rank
 
     async def _serve(
-        self, req: SimRequest, framer: Framer, *, stream: bool, asgi: tuple[Scope, Receive, Send]
+        self,
+        submitted: tuple[Engine, SimRequest],
+        framer: Framer,
+        *,
+        stream: bool,
+        asgi: tuple[Scope, Receive, Send],
     ) -> None:
         replica = self._replica
         at_accept = replica.config.api.stream_open == "at_accept"
-        generation = Generation(replica.engine, req, *asgi)
+        engine, req = submitted
+        generation = Generation(engine, req, *asgi)
         await generation.serve(framer, stream=stream, at_accept=at_accept)
 
     def _text(self, token_ids: Sequence[int], leading_space: bool) -> str:
@@ -371,7 +395,12 @@ class ReplicaApp:
         self._check_fail()
         ids = await self._prompt_ids(data, chat)
         req = self._submit(
-            ids, sampling.max_tokens, salt=sampling.cache_salt, arrival=arrival, adapter=adapter
+            scope,
+            ids,
+            sampling.max_tokens,
+            salt=sampling.cache_salt,
+            arrival=arrival,
+            adapter=adapter,
         )
         framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
         await self._serve(req, framer, stream=sampling.stream, asgi=(scope, receive, send))
@@ -395,7 +424,7 @@ class ReplicaApp:
         ids = await self._render_ids(messages, chat_tools(request), {})
         max_tokens = request.max_output_tokens or self._default_max_tokens(chat=True)
         req = self._submit(
-            ids, max_tokens, salt=request.cache_salt, arrival=arrival, adapter=adapter,
+            scope, ids, max_tokens, salt=request.cache_salt, arrival=arrival, adapter=adapter,
             param="max_output_tokens",
         )  # fmt: skip
         response = ResponseObject(request, model, max_tokens)

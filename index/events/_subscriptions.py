@@ -240,6 +240,13 @@ class Subscriptions:
         joined = self._joined.get(worker)
         return joined is not None and bool(joined.subscribers)
 
+    def dp_ranks(self, worker: WorkerId) -> tuple[int, ...]:
+        """The data-parallel ranks the worker publishes for (one endpoint each), in order."""
+        joined = self._joined.get(worker)
+        if joined is None:
+            return ()
+        return tuple(sorted({s.endpoints.dp_rank for s in joined.subscribers}))
+
     def subscriber(self, worker: WorkerId, dp_rank: int) -> Subscriber:
         joined = self._joined.get(worker)
         if joined is not None:
