@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from kvgate.index.types import WorkerId
 
-EngineKind = Literal["vllm", "sglang", "openai"]
+EngineKind = Literal["vllm", "sglang", "trtllm", "openai"]
 
 _WORKER_KEYS = {"engine", "models", "events", "replay", "dp_size", "api_key"}
 MAX_DP_SIZE = 256  # data-parallel ranks of one engine (a subscription and a task each)
@@ -112,7 +112,9 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(description="base URL of the engine, e.g. http://127.0.0.1:9001")
-    engine: EngineKind = Field(default="vllm", description="engine kind: vllm | sglang | openai")
+    engine: EngineKind = Field(
+        default="vllm", description="engine kind: vllm | sglang | trtllm | openai"
+    )
     models: list[str] | None = Field(
         default=None, description="models it serves; discovered from its /v1/models when not given"
     )

@@ -319,7 +319,8 @@ class Router:
         out = []
         for candidate in candidates:
             ranks = ranked.get(candidate.worker)
-            if not ranks:
+            worker = self.registry.find(candidate.worker)
+            if not ranks or worker is None or not worker.adapter.targets_dp_rank:
                 out.append(candidate)
                 continue
             entry = self.ledger.entry(candidate.worker)

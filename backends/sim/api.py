@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvgate.backends.sim import trtllm
 from kvgate.backends.sim.engine import Engine, RequestFault, SimRequest
 from kvgate.backends.sim.faults import FaultError
 from kvgate.backends.sim.lora import Adapter, LoraError
@@ -65,6 +66,13 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 VERSION = "kvgate-sim 0.1.0"
 _RESPONSES = "/v1/responses/"
 _DP_RANK_HEADER = b"x-data-parallel-rank"  # the target rank (vLLM and SGLang)
+_VLLM_ONLY = (
+    "/tokenize",
+    "/detokenize",
+    "/kv_event_sources",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+)
 
 
 async def _json(send: Send, payload: Any, status: int = 200) -> None:
@@ -116,7 +124,19 @@ class ReplicaApp:
             ("POST", "/v1/load_lora_adapter"): self._load_lora,
             ("POST", "/v1/unload_lora_adapter"): self._unload_lora,
         }
+        if replica.config.api.engine_kind == "trtllm":
+            self._as_trtllm()
         self._paths = {path for _, path in self._routes}
+
+    def _as_trtllm(self) -> None:
+        """trtllm-serve's surface: Prometheus at its own path, JSON stats at /metrics, a
+        generating health check; none of vLLM's tokenizer, renderer or event sources."""
+        for path in _VLLM_ONLY:
+            self._routes.pop(("POST", path), None)
+            self._routes.pop(("GET", path), None)
+        self._routes[("GET", "/metrics")] = self._iteration_stats
+        self._routes[("GET", trtllm.PROMETHEUS_PATH)] = self._trtllm_metrics
+        self._routes[("GET", "/health_generate")] = self._health_generate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -185,6 +205,22 @@ class ReplicaApp:
         cards = [card(cfg.model, cfg.model, None, cfg.effective_max_model_len)]
         cards += [card(a.name, a.path, cfg.model, None) for a in replica.adapters]
         await _json(send, {"object": "list", "data": cards})
+
+    async def _trtllm_metrics(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        payload = trtllm.prometheus_page(self._replica)
+        await respond(send, 200, payload, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def _iteration_stats(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        await _json(send, trtllm.iteration_stats(self._replica))
+
+    async def _health_generate(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        await respond(send, 200, b"Generation health check OK", [])
 
     async def _metrics(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         payload = generate_latest(self._replica.registry)
@@ -350,7 +386,7 @@ class ReplicaApp:
         """The ``X-data-parallel-rank`` header's rank (None: absent or not an integer, as
         vLLM reads it); a rank the server does not have is a 400."""
         raw = next((v for k, v in scope["headers"] if k.lower() == _DP_RANK_HEADER), None)
-        if raw is None:
+        if raw is None or self._replica.config.api.engine_kind == "trtllm":
             return None
         try:
             rank = int(raw.decode("latin-1").strip())

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     api = p.add_argument_group("OpenAI server")
     api.add_argument(
+        "--engine-kind", choices=("vllm", "trtllm"), default=a.engine_kind,
+        help="the server presented: vllm, or trtllm (trtllm-serve's metrics at "
+        "/prometheus/metrics, /health_generate, no /tokenize nor renderer; same KV events)",
+    )  # fmt: skip
+    api.add_argument(
         "--stream-open", choices=("at_accept", "at_first_token"), default=a.stream_open,
         help="when a streaming response sends 200 and its headers: at_accept (vLLM: before "
         "the request queues and prefills) or with the first token",
@@ -190,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             prefill_slowdown=args.prefill_slowdown,
         ),
         api=ApiConfig(
+            engine_kind=args.engine_kind,
             stream_open=args.stream_open,
             responses_store=args.responses_store,
             responses_store_bytes=args.responses_store_mib * 2**20,

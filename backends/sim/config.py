@@ -13,6 +13,7 @@ EventEncoding = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
 SourcesFormat = Literal["object", "list"]
 StreamOpen = Literal["at_accept", "at_first_token"]
+EngineKind = Literal["vllm", "trtllm"]
 PrefillMode = Literal["chunked", "serial"]
 
 
@@ -126,10 +127,17 @@ class ApiConfig:
     responses_store_bytes: int = 256 * 1024 * 1024
     """The store also keeps at most this many bytes of conversation text (each response is
     counted with its whole conversation)."""
+    engine_kind: EngineKind = "vllm"
+    """The server the replica presents: ``vllm``, or ``trtllm`` (trtllm-serve: its Prometheus
+    gauges at ``/prometheus/metrics``, JSON iteration stats at ``/metrics``,
+    ``/health_generate``; no ``/tokenize``, renderer nor ``/kv_event_sources``; the
+    data-parallel rank header is ignored). The engine and its KV events are the same."""
 
     def validate(self) -> None:
         if self.stream_open not in ("at_accept", "at_first_token"):
             raise ConfigError("stream_open must be 'at_accept' or 'at_first_token'")
+        if self.engine_kind not in ("vllm", "trtllm"):
+            raise ConfigError("engine_kind must be 'vllm' or 'trtllm'")
         if self.responses_store < 0 or self.responses_store_bytes < 0:
             raise ConfigError("responses_store and responses_store_bytes must be >= 0")
 
