@@ -30,6 +30,9 @@ from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, SlotStats, Worke
 log = logging.getLogger(__name__)
 
 
+_RENDERING = frozenset({"vllm", "sglang"})  # engines the local template is checked against
+
+
 def _better(a: PrefixMatch, b: PrefixMatch) -> bool:
     return (a.blocks, a.gpu, a.cpu) > (b.blocks, b.gpu, b.cpu)
 
@@ -112,6 +115,13 @@ class KvIndexService:
         self._workers[worker.id] = worker
         self._learn_block_sizes()
         self._subscriptions.join(worker)
+        self._check_template(worker)
+
+    def _check_template(self, worker: EngineWorker) -> None:
+        """A healthy vLLM or SGLang worker serving a model: check the model's local template
+        against its rendering (once per model, in the background)."""
+        if worker.healthy and worker.model is not None and worker.engine in _RENDERING:
+            self._keyer.check_template(worker.model, worker)
 
     def worker_removed(self, worker: WorkerId) -> None:
         """Stop the worker's event tasks and drop everything known of it, at once."""
@@ -133,6 +143,7 @@ class KvIndexService:
             return
         self._workers[worker.id] = worker
         self._learn_block_sizes()
+        self._check_template(worker)
         if self._subscriptions.block_size_of(worker) != self._subscriptions.block_size_of(known):
             self._subscriptions.join(worker)
 
