@@ -223,12 +223,11 @@ class KvIndexService:
     ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
         """For each worker with several data-parallel ranks: every rank's matched prefix (a
         rank without one: ``NO_MATCH``). Workers with one rank are left out."""
-        out: dict[WorkerId, dict[int, PrefixMatch]] = {}
-        for worker in self._workers:
-            ranks = self._subscriptions.dp_ranks(worker)
-            if len(ranks) > 1:
-                out[worker] = dict.fromkeys(ranks, NO_MATCH)
-        if not out or not keys:
+        ranked = self._subscriptions.ranked
+        if not ranked:
+            return {}
+        out = {worker: dict.fromkeys(ranks, NO_MATCH) for worker, ranks in ranked.items()}
+        if not keys:
             return out
         for domain, found in self.events.find_matches(keys).items():
             ranks_of = out.get(domain.worker)
