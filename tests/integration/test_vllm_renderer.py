@@ -69,7 +69,13 @@ def test_tool_calling_chat_keyed_by_the_renderer(
         httpx.Client(base_url=server.url, timeout=120.0) as client,
     ):
         for turn in range(TURNS):
-            body = {"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 8}
+            body = {
+                "model": MODEL,
+                "messages": messages,
+                "tools": TOOLS,
+                "tool_choice": "none",  # "auto" needs a tool parser for the model (none here)
+                "max_tokens": 8,
+            }
             explained = route_explain(client, body, session="agent")
             assert explained["tokenize_mode"] == "engine"
             reply = client.post(
