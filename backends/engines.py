@@ -29,6 +29,15 @@ class ScrapedLoad:
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
     kv_capacity_blocks: int | None = None  # GPU KV blocks per engine (smallest over ranks)
+    # per data-parallel rank (its series' rank label): running + waiting requests there
+    rank_queues: tuple[tuple[int, int], ...] = ()
+
+    def rank_queue(self, dp_rank: int) -> int | None:
+        """Requests running or waiting on one data-parallel rank (None: not reported)."""
+        for rank, queued in self.rank_queues:
+            if rank == dp_rank:
+                return queued
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,8 @@ class EngineAdapter:
     metrics_path: str | None = "/metrics"
     tokenize_path: str | None = None  # POST {"model", "prompt"|"messages"} -> {"tokens": [...]}
     tokenize_accepts_messages: bool = False  # applies its own chat template
+    # the label of its load series naming the data-parallel rank (vLLM: engine="0")
+    rank_label: str | None = None
     # it sends a request to the data-parallel rank its X-data-parallel-rank header names
     # (else kvgate cannot choose the rank, and credits a worker its best rank's prefix)
     targets_dp_rank: bool = True
@@ -98,9 +109,13 @@ class EngineAdapter:
         lines = [line for line in text.splitlines() if line.startswith(wanted)]
         values: dict[str, list[float]] = {}
         capacities: list[int] = []
+        queues: dict[int, float] = {}
+        queue_metrics = (*self.running_metrics[:1], *self.waiting_metrics[:1])
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
                 values.setdefault(sample.name, []).append(sample.value)
+                if sample.name in queue_metrics and self.rank_label is not None:
+                    _add_rank_queue(queues, sample.labels.get(self.rank_label), sample.value)
                 if info is not None and sample.name == info[0]:
                     capacities += _positive_int(sample.labels.get(info[1]))
                 elif sample.name == gauge:
@@ -113,6 +128,9 @@ class EngineAdapter:
             waiting=None if waiting is None else round(waiting),
             kv_usage=usage,
             kv_capacity_blocks=min(capacities) if capacities else None,
+            rank_queues=tuple(sorted((r, round(q)) for r, q in queues.items()))
+            if len(queues) > 1
+            else (),
         )
 
     def parse_facts(self, text: str) -> EngineFacts:
@@ -171,6 +189,18 @@ def _positive_value(value: float) -> list[int]:
     return [int(value)]
 
 
+_MAX_RANKS = 256  # ranks read from one page (its rank labels are the engine's to choose)
+
+
+def _add_rank_queue(queues: dict[int, float], label: str | None, value: float) -> None:
+    """Count ``value`` for the rank a series' label names (a rank number; else nothing)."""
+    if label is None or not label.isdigit() or not 0 <= value < 1 << 31:
+        return
+    rank = int(label)
+    if rank in queues or len(queues) < _MAX_RANKS:
+        queues[rank] = queues.get(rank, 0.0) + value
+
+
 def _first_sum(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
     for name in names:
         if name in values:
@@ -193,6 +223,7 @@ VLLM = EngineAdapter(
     kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     kv_capacity_info=("vllm:cache_config_info", "num_gpu_blocks"),
     block_size_info=("vllm:cache_config_info", "block_size"),
+    rank_label="engine",  # each data-parallel rank's series: engine="<rank>"
     tokenize_path="/tokenize",
     tokenize_accepts_messages=True,
 )

@@ -326,7 +326,9 @@ class Router:
             entry = self.ledger.entry(candidate.worker)
             loads = entry.ranks if entry is not None else {}
             blocks = len(request.block_keys)
-            out.append(choose_rank(candidate, ranks, loads, blocks, request.block_size))
+            size = request.block_size
+            scraped = worker.scraped.rank_queue
+            out.append(choose_rank(candidate, ranks, loads, blocks, size, scraped=scraped))
         return out
 
     def require_servable(self, model: str) -> None:
@@ -417,10 +419,12 @@ class Router:
             return {}
         ranks = self._rank_matches(routed.keys).get(candidate.worker, {})
         entry = self.ledger.entry(candidate.worker)
+        worker = self.registry.find(candidate.worker)
         out = {}
         for dp_rank, match in sorted(ranks.items()):
             load = entry.rank_load(dp_rank) if entry is not None else None
             out[str(dp_rank)] = {
+                "engine_queue": worker.scraped.rank_queue(dp_rank) if worker else None,
                 "matched_blocks": match.blocks,
                 "in_flight": load.in_flight if load is not None else 0,
                 "pending_prefill_tokens": load.pending_prefill_tokens if load is not None else 0,

@@ -26,6 +26,7 @@ from fakes.simgate import (
 )
 
 from kvgate.backends.config import WorkerConfig
+from kvgate.backends.engines import VLLM
 from kvgate.backends.process import free_port_range
 from kvgate.backends.sim.fleet import SimFleet
 from kvgate.index.types import PrefixMatch, WorkerId
@@ -40,9 +41,9 @@ pytestmark = pytest.mark.anyio
 
 
 def test_rank_cost_weighs_uncached_blocks_against_pending_prefill() -> None:
-    assert rank_cost(PrefixMatch(gpu=6), RankLoad(), 10, 16) == (4, 0, 0)
+    assert rank_cost(PrefixMatch(gpu=6), RankLoad(), 10, 16) == (4, 0, 0, 0)
     load = RankLoad(in_flight=2, pending_prefill_tokens=33, sent=5)
-    assert rank_cost(PrefixMatch(), load, 10, 16) == (13, 2, 5)
+    assert rank_cost(PrefixMatch(), load, 10, 16, scraped_queue=3) == (13, 2, 3, 5)
 
 
 def test_choose_rank_prefers_the_cached_rank_unless_its_queue_costs_more() -> None:
@@ -54,10 +55,31 @@ def test_choose_rank_prefers_the_cached_rank_unless_its_queue_costs_more() -> No
     busy = {1: RankLoad(in_flight=1, pending_prefill_tokens=160)}
     chosen = choose_rank(worker, ranks, busy, 10, 16)
     assert (chosen.dp_rank, chosen.match) == (0, PrefixMatch())
+    # equal otherwise: the rank where the engine reports fewer requests (vLLM engine="r")
+    queues = {0: 4, 1: 1}
+    chosen = choose_rank(replace(worker, match=PrefixMatch()), ranks, {}, 10, 16,
+                         scraped=queues.get)  # fmt: skip
+    assert chosen.dp_rank == 1
     # no match of its own (another cache domain): no rank is credited, load decides
     foreign = replace(worker, match=PrefixMatch())
     chosen = choose_rank(foreign, ranks, {0: RankLoad(in_flight=1)}, 10, 16)
     assert (chosen.dp_rank, chosen.match) == (1, PrefixMatch())
+
+
+def test_vllm_per_rank_load_is_read_from_the_engine_label() -> None:
+    page = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+"""
+    load = VLLM.parse_load(page)
+    assert (load.running, load.waiting) == (2, 4)
+    assert (load.rank_queue(0), load.rank_queue(1), load.rank_queue(2)) == (5, 1, None)
+    single = page.replace('engine="1"', 'engine="0"')
+    assert VLLM.parse_load(single).rank_queues == ()  # one rank: nothing per rank
 
 
 def test_worker_dp_size_offsets_event_ports_per_rank() -> None:
