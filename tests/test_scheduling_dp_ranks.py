@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes.gateway import quiet_health
 from fakes.simgate import (
     MODEL,
     cached_tokens,
@@ -135,8 +136,9 @@ async def test_sim_ranks_discovered_and_routed_by_cache_then_load() -> None:
     """The ranks come from the worker's GET /kv_event_sources (one endpoint per rank); a
     repeated prompt returns to its rank with exact predictions; while a stream holds one
     rank, a new prompt goes to the other."""
-    config = dp_config(timing=replace(fleet_config(1).timing, speedup=50.0))
-    async with sim_fleets(config) as (fleet,), gate([fleet.replicas[0].url]) as gw:
+    config = dp_config(timing=replace(fleet_config(1).timing, speedup=5.0))
+    health = quiet_health(metrics_interval_s=0.05)  # the engine's per-rank load, scraped
+    async with sim_fleets(config) as (fleet,), gate([fleet.replicas[0].url], health=health) as gw:
         await until(lambda: len(fleet.replica(0).ranks) == 2)
 
         async def ranks_known() -> bool:
@@ -146,7 +148,7 @@ async def test_sim_ranks_discovered_and_routed_by_cache_then_load() -> None:
         await until(ranks_known, what="both ranks subscribed")
         await check_routed_per_rank(gw, fleet)
         # hold a long stream on one rank: the next new prompt goes to the other
-        held = chat(MODEL, long_text("held"), max_tokens=400, stream=True)
+        held = chat(MODEL, long_text("held"), max_tokens=4000, stream=True)
         async with gw.client.stream("POST", "/v1/chat/completions", json=held) as stream:
             chunks = stream.aiter_lines()
             await anext(chunks)  # it has started
@@ -155,6 +157,14 @@ async def test_sim_ranks_discovered_and_routed_by_cache_then_load() -> None:
             busy = next(r for r, n in in_flight.items() if n == 1)
             assert in_flight[1 - busy] == 0
             assert fresh["dp_rank"] == 1 - busy
+
+            async def engine_reports_it() -> bool:  # vLLM's per-rank series, engine="r"
+                entry = await explain(gw.client, chat(MODEL, long_text("fresh")))
+                return bool(entry["dp_ranks"][str(busy)]["engine_queue"] == 1)
+
+            await until(engine_reports_it, what="the busy rank's load scraped")
+            entry = await explain(gw.client, chat(MODEL, long_text("fresh")))
+            assert entry["dp_ranks"][str(1 - busy)]["engine_queue"] == 0
             await stream.aclose()
 
 

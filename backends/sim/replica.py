@@ -88,6 +88,10 @@ class SimReplica:
                 event_seq=lambda: self.publisher.next_seq,
                 busy_s=lambda: max(r.engine.busy_s for r in self.ranks),
                 late_s=lambda: max(r.engine.late_s for r in self.ranks),
+                ranks=lambda: [
+                    (len(r.engine.running), len(r.engine.waiting), r.engine.cache.usage)
+                    for r in self.ranks
+                ],
             ),
             {
                 "block_size": str(cfg.block_size),
