@@ -3,7 +3,7 @@ checks and load scraping of every replica (``HealthConfig``).
 
 A worker can be written as a mapping or in the compact CLI form
 ``URL[,engine=vllm][,role=prefill|decode|both][,bootstrap_port=N][,models=a;b]
-[,events=tcp://...][,replay=tcp://...][,api_key=...]``.
+[,events=tcp://...][,replay=tcp://...][,dp_size=N][,api_key=...]``.
 A worker URL's ``user:password@`` becomes its HTTP Basic credentials and leaves the URL (the
 worker's id, shown everywhere), so it cannot be displayed; keys live in ``SecretStr`` fields,
 refused when empty and never echoed in errors.
@@ -20,15 +20,19 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from kvgate.index.types import WorkerId
 
-EngineKind = Literal["vllm", "sglang", "openai"]
+EngineKind = Literal["vllm", "sglang", "trtllm", "openai"]
 WorkerRole = Literal["prefill", "decode", "both"]
 """A worker's part in a disaggregated fleet: ``prefill`` workers run the prefill leg of a
 request, ``decode`` workers its decode leg; ``both`` (the default) serve whole requests."""
 
-_WORKER_KEYS = {"engine", "role", "bootstrap_port", "models", "events", "replay", "api_key"}
+_WORKER_KEYS = {
+    "engine", "role", "bootstrap_port", "models", "events", "replay", "dp_size", "api_key",
+}  # fmt: skip
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+MAX_DP_SIZE = 256  # data-parallel ranks of one engine (a subscription and a task each)
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]*@")
 _KEY_VALUE = re.compile(r"(?i)((?:api_?key|token|password|secret)\w*\s*[=:]\s*)[^,\s'\"}]+")
+_TCP_PORT = re.compile(r"tcp://.+:[0-9]{1,5}")
 _URL_PATH_OK = re.compile(r"[!-~]*")  # printable ASCII, no space: it goes in a request line
 
 
@@ -115,7 +119,9 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(description="base URL of the engine, e.g. http://127.0.0.1:9001")
-    engine: EngineKind = Field(default="vllm", description="engine kind: vllm | sglang | openai")
+    engine: EngineKind = Field(
+        default="vllm", description="engine kind: vllm | sglang | trtllm | openai"
+    )
     role: WorkerRole = Field(
         default="both",
         description="prefill | decode | both: its part in a prefill/decode disaggregated "
@@ -135,6 +141,14 @@ class WorkerConfig(BaseModel):
         default=None, description="KV events ZMQ PUB endpoint (tcp://host:port)"
     )
     replay: str | None = Field(default=None, description="KV events replay ZMQ ROUTER endpoint")
+    dp_size: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_DP_SIZE,
+        description="data-parallel ranks of the engine (vLLM --data-parallel-size, SGLang "
+        "--dp-size): rank r publishes KV events on the events and replay ports + r, and "
+        "kvgate picks the rank of each request (X-data-parallel-rank)",
+    )
     api_key: SecretStr | None = Field(
         default=None, description="bearer key kvgate sends to this engine"
     )
@@ -183,6 +197,27 @@ class WorkerConfig(BaseModel):
                 f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}"
             )
         return endpoint
+
+    @model_validator(mode="after")
+    def _ranks_on_tcp(self) -> WorkerConfig:
+        if self.dp_size > 1:
+            for endpoint in (self.events, self.replay):
+                if endpoint is None:
+                    continue
+                if not _TCP_PORT.fullmatch(endpoint):
+                    raise ValueError(
+                        "dp_size > 1 needs tcp://host:port event endpoints (rank r: port + r)"
+                    )
+                if int(endpoint.rpartition(":")[2]) + self.dp_size - 1 > 65535:
+                    raise ValueError("an event port + dp_size - 1 exceeds 65535")
+        return self
+
+    def rank_endpoint(self, endpoint: str, dp_rank: int) -> str:
+        """``endpoint`` of rank ``dp_rank``: its port + the rank (as vLLM and SGLang offset)."""
+        if dp_rank == 0:
+            return endpoint
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + dp_rank}"
 
     @property
     def id(self) -> WorkerId:

@@ -1,10 +1,13 @@
 """Per-engine adapters: where each engine kind keeps its load metrics and endpoints.
 
-``vllm`` and ``sglang`` expose Prometheus gauges for running/waiting requests and KV-cache
-usage; a plain ``openai`` endpoint exposes nothing, so only kvgate's own predicted load
-counts for it. Health: vLLM's ``/health`` is cheap; SGLang's runs a one-token generation and
-sleeps a second before it answers, so SGLang is probed on ``/ready`` (startup done, healthy,
-not paused), and on ``/health`` with a longer timeout only where ``/ready`` does not exist.
+``vllm``, ``sglang`` and ``trtllm`` expose Prometheus gauges for running/waiting requests
+and KV-cache usage; a plain ``openai`` endpoint exposes nothing, so only kvgate's own predicted
+load counts for it. Health: vLLM's and TensorRT-LLM's ``/health`` are cheap; SGLang's runs a
+one-token generation and sleeps a second before it answers, so SGLang is probed on ``/ready``
+(startup done, healthy, not paused), and on ``/health`` with a longer timeout only where
+``/ready`` does not exist. TensorRT-LLM's Prometheus page is ``/prometheus/metrics`` (its
+``/metrics`` is a JSON list of iteration stats) and states its KV block size and capacity as
+gauge values (``trtllm_kv_cache_tokens_per_block``, ``trtllm_kv_cache_max_blocks``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ class ScrapedLoad:
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
     kv_capacity_blocks: int | None = None  # GPU KV blocks per engine (smallest over ranks)
+    # per data-parallel rank (its series' rank label): running + waiting requests there
+    rank_queues: tuple[tuple[int, int], ...] = ()
+
+    def rank_queue(self, dp_rank: int) -> int | None:
+        """Requests running or waiting on one data-parallel rank (None: not reported)."""
+        for rank, queued in self.rank_queues:
+            if rank == dp_rank:
+                return queued
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +61,9 @@ class EngineAdapter:
     kv_capacity_info: tuple[str, str] | None = None
     # an info metric and its label carrying the engine's KV block size in tokens
     block_size_info: tuple[str, str] | None = None
+    # or gauges whose value is the KV block size in tokens / the KV capacity in blocks
+    block_size_gauge: str | None = None
+    kv_capacity_gauge: str | None = None
     # else a JSON document of its settings and the key of the block size there
     server_info: tuple[str, str] | None = None
     server_info_legacy_path: str | None = None  # asked only where server_info's path is 404
@@ -60,6 +75,17 @@ class EngineAdapter:
     metrics_path: str | None = "/metrics"
     tokenize_path: str | None = None  # POST {"model", "prompt"|"messages"} -> {"tokens": [...]}
     tokenize_accepts_messages: bool = False  # applies its own chat template
+    # the label of its load series naming the data-parallel rank (vLLM: engine="0")
+    rank_label: str | None = None
+    # it sends a request to the data-parallel rank its X-data-parallel-rank header names
+    # (else kvgate cannot choose the rank, and credits a worker its best rank's prefix)
+    targets_dp_rank: bool = True
+
+    @property
+    def declares_facts_in_metrics(self) -> bool:
+        """Its block size is read from its Prometheus page."""
+        has_fact = self.block_size_info is not None or self.block_size_gauge is not None
+        return has_fact and self.metrics_path is not None
 
     @property
     def scrapes_load(self) -> bool:
@@ -74,17 +100,26 @@ class EngineAdapter:
         large /metrics page (histograms) costs a few string scans, not a full parse.
         """
         info = self.kv_capacity_info
+        gauge = self.kv_capacity_gauge
         wanted = (*self.running_metrics, *self.waiting_metrics, *self.kv_usage_metrics)
         if info is not None:
             wanted = (*wanted, info[0])
+        if gauge is not None:
+            wanted = (*wanted, gauge)
         lines = [line for line in text.splitlines() if line.startswith(wanted)]
         values: dict[str, list[float]] = {}
         capacities: list[int] = []
+        queues: dict[int, float] = {}
+        queue_metrics = (*self.running_metrics[:1], *self.waiting_metrics[:1])
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
                 values.setdefault(sample.name, []).append(sample.value)
+                if sample.name in queue_metrics and self.rank_label is not None:
+                    _add_rank_queue(queues, sample.labels.get(self.rank_label), sample.value)
                 if info is not None and sample.name == info[0]:
                     capacities += _positive_int(sample.labels.get(info[1]))
+                elif sample.name == gauge:
+                    capacities += _positive_value(sample.value)
         running = _first_sum(values, self.running_metrics)
         waiting = _first_sum(values, self.waiting_metrics)
         usage = _first_mean(values, self.kv_usage_metrics)
@@ -93,20 +128,28 @@ class EngineAdapter:
             waiting=None if waiting is None else round(waiting),
             kv_usage=usage,
             kv_capacity_blocks=min(capacities) if capacities else None,
+            rank_queues=tuple(sorted((r, round(q)) for r, q in queues.items()))
+            if len(queues) > 1
+            else (),
         )
 
     def parse_facts(self, text: str) -> EngineFacts:
         """The engine facts of a /metrics page: the block size of its info metric (several
         ranks: they must agree, else none is taken)."""
-        info = self.block_size_info
-        if info is None:
+        info, gauge = self.block_size_info, self.block_size_gauge
+        name = info[0] if info is not None else gauge
+        if name is None:
             return EngineFacts()
-        lines = [line for line in text.splitlines() if line.startswith(info[0])]
+        lines = [line for line in text.splitlines() if line.startswith(name)]
         sizes: set[int] = set()
         for family in text_string_to_metric_families("\n".join(lines) + "\n"):
             for sample in family.samples:
-                if sample.name == info[0]:
+                if sample.name != name:
+                    continue
+                if info is not None:
                     sizes.update(_positive_int(sample.labels.get(info[1])))
+                else:
+                    sizes.update(_positive_value(sample.value))
         return EngineFacts(block_size=sizes.pop() if len(sizes) == 1 else None)
 
     def parse_server_info(self, content: bytes) -> EngineFacts:
@@ -139,6 +182,25 @@ def _positive_int(label: str | None) -> list[int]:
     return [int(label)]
 
 
+def _positive_value(value: float) -> list[int]:
+    """A gauge's value as a positive whole number, or nothing (NaN, fraction, <= 0)."""
+    if not 0 < value < 1 << 62 or value != int(value):
+        return []
+    return [int(value)]
+
+
+_MAX_RANKS = 256  # ranks read from one page (its rank labels are the engine's to choose)
+
+
+def _add_rank_queue(queues: dict[int, float], label: str | None, value: float) -> None:
+    """Count ``value`` for the rank a series' label names (a rank number; else nothing)."""
+    if label is None or not label.isdigit() or not 0 <= value < 1 << 31:
+        return
+    rank = int(label)
+    if rank in queues or len(queues) < _MAX_RANKS:
+        queues[rank] = queues.get(rank, 0.0) + value
+
+
 def _first_sum(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
     for name in names:
         if name in values:
@@ -161,6 +223,7 @@ VLLM = EngineAdapter(
     kv_usage_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     kv_capacity_info=("vllm:cache_config_info", "num_gpu_blocks"),
     block_size_info=("vllm:cache_config_info", "block_size"),
+    rank_label="engine",  # each data-parallel rank's series: engine="<rank>"
     tokenize_path="/tokenize",
     tokenize_accepts_messages=True,
 )
@@ -179,6 +242,20 @@ SGLANG = EngineAdapter(
     tokenize_accepts_messages=True,
 )
 
+# trtllm-serve (TensorRT-LLM): Prometheus gauges at /prometheus/metrics (with
+# return_perf_metrics on), a cheap /health (its /health_generate generates), no /tokenize, and
+# its attention-DP ranks are scheduled by the engine itself (no per-request rank).
+TRTLLM = EngineAdapter(
+    kind="trtllm",
+    running_metrics=("trtllm_num_requests_running",),
+    waiting_metrics=("trtllm_num_requests_waiting",),
+    kv_usage_metrics=("trtllm_kv_cache_utilization",),
+    kv_capacity_gauge="trtllm_kv_cache_max_blocks",
+    block_size_gauge="trtllm_kv_cache_tokens_per_block",
+    metrics_path="/prometheus/metrics",
+    targets_dp_rank=False,
+)
+
 # A generic OpenAI-compatible server may lack /health: its model list doubles as the probe.
 OPENAI = EngineAdapter(kind="openai", metrics_path=None, health_path="/v1/models")
 
@@ -189,5 +266,7 @@ def adapter_for(kind: EngineKind) -> EngineAdapter:
             return VLLM
         case "sglang":
             return SGLANG
+        case "trtllm":
+            return TRTLLM
         case "openai":
             return OPENAI

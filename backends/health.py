@@ -247,7 +247,7 @@ class HealthChecker:
         """What the engine declares on its /metrics or in its server info (none when it
         cannot be read: the block size its events carry is adopted then)."""
         adapter = worker.adapter
-        if adapter.block_size_info is not None and adapter.metrics_path is not None:
+        if adapter.declares_facts_in_metrics and adapter.metrics_path is not None:
             path = adapter.metrics_path
         elif adapter.server_info is not None:
             path = adapter.server_info[0]

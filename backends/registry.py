@@ -104,7 +104,15 @@ class Worker:
     def engine_view(self) -> EngineWorker:
         """What the KV index needs of this worker, as it is now."""
         config = self.config
-        endpoints = (Endpoints(config.events, config.replay, 0),) if config.events else ()
+        endpoints = tuple(
+            Endpoints(
+                config.rank_endpoint(config.events, rank),
+                None if config.replay is None else config.rank_endpoint(config.replay, rank),
+                rank,
+            )
+            for rank in range(config.dp_size)
+            if config.events
+        )
         bases = self.base_models()
         return EngineWorker(
             id=self.id,

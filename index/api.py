@@ -184,6 +184,13 @@ class BlockIndex(Protocol):
         """Per worker, the best matched prefix over its data-parallel ranks."""
         ...
 
+    def rank_matches(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
+        """For each worker with several data-parallel ranks (each its own cache): every
+        rank's matched prefix; workers with one rank are left out."""
+        ...
+
     def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
         """Tell the index a request was sent (feeds the approximate, event-less mode)."""
         ...

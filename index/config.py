@@ -160,7 +160,28 @@ class IndexConfig(BaseModel):
     def tokenizer_dir(self, model: str) -> Path | None:
         return self.tokenizers.get(model, self.default_tokenizer)
 
+    def tokenizer_problems(self) -> list[str]:
+        """What is wrong with the configured tokenizer folders (each must hold the model's
+        ``tokenizer.json``), one line each; empty: nothing."""
+        named = [(f"{model}=", path) for model, path in self.tokenizers.items()]
+        if self.default_tokenizer is not None:
+            named.append(("", self.default_tokenizer))
+        return [problem for label, path in named if (problem := tokenizer_problem(label, path))]
+
     def tier_of(self, medium: str | None) -> Tier:
         if medium is None:
             return Tier.GPU
         return self.medium_tiers.get(medium.upper(), self.unknown_medium_tier)
+
+
+def tokenizer_problem(label: str, path: Path) -> str | None:
+    """Why ``path`` is not a usable tokenizer folder (None: it is)."""
+    shown = f"--tokenizer {label}{path}"
+    if not path.is_dir():
+        return f"{shown}: no such folder (give the folder holding the model's tokenizer.json)"
+    if not (path / "tokenizer.json").is_file():
+        return (
+            f"{shown}: the folder has no tokenizer.json (give the model's folder as "
+            "downloaded: tokenizer.json, tokenizer_config.json)"
+        )
+    return None

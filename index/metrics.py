@@ -156,6 +156,14 @@ class IndexMetrics:
         )
         for mode in get_args(TokenizeMode):
             self.tokenize_seconds.labels(mode)
+        self.tokenizer_mismatch = Gauge(
+            "kvgate_tokenizer_mismatch",
+            "1 when the local tokenizer and chat template render the start-up probe prompts "
+            "otherwise than an engine serving the model (its prompts are then keyed by the "
+            "engine's renderer), 0 when they agree",
+            ["model"],
+            registry=registry,
+        )
         self._registry = registry
         self._entries: _EntriesCollector | None = None
 

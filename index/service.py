@@ -25,9 +25,12 @@ from kvgate.index.events import Discovery, EndpointCheck, Subscriber, Subscripti
 from kvgate.index.keys import PromptKeyer
 from kvgate.index.metrics import IndexMetrics
 from kvgate.index.table import ApproxIndex, EventIndex, new_table
-from kvgate.index.types import BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
+from kvgate.index.types import NO_MATCH, BlockKey, PrefixMatch, SlotStats, WorkerId, WorkerKey
 
 log = logging.getLogger(__name__)
+
+
+_RENDERING = frozenset({"vllm", "sglang"})  # engines the local template is checked against
 
 
 def _better(a: PrefixMatch, b: PrefixMatch) -> bool:
@@ -112,6 +115,13 @@ class KvIndexService:
         self._workers[worker.id] = worker
         self._learn_block_sizes()
         self._subscriptions.join(worker)
+        self._check_template(worker)
+
+    def _check_template(self, worker: EngineWorker) -> None:
+        """A healthy vLLM or SGLang worker serving a model: check the model's local template
+        against its rendering (once per model, in the background)."""
+        if worker.healthy and worker.model is not None and worker.engine in _RENDERING:
+            self._keyer.check_template(worker.model, worker)
 
     def worker_removed(self, worker: WorkerId) -> None:
         """Stop the worker's event tasks and drop everything known of it, at once."""
@@ -133,6 +143,7 @@ class KvIndexService:
             return
         self._workers[worker.id] = worker
         self._learn_block_sizes()
+        self._check_template(worker)
         if self._subscriptions.block_size_of(worker) != self._subscriptions.block_size_of(known):
             self._subscriptions.join(worker)
 
@@ -206,6 +217,23 @@ class KvIndexService:
                 if current is None or _better(found, current):
                     best[domain.worker] = found
         return best
+
+    def rank_matches(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
+        """For each worker with several data-parallel ranks: every rank's matched prefix (a
+        rank without one: ``NO_MATCH``). Workers with one rank are left out."""
+        ranked = self._subscriptions.ranked
+        if not ranked:
+            return {}
+        out = {worker: dict.fromkeys(ranks, NO_MATCH) for worker, ranks in ranked.items()}
+        if not keys:
+            return out
+        for domain, found in self.events.find_matches(keys).items():
+            ranks_of = out.get(domain.worker)
+            if ranks_of is not None and domain.dp_rank in ranks_of:
+                ranks_of[domain.dp_rank] = found
+        return out
 
     def _reach(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys`` (a prefix) the worker with the longest match holds."""

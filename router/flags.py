@@ -34,9 +34,10 @@ _REPEATABLE: Mapping[str, tuple[str, str, str]] = MappingProxyType(
         "workers": (
             "--worker",
             "SPEC",
-            "an engine replica to route to: URL[,engine=vllm|sglang|openai][,models=a;b]"
-            "[,events=tcp://H:P][,replay=tcp://H:P][,api_key=KEY]; its KV events (events=) "
-            "make routing cache-aware (repeatable)",
+            "an engine replica to route to: URL[,engine=vllm|sglang|trtllm|openai][,models=a;b]"
+            "[,events=tcp://H:P][,replay=tcp://H:P][,dp_size=N][,api_key=KEY]; its KV events "
+            "(events=) make routing cache-aware; dp_size: its data-parallel ranks, each "
+            "publishing on the events port + rank (repeatable)",
         ),
         "api_keys": (
             "--api-key",

@@ -119,6 +119,13 @@ class GatewayMetrics:
             ["worker", "reason"],
             registry=registry,
         )
+        self.dp_rank_attempts = Counter(
+            "kvgate_dp_rank_attempts",
+            "Attempts sent to a data-parallel rank of a worker that has several (the rank "
+            "kvgate chose, sent as X-data-parallel-rank), by worker and rank",
+            ["worker", "dp_rank"],
+            registry=registry,
+        )
         self.failovers = Counter(
             "kvgate_failovers",
             "Requests answered by a worker other than the policy's first choice",

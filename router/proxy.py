@@ -88,8 +88,10 @@ _DROP_REQUEST = frozenset(
         b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
         b"trailer", b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization",
         b"accept-encoding", b"x-request-id", b"x-api-key", b"expect",
+        b"x-data-parallel-rank",  # kvgate picks the rank (its ledger counts it there)
     }
 )  # fmt: skip
+DP_RANK_HEADER = b"x-data-parallel-rank"  # the target rank, read by vLLM and SGLang
 # Response headers never relayed to the client.
 _DROP_RESPONSE = frozenset(
     {
@@ -364,10 +366,13 @@ class ProxyResponse(Response):
         body = x.body
         if x.legs is not None:  # its prefill leg first (or not: skipped)
             body = await x.legs.body_for(worker, routed, body)
-        headers = x.observation.attempt(worker.url, self._upstream_headers(worker))
+        headers = x.observation.attempt(worker.url, self._upstream_headers(worker, routed))
         spans = x.observation.spans
         cached = x.legs.predicted(worker.id) if x.legs is not None else None
         ticket = x.grant.begin(worker.id, cached=cached)  # the scheduler's ledger counts it
+        dp_rank = routed.dp_rank(worker.id)
+        if dp_rank is not None:
+            proxy.metrics.dp_rank_attempts.labels(proxy.worker_label(worker), str(dp_rank)).inc()
         try:
             if first:
                 proxy.metrics.overhead.observe(time.perf_counter() - x.received_at)
@@ -406,12 +411,15 @@ class ProxyResponse(Response):
         self._proxy.mark_failed(worker, reason, error.detail)
         return AttemptFailed(error, reason)
 
-    def _upstream_headers(self, worker: Worker) -> list[tuple[bytes, bytes]]:
+    def _upstream_headers(self, worker: Worker, routed: Routed) -> list[tuple[bytes, bytes]]:
         headers = [
             *self._x.headers,
             (b"x-request-id", self._x.request_id.encode()),
             (b"accept-encoding", b"identity"),
         ]
+        dp_rank = routed.dp_rank(worker.id)
+        if dp_rank is not None:  # the engine's rank for it (vLLM and SGLang read this header)
+            headers.append((DP_RANK_HEADER, str(dp_rank).encode()))
         authorization = worker.config.authorization()
         if authorization is not None:
             headers.append((b"authorization", authorization.encode()))
@@ -594,12 +602,16 @@ class ProxyResponse(Response):
         self, worker: Worker, routed: Routed, response: UpstreamResponse
     ) -> list[tuple[bytes, bytes]]:
         predicted = self._predicted(worker, routed)
-        return [
+        headers = [
             *_relay_headers(response),
             (b"x-kvgate-worker", worker.url.encode()),
             (b"x-request-id", self._x.request_id.encode()),
             (b"x-kvgate-predicted-cached-tokens", str(predicted).encode()),
         ]
+        dp_rank = routed.dp_rank(worker.id)
+        if dp_rank is not None:
+            headers.append((b"x-kvgate-dp-rank", str(dp_rank).encode()))
+        return headers
 
     def _predicted(self, worker: Worker, routed: Routed) -> int:
         legs = self._x.legs

@@ -107,6 +107,10 @@ def main(argv: list[str], *, tuning: Tuning | None = None) -> int:
     except ConfigError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
+    problems = settings.index.tokenizer_problems()
+    if problems:
+        print("kvgate serve: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
     with configure_logging(settings.log_level, settings.log_format):
         return supervise(settings, args.config, overrides, runner=lambda ready: run(ready, tuning))
 

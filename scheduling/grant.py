@@ -81,6 +81,7 @@ class Grant:
             request.block_size,
             request.prompt_tokens,
             keys=request.block_keys,
+            dp_rank=routed.dp_rank(worker),
         )
 
     def sent(self, worker: WorkerId) -> None:

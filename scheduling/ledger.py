@@ -70,6 +70,16 @@ no KV capacity and none is configured (16M tokens at 16 a block: more than any e
 cache)."""
 
 
+@dataclass(slots=True)
+class RankLoad:
+    """What kvgate has in flight on one data-parallel rank of a worker (its own cache and
+    its own scheduler): the rank's share of the worker's ``in_flight`` and pending prefill."""
+
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    sent: int = 0  # requests sent there so far (spreads new prompts over idle ranks)
+
+
 @dataclass(eq=False, slots=True)
 class WorkerLedger:
     """What kvgate has sent to one worker and not seen end, and what that taught it."""
@@ -87,6 +97,8 @@ class WorkerLedger:
     # block keys of the in-flight requests (for the prefixes they share), by ticket
     flights: dict[LoadTicket, Sequence[BlockKey]] = field(default_factory=dict)
     footprint: float = 0.0  # see Ledger.record_footprint
+    # per data-parallel rank kvgate sent to (ranks come from the worker's event endpoints)
+    ranks: dict[int, RankLoad] = field(default_factory=dict)
     reuse: float = 0.0  # see Ledger.record_reuse
     prefill_busy: BusyShare | None = None  # share of time with a pending request
     # blocks of its requests kvgate saw end (a running count), that count when the scrape
@@ -203,9 +215,19 @@ class WorkerLedger:
         recent = itertools.islice(reversed(self.flights.values()), FLIGHTS_COMPARED)
         return max(shared_prefix_blocks(keys, other) for other in recent)
 
+    def rank_load(self, dp_rank: int) -> RankLoad:
+        """What kvgate has in flight on one of its data-parallel ranks."""
+        return self.ranks.get(dp_rank) or RankLoad()
+
     def describe(self) -> dict[str, Any]:
         """The admin view of what kvgate has in flight there."""
-        return {name: getattr(self, name) for name in _DESCRIBED}
+        out = {name: getattr(self, name) for name in _DESCRIBED}
+        if self.ranks:
+            out["dp_ranks"] = {
+                str(r): {"in_flight": x.in_flight, "pending_prefill": x.pending_prefill_tokens}
+                for r, x in sorted(self.ranks.items())
+            }
+        return out
 
 
 _DESCRIBED = (
@@ -236,6 +258,7 @@ class LoadTicket:
         "_blocks",
         "_completed",
         "_decoded",
+        "_dp_rank",
         "_entry",
         "_features",
         "_finished",
@@ -266,6 +289,7 @@ class LoadTicket:
         prompt: int = 0,
         block_size: int = 16,
         answer_cap: int = 0,
+        dp_rank: int | None = None,
     ) -> None:
         """``prompt_tokens``: its tokens to prefill, of ``prompt`` (the whole prompt, where
         its answer's first block starts: ``block_size`` tokens a block); ``answer_cap``: the
@@ -296,6 +320,13 @@ class LoadTicket:
         entry.pending_prefill_pairs += features.own_pairs
         entry.active_decode_blocks += self._blocks
         entry.pending_requests += 1
+        self._dp_rank = dp_rank  # the data-parallel rank it was sent to (None: not chosen)
+        if dp_rank is not None:
+            rank = entry.ranks.setdefault(dp_rank, RankLoad())
+            rank.in_flight += 1
+            rank.pending_prefill_tokens += prompt_tokens
+            if not reserved:
+                rank.sent += 1
         # sent lacking KV room: until it starts, the engine starts nothing sent after it
         if blocking:
             entry.blocked[self] = self._sent_at
@@ -331,6 +362,9 @@ class LoadTicket:
         entry = self._entry
         entry.pending_prefill_tokens -= self._prompt_tokens
         entry.pending_requests -= 1
+        rank = None if self._dp_rank is None else entry.ranks.get(self._dp_rank)
+        if rank is not None:
+            rank.pending_prefill_tokens -= self._prompt_tokens
         entry.blocked.pop(self, None)
         entry.pending_prefill_pairs = (
             max(entry.pending_prefill_pairs - self._pairs, 0.0) if entry.pending_requests else 0.0
@@ -378,6 +412,9 @@ class LoadTicket:
         self.first_token(measured=False)
         entry = self._entry
         entry.in_flight -= 1
+        rank = None if self._dp_rank is None else entry.ranks.get(self._dp_rank)
+        if rank is not None:
+            rank.in_flight -= 1
         held = self._blocks + self._grown
         entry.active_decode_blocks -= held
         if not self._reserved:
@@ -524,17 +561,20 @@ class Ledger:
         prompt_tokens: int | None = None,
         *,
         keys: Sequence[BlockKey] = (),
+        dp_rank: int | None = None,
     ) -> LoadTicket:
-        """Count a request sent: ``prefill_tokens`` (its uncached prompt tokens, of
-        ``prompt_tokens``) are pending prefill until its first token; ``blocks`` (of
-        ``block_size`` tokens) are held until it ends, less the leading ones its block
-        ``keys`` share with a request in flight there. Its TTFT is predicted from the load
-        it finds."""
+        """Count a request sent (to data-parallel rank ``dp_rank``, if chosen):
+        ``prefill_tokens`` (its uncached prompt tokens, of ``prompt_tokens``) are pending
+        prefill until its first token; ``blocks`` (of ``block_size`` tokens) are held until it
+        ends, less the leading ones its block ``keys`` share with a request in flight there.
+        Its TTFT is predicted from the load it finds."""
         entry = self.of(self._registry.get(worker_id))
         self.record_footprint(entry, blocks)
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
         self.record_reuse(entry, prefill_tokens, prompt)
-        return self._ticket(entry, prefill_tokens, blocks, block_size, prompt, keys=keys)
+        return self._ticket(
+            entry, prefill_tokens, blocks, block_size, prompt, keys=keys, dp_rank=dp_rank
+        )
 
     def reserve(
         self,
@@ -545,6 +585,7 @@ class Ledger:
         prompt_tokens: int | None = None,
         *,
         keys: Sequence[BlockKey] = (),
+        dp_rank: int | None = None,
     ) -> LoadTicket:
         """Count the load of a request about to be sent (the queue's hold on the worker it
         dispatched to) as ``begin`` does, without its footprint and reuse: ``begin`` records
@@ -552,7 +593,14 @@ class Ledger:
         prompt = prompt_tokens if prompt_tokens is not None else prefill_tokens
         entry = self.of(self._registry.get(worker_id))
         return self._ticket(
-            entry, prefill_tokens, blocks, block_size, prompt, keys=keys, reserved=True
+            entry,
+            prefill_tokens,
+            blocks,
+            block_size,
+            prompt,
+            keys=keys,
+            reserved=True,
+            dp_rank=dp_rank,
         )
 
     def _ticket(
@@ -565,6 +613,7 @@ class Ledger:
         *,
         keys: Sequence[BlockKey],
         reserved: bool = False,
+        dp_rank: int | None = None,
     ) -> LoadTicket:
         load = entry.load(self._clock())
         capacity = capacity_of(load, self._limits)
@@ -584,6 +633,7 @@ class Ledger:
             prompt=prompt,
             block_size=block_size,
             answer_cap=self.answer_cap(entry),
+            dp_rank=dp_rank,
         )
 
     def observe_ttft(

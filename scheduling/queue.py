@@ -357,6 +357,7 @@ class AdmissionQueue:
             request.block_size,
             request.prompt_tokens,
             keys=request.block_keys,
+            dp_rank=routed.dp_rank(worker),
         )
 
     # -- the dispatch side ------------------------------------------------------------------

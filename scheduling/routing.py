@@ -20,6 +20,7 @@ from kvgate.backends.registry import Worker, WorkerRegistry
 from kvgate.index.api import BlockIndex, PromptInput, PromptKeys
 from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
 from kvgate.scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
+from kvgate.scheduling.dp_ranks import choose_rank
 from kvgate.scheduling.errors import ModelNotFound, NoHealthyWorker
 from kvgate.scheduling.ledger import Ledger
 from kvgate.scheduling.tokenize_on import TokenizeOn, TokenizePlanner
@@ -100,6 +101,11 @@ class Routed:
     def match(self, worker: WorkerId) -> PrefixMatch:
         candidate = self.candidates.get(worker)
         return candidate.match if candidate is not None else NO_MATCH
+
+    def dp_rank(self, worker: WorkerId) -> int | None:
+        """The data-parallel rank to send it to on ``worker`` (None: it has one)."""
+        candidate = self.candidates.get(worker)
+        return candidate.dp_rank if candidate is not None else None
 
     def finish_keys(self) -> None:
         """Start the keying work left for after the request's first token
@@ -311,7 +317,9 @@ class Router:
             matches = self.registry.in_domain(
                 workers, request.model, matches, (domain.base_model, domain.adapter)
             )
-        candidates = self.ledger.candidates(workers, matches, request.block_keys)
+        candidates = self._with_ranks(
+            self.ledger.candidates(workers, matches, request.block_keys), keys, request
+        )
         decision = self.policy.rank(request, candidates)
         size = request_size(request)
         verdicts = judge(
@@ -337,6 +345,46 @@ class Router:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
         return routed
+
+    def _rank_matches(
+        self, keys: PromptKeys | None
+    ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
+        """Each data-parallel worker's matched prefix per rank, on the keys of its engine."""
+        index = self.block_index
+        if index is None:
+            return {}
+        found = index.rank_matches(keys.block_keys if keys is not None else ())
+        if not found or keys is None or not keys.other_engines:
+            return found
+        merged = dict(found)
+        for engine, theirs in keys.other_engines.items():
+            others = index.rank_matches(theirs)
+            for worker in self.registry:
+                if worker.config.engine == engine and worker.id in merged:
+                    merged[worker.id] = others.get(worker.id, {})
+        return merged
+
+    def _with_ranks(
+        self, candidates: list[Candidate], keys: PromptKeys | None, request: RouteRequest
+    ) -> list[Candidate]:
+        """Each data-parallel worker's candidate sent to its cheapest rank (``dp_ranks``)."""
+        ranked = self._rank_matches(keys)
+        if not ranked:
+            return candidates
+        out = []
+        for candidate in candidates:
+            ranks = ranked.get(candidate.worker)
+            worker = self.registry.find(candidate.worker)
+            if not ranks or worker is None or not worker.adapter.targets_dp_rank:
+                out.append(candidate)
+                continue
+            entry = self.ledger.entry(candidate.worker)
+            loads = entry.ranks if entry is not None else {}
+            blocks = len(request.block_keys)
+            size = request.block_size
+            scraped = worker.scraped.rank_queue
+            out.append(choose_rank(candidate, ranks, loads, blocks, size, scraped=scraped))
+        return out
 
     def require_servable(self, model: str) -> None:
         if not self.registry.serves(model):
@@ -422,6 +470,7 @@ class Router:
         return {
             "eligible": True,
             "rank": rank,
+            "dp_rank": candidate.dp_rank,
             "chosen": rank == 0,
             "matched_blocks": {"gpu": match.gpu, "cpu": match.cpu, "disk": match.disk},
             "overlap_tokens": match.blocks * routed.request.block_size,
@@ -437,7 +486,25 @@ class Router:
             "admitted": refusal is None,
             "refused": None if refusal is None else refusal.text,
             "parts": self.parts.of(worker.id).active(),
-        }
+        } | self._dp_entry(routed, candidate)
+
+    def _dp_entry(self, routed: Routed, candidate: Candidate) -> dict[str, Any]:
+        """A data-parallel worker's ranks: each one's matched prefix and kvgate's load."""
+        if candidate.dp_rank is None:
+            return {}
+        ranks = self._rank_matches(routed.keys).get(candidate.worker, {})
+        entry = self.ledger.entry(candidate.worker)
+        worker = self.registry.find(candidate.worker)
+        out = {}
+        for dp_rank, match in sorted(ranks.items()):
+            load = entry.rank_load(dp_rank) if entry is not None else None
+            out[str(dp_rank)] = {
+                "engine_queue": worker.scraped.rank_queue(dp_rank) if worker else None,
+                "matched_blocks": match.blocks,
+                "in_flight": load.in_flight if load is not None else 0,
+                "pending_prefill_tokens": load.pending_prefill_tokens if load is not None else 0,
+            }
+        return {"dp_ranks": out}
 
     def _scheduling_terms(self, routed: Routed, candidate: Candidate) -> dict[str, float]:
         """What the scheduler knows of a worker for this request: its KV shortfall, the

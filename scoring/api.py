@@ -47,15 +47,18 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One eligible worker for a request."""
+    """One eligible worker for a request (and its rank, on a data-parallel worker)."""
 
     worker: WorkerId
     url: str
     load: WorkerLoad = WorkerLoad()
-    match: PrefixMatch = NO_MATCH  # best over the worker's data-parallel ranks
+    match: PrefixMatch = NO_MATCH  # the prefix of the rank it would go to (below)
     # leading blocks of the request that a request in flight on the worker holds (they are
     # among its held blocks: referenced, not copied, by a request that shares them)
     in_flight_prefix: int = 0
+    # the data-parallel rank the request would be sent to, on a worker with several (each
+    # rank its own cache: ``match`` is that rank's); None: the worker has one
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ def test_parse_every_option() -> None:
         ("dns://vllm:8000?evnts_port=1", "unknown option 'evnts_port'"),
         ("dns://vllm:8000?events_port=70000", "option events_port"),
         ("dns://vllm:8000?events_port=x", "is not an integer"),
-        ("dns://vllm:8000?engine=tgi", "'tgi' is not one of vllm, sglang, openai"),
+        ("dns://vllm:8000?engine=tgi", "'tgi' is not one of vllm, sglang, trtllm, openai"),
         ("dns://vllm:8000?interval=0", "between 0.01 and 3600"),
         ("dns://vllm:8000?remove_after=0", "at least 1"),
         ("dns://vllm:8000?engine=vllm&engine=sglang", "given twice"),

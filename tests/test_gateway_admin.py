@@ -192,6 +192,11 @@ class TableIndex:
     def match(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, PrefixMatch]:
         return self.matches
 
+    def rank_matches(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, Mapping[int, PrefixMatch]]:
+        return {}
+
     def record_routed(self, worker: WorkerId, keys: Sequence[BlockKey]) -> None:
         self.routed.append((worker, len(keys)))
 

@@ -125,8 +125,9 @@ async def test_engine_tokenize_asks_only_healthy_workers() -> None:
         (other,) = set(f.urls) - {asked}
         engines[asked].healthy = False
         await gw.gateway.health.probe_all()
-        for _ in range(2):
-            answer = await gw.client.post("/v1/chat/completions", json=CHAT)
+        for i in range(2):  # new prompts (a prompt keyed before is not asked again)
+            body = {**CHAT, "messages": [{"role": "user", "content": f"prompt {i} " * 8}]}
+            answer = await gw.client.post("/v1/chat/completions", json=body)
             assert answer.headers["x-kvgate-worker"] == other
         assert (tokenized(engines[asked]), tokenized(engines[other])) == (1, 2)
         engine_mode = {"model": "fake-model", "mode": "engine"}

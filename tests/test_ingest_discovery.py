@@ -170,12 +170,16 @@ async def test_no_events_means_approximate_mode_and_engine_tokenize(
             explained = await service.explain("m", prompt)
             assert explained["mode"] == "engine"
             assert explained["matches"] == {worker: {"gpu": 2, "cpu": 0, "disk": 0}}
-        # Engine gone: approximate keys from the rendered text.
+        # Engine gone: a new prompt gets approximate keys from the rendered text (one keyed
+        # before keeps the engine's tokens, remembered).
+        again = await service.keys_for("m", prompt)
+        assert again.mode == "engine"
+        prompt = PromptInput("chat", messages=[{"role": "user", "content": "eeeee ffffff"}])
         keys = await service.keys_for("m", prompt)
         assert keys.mode == "approx"
     finally:
         await service.stop()
-    assert registry.get_sample_value("kvgate_tokenize_total", {"model": "m", "mode": "engine"}) == 2
+    assert registry.get_sample_value("kvgate_tokenize_total", {"model": "m", "mode": "engine"}) == 3
 
 
 HOSTILE_ANSWERS = {

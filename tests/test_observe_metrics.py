@@ -48,6 +48,8 @@ FIRST_VALUE_ONLY = {
     "kvgate_worker_scraped_kv_usage",  # likewise
     "kvgate_ttft_prediction_bias_seconds",  # no prediction error before the first answer
     "kvgate_ttft_prediction_mean_abs_error_seconds",  # likewise
+    "kvgate_dp_rank_attempts",  # per worker and data-parallel rank: only workers with ranks
+    "kvgate_tokenizer_mismatch",  # per model: once its local template was checked
 }
 
 

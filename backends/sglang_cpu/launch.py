@@ -78,6 +78,10 @@ class SglangOptions:
     topic: str = "kv-events"
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    dp_size: int = 1
+    """Data-parallel ranks (``--dp-size``): rank r publishes on the events and replay ports
+    + r, one core each; SGLang then picks its own torch.distributed port (no ``--nccl-port``,
+    which its data-parallel controller would hand to both ranks)."""
 
 
 def plan_replicas(count: int, port: int, events_port: int) -> list[SglangReplicaSpec]:
@@ -101,6 +105,14 @@ def events_config(options: SglangOptions, spec: SglangReplicaSpec) -> dict[str, 
 
 
 def engine_command(options: SglangOptions, spec: SglangReplicaSpec) -> list[str]:
+    if options.dp_size > 1:
+        command = _command(options, spec)
+        at = command.index("--nccl-port")
+        return [*command[:at], *command[at + 2 :], "--dp-size", str(options.dp_size)]
+    return _command(options, spec)
+
+
+def _command(options: SglangOptions, spec: SglangReplicaSpec) -> list[str]:
     return [
         str(options.python),
         "-m",
@@ -135,16 +147,17 @@ def engine_command(options: SglangOptions, spec: SglangReplicaSpec) -> list[str]
     ]
 
 
-def _core_for(index: int) -> str:
+def _core_for(index: int, ranks: int = 1) -> str:
+    """The core(s) of a replica: one per rank, ``|``-separated (SGLang's rank binding)."""
     cores = sorted(os.sched_getaffinity(0))
-    return str(cores[index % len(cores)])
+    return "|".join(str(cores[(index + r) % len(cores)]) for r in range(ranks))
 
 
 def engine_env(options: SglangOptions, spec: SglangReplicaSpec) -> dict[str, str]:
     env = dict(os.environ)
     env[CPU_ENGINE_ENV[0]] = CPU_ENGINE_ENV[1]
     env.update(
-        SGLANG_CPU_OMP_THREADS_BIND=_core_for(spec.index),
+        SGLANG_CPU_OMP_THREADS_BIND=_core_for(spec.index, options.dp_size),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         DO_NOT_TRACK="1",

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvgate.backends.sim.engine import RequestFault, SimRequest
+from kvgate.backends.sim import trtllm
+from kvgate.backends.sim.engine import Engine, RequestFault, SimRequest
 from kvgate.backends.sim.faults import FaultError
 from kvgate.backends.sim.lora import Adapter, LoraError
 from kvgate.backends.sim.protocol import (
@@ -74,6 +75,14 @@ Handler = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
 MAX_BODY_BYTES = 64 * 1024 * 1024
 VERSION = "kvgate-sim 0.1.0"
 _RESPONSES = "/v1/responses/"
+_DP_RANK_HEADER = b"x-data-parallel-rank"  # the target rank (vLLM and SGLang)
+_VLLM_ONLY = (
+    "/tokenize",
+    "/detokenize",
+    "/kv_event_sources",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+)
 
 
 async def _json(send: Send, payload: Any, status: int = 200) -> None:
@@ -126,7 +135,19 @@ class ReplicaApp:
             ("POST", "/v1/unload_lora_adapter"): self._unload_lora,
             ("POST", "/sim/kv_transfer/pull"): self._pull,
         }
+        if replica.config.api.engine_kind == "trtllm":
+            self._as_trtllm()
         self._paths = {path for _, path in self._routes}
+
+    def _as_trtllm(self) -> None:
+        """trtllm-serve's surface: Prometheus at its own path, JSON stats at /metrics, a
+        generating health check; none of vLLM's tokenizer, renderer or event sources."""
+        for path in _VLLM_ONLY:
+            self._routes.pop(("POST", path), None)
+            self._routes.pop(("GET", path), None)
+        self._routes[("GET", "/metrics")] = self._iteration_stats
+        self._routes[("GET", trtllm.PROMETHEUS_PATH)] = self._trtllm_metrics
+        self._routes[("GET", "/health_generate")] = self._health_generate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -196,6 +217,22 @@ class ReplicaApp:
         cards += [card(a.name, a.path, cfg.model, None) for a in replica.adapters]
         await _json(send, {"object": "list", "data": cards})
 
+    async def _trtllm_metrics(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        payload = trtllm.prometheus_page(self._replica)
+        await respond(send, 200, payload, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def _iteration_stats(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        await _json(send, trtllm.iteration_stats(self._replica))
+
+    async def _health_generate(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        await respond(send, 200, b"Generation health check OK", [])
+
     async def _metrics(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         payload = generate_latest(self._replica.registry)
         await respond(send, 200, payload, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
@@ -218,7 +255,7 @@ class ReplicaApp:
     async def _reset_prefix_cache(
         self, scope: Scope, body: bytes, receive: Receive, send: Send
     ) -> None:
-        if not self._replica.engine.reset_prefix_cache():
+        if not self._replica.reset_prefix_cache():
             raise ApiError(409, "blocks are in use: the prefix cache was not reset")
         await respond(send, 200, b"", [])
 
@@ -335,6 +372,7 @@ class ReplicaApp:
 
     def _submit(
         self,
+        scope: Scope,
         ids: list[int],
         max_tokens: int,
         *,
@@ -344,16 +382,19 @@ class ReplicaApp:
         param: str = "max_tokens",
         remote_tokens: int = 0,
         keep: bool = False,
-    ) -> SimRequest:
-        """Into the engine, with the ``abort`` fault drawn for it if one is standing."""
+    ) -> tuple[Engine, SimRequest]:
+        """Into the engine of the rank it asks for (else the least loaded), with the
+        ``abort`` fault drawn for it if one is standing (``remote_tokens``: a decode leg's
+        transferred prompt tokens; ``keep``: a prefill leg's blocks kept for a transfer)."""
         replica = self._replica
+        engine = replica.engine_for(self._dp_rank(scope))
         check_length(len(ids), max_tokens, replica.config.engine.effective_max_model_len, param)
         abort = replica.faults.hit("abort")
         fault = None
         if abort is not None:
             replica.metrics.on_fault("abort")
             fault = RequestFault(int(abort.value), abort.drop)
-        return replica.engine.submit(
+        return engine, engine.submit(
             ids,
             max_tokens,
             salt,
@@ -364,12 +405,32 @@ class ReplicaApp:
             keep=keep,
         )
 
+    def _dp_rank(self, scope: Scope) -> int | None:
+        """The ``X-data-parallel-rank`` header's rank (None: absent or not an integer, as
+        vLLM reads it); a rank the server does not have is a 400."""
+        raw = next((v for k, v in scope["headers"] if k.lower() == _DP_RANK_HEADER), None)
+        if raw is None or self._replica.config.api.engine_kind == "trtllm":
+            return None
+        try:
+            rank = int(raw.decode("latin-1").strip())
+        except ValueError:
+            return None
+        if not 0 <= rank < len(self._replica.ranks):
+            raise ApiError(400, f"data parallel rank {rank} is out of range", "dp_rank")
+        return rank
+
     async def _serve(
-        self, req: SimRequest, framer: Framer, *, stream: bool, asgi: tuple[Scope, Receive, Send]
+        self,
+        submitted: tuple[Engine, SimRequest],
+        framer: Framer,
+        *,
+        stream: bool,
+        asgi: tuple[Scope, Receive, Send],
     ) -> None:
         replica = self._replica
         at_accept = replica.config.api.stream_open == "at_accept"
-        generation = Generation(replica.engine, req, *asgi)
+        engine, req = submitted
+        generation = Generation(engine, req, *asgi)
         await generation.serve(framer, stream=stream, at_accept=at_accept)
 
     def _text(self, token_ids: Sequence[int], leading_space: bool) -> str:
@@ -403,7 +464,8 @@ class ReplicaApp:
         elif bootstrap is not None and room is None:
             remote = await self._receive_kv(bootstrap, ids)
         produce = (transfer is not None and transfer[0] == "produce") or room is not None
-        req = self._submit(
+        submitted = self._submit(
+            scope,
             ids,
             sampling.max_tokens,
             salt=sampling.cache_salt,
@@ -414,8 +476,8 @@ class ReplicaApp:
         )
         framer: Framer = ChatFramer(ResponseShape.new(chat, model), sampling, self._text)
         if produce:
-            framer = _ProducerFramer(framer, self._replica, req, room)
-        await self._serve(req, framer, stream=sampling.stream, asgi=(scope, receive, send))
+            framer = _ProducerFramer(framer, self._replica, submitted[1], room)
+        await self._serve(submitted, framer, stream=sampling.stream, asgi=(scope, receive, send))
 
     def _own_address(self, bootstrap: tuple[str, int, int]) -> bool:
         replica = self._replica
@@ -471,7 +533,7 @@ class ReplicaApp:
         ids = await self._render_ids(messages, chat_tools(request), {})
         max_tokens = request.max_output_tokens or self._default_max_tokens(chat=True)
         req = self._submit(
-            ids, max_tokens, salt=request.cache_salt, arrival=arrival, adapter=adapter,
+            scope, ids, max_tokens, salt=request.cache_salt, arrival=arrival, adapter=adapter,
             param="max_output_tokens",
         )  # fmt: skip
         response = ResponseObject(request, model, max_tokens)

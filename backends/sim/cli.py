@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--events-port", type=int, default=5557,
         help="KV-event PUB port of replica 0 (+2i); replay ROUTER on the next port",
     )  # fmt: skip
+    fleet.add_argument(
+        "--dp-size", type=int, default=1, metavar="D",
+        help="data-parallel ranks per replica, each its own engine and cache (vLLM "
+        "--data-parallel-size): rank r publishes on the replica's events port + r, replays "
+        "on its replay port + r (ports per replica: 2D)",
+    )  # fmt: skip
     fleet.add_argument("--model", default=e.model, help="served model name")
     fleet.add_argument("--seed", type=int, default=0, help="seed of outputs, hashes, faults")
     fleet.add_argument("--log-level", default="warning", help="python logging level")
@@ -89,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     api = p.add_argument_group("OpenAI server")
+    api.add_argument(
+        "--engine-kind", choices=("vllm", "trtllm"), default=a.engine_kind,
+        help="the server presented: vllm, or trtllm (trtllm-serve's metrics at "
+        "/prometheus/metrics, /health_generate, no /tokenize nor renderer; same KV events)",
+    )  # fmt: skip
     api.add_argument(
         "--stream-open", choices=("at_accept", "at_first_token"), default=a.stream_open,
         help="when a streaming response sends 200 and its headers: at_accept (vLLM: before "
@@ -146,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         port=args.port,
         events_port=args.events_port,
         seed=args.seed,
+        dp_size=args.dp_size,
         engine=EngineConfig(
             model=args.model,
             block_size=args.block_size,
@@ -183,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             prefill_slowdown=args.prefill_slowdown,
         ),
         api=ApiConfig(
+            engine_kind=args.engine_kind,
             stream_open=args.stream_open,
             responses_store=args.responses_store,
             responses_store_bytes=args.responses_store_mib * 2**20,

@@ -13,6 +13,7 @@ EventEncoding = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
 SourcesFormat = Literal["object", "list"]
 StreamOpen = Literal["at_accept", "at_first_token"]
+EngineKind = Literal["vllm", "trtllm"]
 PrefillMode = Literal["chunked", "serial"]
 
 
@@ -126,10 +127,17 @@ class ApiConfig:
     responses_store_bytes: int = 256 * 1024 * 1024
     """The store also keeps at most this many bytes of conversation text (each response is
     counted with its whole conversation)."""
+    engine_kind: EngineKind = "vllm"
+    """The server the replica presents: ``vllm``, or ``trtllm`` (trtllm-serve: its Prometheus
+    gauges at ``/prometheus/metrics``, JSON iteration stats at ``/metrics``,
+    ``/health_generate``; no ``/tokenize``, renderer nor ``/kv_event_sources``; the
+    data-parallel rank header is ignored). The engine and its KV events are the same."""
 
     def validate(self) -> None:
         if self.stream_open not in ("at_accept", "at_first_token"):
             raise ConfigError("stream_open must be 'at_accept' or 'at_first_token'")
+        if self.engine_kind not in ("vllm", "trtllm"):
+            raise ConfigError("engine_kind must be 'vllm' or 'trtllm'")
         if self.responses_store < 0 or self.responses_store_bytes < 0:
             raise ConfigError("responses_store and responses_store_bytes must be >= 0")
 
@@ -190,6 +198,12 @@ class SimConfig:
     ``events_port + 2 i`` with its replay socket on ``events_port + 2 i + 1``. Port 0 means
     ephemeral ports for every replica (tests). A replica's seeds (outputs, hashes, faults)
     depend on its index, not on the process it runs in.
+
+    With ``dp_size`` D > 1 each replica is one server over D data-parallel ranks (each its
+    own engine and cache, as vLLM ``--data-parallel-size``): rank r of replica i publishes on
+    ``events_port + 2 D i + r`` and replays on ``events_port + 2 D i + D + r`` (the engines'
+    base port + rank), and a request goes to the rank its ``X-data-parallel-rank`` header
+    names, else to the least loaded rank.
     """
 
     replicas: int = 4
@@ -198,6 +212,7 @@ class SimConfig:
     port: int = 9001
     events_port: int = 5557
     seed: int = 0
+    dp_size: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -207,6 +222,8 @@ class SimConfig:
     def validate(self) -> None:
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
+        if not 1 <= self.dp_size <= 64:
+            raise ConfigError("dp_size must be within 1..64")
         if self.first_replica < 0:
             raise ConfigError("first_replica must be >= 0")
         last = self.first_replica + self.replicas - 1
@@ -216,8 +233,8 @@ class SimConfig:
                 raise ConfigError(f"{name} must be within 0..65535")
         if self.port and self.port + last > 65535:
             raise ConfigError("port + last replica's index exceeds 65535")
-        if self.events_port and self.events_port + 2 * last + 1 > 65535:
-            raise ConfigError("events_port + 2 * last replica's index + 1 exceeds 65535")
+        if self.events_port and self.replay_port(last, self.dp_size - 1) > 65535:
+            raise ConfigError("the last replica's last event port exceeds 65535")
         self.engine.validate()
         self.timing.validate()
         self.events.validate()
@@ -232,8 +249,10 @@ class SimConfig:
     def http_port(self, index: int) -> int:
         return self.port + index if self.port else 0
 
-    def pub_port(self, index: int) -> int:
-        return self.events_port + 2 * index if self.events_port else 0
+    def pub_port(self, index: int, dp_rank: int = 0) -> int:
+        return self.events_port + 2 * self.dp_size * index + dp_rank if self.events_port else 0
 
-    def replay_port(self, index: int) -> int:
-        return self.events_port + 2 * index + 1 if self.events_port else 0
+    def replay_port(self, index: int, dp_rank: int = 0) -> int:
+        if not self.events_port:
+            return 0
+        return self.events_port + 2 * self.dp_size * index + self.dp_size + dp_rank

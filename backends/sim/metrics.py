@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -34,6 +34,9 @@ class LiveState:
     event_seq: Callable[[], int]
     busy_s: Callable[[], float]
     late_s: Callable[[], float]
+    # per data-parallel rank, in rank order: (running, waiting, usage); with several, the
+    # load gauges have one series per rank (engine="<rank>"), as vLLM's
+    ranks: Callable[[], Sequence[tuple[int, int, float]]] | None = None
 
 
 class _LiveCollector(Collector):
@@ -50,6 +53,17 @@ class _LiveCollector(Collector):
         family.add_metric(list(labels.values()), value)
         return family
 
+    def _per_rank(self, ranks: Sequence[tuple[int, int, float]]) -> Iterator[Metric]:
+        """The load gauges with one series per data-parallel rank (``engine="<rank>"``)."""
+        docs = ("Requests in the batch.", "Requests queued.", "KV-cache usage, 0..1.")
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        for column, name in enumerate((*names, "vllm:kv_cache_usage_perc")):
+            family = GaugeMetricFamily(name, docs[column], labels=list(self._labels))
+            for rank, values in enumerate(ranks):
+                labels = {**self._labels, "engine": str(rank)}
+                family.add_metric(list(labels.values()), float(values[column]))
+            yield family
+
     def _counter(self, name: str, doc: str, value: float) -> Metric:
         family = CounterMetricFamily(name, doc, labels=list(self._labels))
         family.add_metric(list(self._labels.values()), value)
@@ -57,9 +71,13 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._state
-        yield self._gauge("vllm:num_requests_running", "Requests in the batch.", s.running())
-        yield self._gauge("vllm:num_requests_waiting", "Requests queued.", s.waiting())
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", s.usage())
+        ranks = s.ranks() if s.ranks is not None else ()
+        if len(ranks) > 1:
+            yield from self._per_rank(ranks)
+        else:
+            yield self._gauge("vllm:num_requests_running", "Requests in the batch.", s.running())
+            yield self._gauge("vllm:num_requests_waiting", "Requests queued.", s.waiting())
+            yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", s.usage())
         # vLLM labels its config info with the engine index only (no model name)
         labels = ["engine", *self._cache_info]
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.", labels=labels)

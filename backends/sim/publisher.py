@@ -47,8 +47,10 @@ class EventPublisher:
         faults: FaultState,
         metrics: ReplicaMetrics,
         clock: Callable[[], float],
+        dp_rank: int = 0,
     ) -> None:
         self._config = config
+        self._dp_rank = dp_rank  # written in every batch, as vLLM does
         self._faults = faults
         self._metrics = metrics
         self._clock = clock
@@ -140,7 +142,7 @@ class EventPublisher:
         if self._faults.active("stop_events") is not None:
             self._metrics.on_batch("stopped")
             return
-        payload = self._encoder.encode(EventBatch(time.time(), events, 0))
+        payload = self._encoder.encode(EventBatch(time.time(), events, self._dp_rank))
         seq = self._next_seq
         self._next_seq += 1
         dropped = self._faults.hit("drop_events")

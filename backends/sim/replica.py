@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, get_args
 
 import httpx
@@ -35,7 +36,6 @@ from kvgate.backends.sim.responses import ResponseStore
 from kvgate.backends.sim.server import HttpServer
 from kvgate.backends.sim.tokenizer import SimTokenizer
 from kvgate.backends.sim.transfer import Leases
-from kvgate.index.events import KvEvent
 
 _STANDING: tuple[str, ...] = get_args(StandingKind)
 log = logging.getLogger(__name__)
@@ -48,6 +48,16 @@ def _seconds(body: Mapping[str, Any], name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise FaultError(f"'{name}' must be a number >= 0")
     return float(value)
+
+
+@dataclass(slots=True)
+class SimRank:
+    """One data-parallel rank of a replica: its own engine (cache, scheduler) and publisher."""
+
+    dp_rank: int
+    engine: Engine
+    publisher: EventPublisher
+    task: asyncio.Task[None] | None = None
 
 
 class SimReplica:
@@ -73,13 +83,17 @@ class SimReplica:
             self.registry,
             cfg.model,
             LiveState(
-                running=lambda: len(self.engine.running),
-                waiting=lambda: len(self.engine.waiting),
-                usage=lambda: self.engine.cache.usage,
-                cpu_cached=lambda: self.engine.cache.cpu_cached,
+                running=lambda: sum(len(r.engine.running) for r in self.ranks),
+                waiting=lambda: sum(len(r.engine.waiting) for r in self.ranks),
+                usage=lambda: sum(r.engine.cache.usage for r in self.ranks) / len(self.ranks),
+                cpu_cached=lambda: sum(r.engine.cache.cpu_cached for r in self.ranks),
                 event_seq=lambda: self.publisher.next_seq,
-                busy_s=lambda: self.engine.busy_s,
-                late_s=lambda: self.engine.late_s,
+                busy_s=lambda: max(r.engine.busy_s for r in self.ranks),
+                late_s=lambda: max(r.engine.late_s for r in self.ranks),
+                ranks=lambda: [
+                    (len(r.engine.running), len(r.engine.waiting), r.engine.cache.usage)
+                    for r in self.ranks
+                ],
             ),
             {
                 "block_size": str(cfg.block_size),
@@ -93,21 +107,12 @@ class SimReplica:
         self.leases = Leases()  # prefills kept for a remote decode (backends/sim/transfer.py)
         self._pull_client: httpx.AsyncClient | None = None
         self.responses = ResponseStore(config.api.responses_store, config.api.responses_store_bytes)
-        self.publisher = EventPublisher(config.events, self.faults, self.metrics, time.monotonic)
-        self.engine = Engine(
-            cfg,
-            timing=config.timing,
-            faults=self.faults,
-            rng=random.Random(f"{config.seed}:{index}:tokens"),
-            hash_seed=self._hash_seed(),
-            first_output_id=tokenizer.first_generated_id,
-            on_batch=self._publish,
-            observer=self.metrics,
-        )
+        self.ranks = [self._new_rank(rank) for rank in range(config.dp_size)]
+        self.engine = self.ranks[0].engine  # rank 0 (the only one without data parallelism)
+        self.publisher = self.ranks[0].publisher
         self._http = HttpServer(
             ReplicaApp(self), config.host, config.http_port(index), f"replica {index}"
         )
-        self._engine_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_startup_faults()
 
@@ -139,8 +144,32 @@ class SimReplica:
         key = f"{self.config.seed}:{self.index}:{self.generation}"
         return xxhash.xxh3_64_intdigest(key.encode())
 
-    def _publish(self, events: list[KvEvent]) -> None:
-        self.publisher.publish(events)
+    def _new_rank(self, dp_rank: int) -> SimRank:
+        config = self.config
+        publisher = EventPublisher(
+            config.events, self.faults, self.metrics, time.monotonic, dp_rank=dp_rank
+        )
+        seed = f"{config.seed}:{self.index}:tokens" + (f":{dp_rank}" if dp_rank else "")
+        engine = Engine(
+            config.engine,
+            timing=config.timing,
+            faults=self.faults,
+            rng=random.Random(seed),
+            hash_seed=self._hash_seed(),
+            first_output_id=self.tokenizer.first_generated_id,
+            on_batch=publisher.publish,
+            observer=self.metrics,
+        )
+        return SimRank(dp_rank, engine, publisher)
+
+    def engine_for(self, dp_rank: int | None) -> Engine:
+        """The rank a request goes to: the one named (``X-data-parallel-rank``), else the
+        least loaded (vLLM's own balance: waiting weighs 4, running 1), the lowest first."""
+        if dp_rank is not None:
+            return self.ranks[dp_rank].engine
+        return min(
+            self.ranks, key=lambda r: 4 * len(r.engine.waiting) + len(r.engine.running)
+        ).engine
 
     def _apply_startup_faults(self) -> None:
         start = self.config.faults
@@ -159,40 +188,49 @@ class SimReplica:
 
     async def start(self, ctx: zmq.asyncio.Context) -> None:
         cfg = self.config
-        await self.publisher.start(
-            ctx, cfg.host, cfg.pub_port(self.index), cfg.replay_port(self.index)
-        )
-        self._engine_task = asyncio.create_task(self.engine.run())
-        self._engine_task.add_done_callback(self._engine_stopped)
+        for rank in self.ranks:
+            r = rank.dp_rank
+            await rank.publisher.start(
+                ctx, cfg.host, cfg.pub_port(self.index, r), cfg.replay_port(self.index, r)
+            )
+            rank.task = asyncio.create_task(rank.engine.run())
+            rank.task.add_done_callback(self._engine_stopped(rank.engine))
         try:
             await self._http.start()
         except BaseException:
             await self.stop()
             raise
 
-    def _engine_stopped(self, task: asyncio.Task[None]) -> None:
+    def _engine_stopped(self, engine: Engine) -> Callable[[asyncio.Task[None]], None]:
         """A bug in the step loop must not leave clients waiting forever: fail them, loudly."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None:
-            log.error("replica %d: engine loop died", self.index, exc_info=error)
-            self.engine.fail_all(f"simulated engine crashed: {error!r}")
+
+        def stopped(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                log.error("replica %d: engine loop died", self.index, exc_info=error)
+                engine.fail_all(f"simulated engine crashed: {error!r}")
+
+        return stopped
 
     async def stop(self) -> None:
         for task in list(self._background):
             task.cancel()
-        self.engine.fail_all("replica stopped")
+        for rank in self.ranks:
+            rank.engine.fail_all("replica stopped")
         await self._http.stop()
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._engine_task
-            self._engine_task = None
+        for rank in self.ranks:
+            if rank.task is not None:
+                rank.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rank.task
+                rank.task = None
         for task in list(self._background):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.publisher.stop()
+        for rank in self.ranks:
+            await rank.publisher.stop()
         if self._pull_client is not None:
             await self._pull_client.aclose()
             self._pull_client = None
@@ -222,8 +260,9 @@ class SimReplica:
         0, stored responses gone (vLLM keeps them in the server process's memory)."""
         self.generation += 1
         self.metrics.on_fault(kind)
-        self.engine.restart(self._hash_seed(), f"engine restarted (simulated {kind})", drop)
-        self.publisher.reset()
+        for rank in self.ranks:
+            rank.engine.restart(self._hash_seed(), f"engine restarted (simulated {kind})", drop)
+            rank.publisher.reset()
         self.responses.clear()
 
     async def restart(self, downtime_s: float = 0.0) -> None:
@@ -252,7 +291,8 @@ class SimReplica:
         Requests in flight fail; the cache and the event stream are kept.
         """
         self.metrics.on_fault("refuse")
-        self.engine.fail_all("connection lost (simulated fault)")
+        for rank in self.ranks:
+            rank.engine.fail_all("connection lost (simulated fault)")
         await self._http.stop()
         if duration_s is not None:
             self._spawn(self._resume_after(duration_s))
@@ -266,7 +306,7 @@ class SimReplica:
         await self.resume()
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        return all([rank.engine.reset_prefix_cache() for rank in self.ranks])
 
     async def apply_fault(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The admin API (``POST /sim/fault``); ``replica`` may name another replica."""
@@ -284,9 +324,10 @@ class SimReplica:
             if which is not None and which not in _STANDING:
                 raise FaultError(f"'fault' must be one of {', '.join(_STANDING)}")
             self.faults.clear(which)
-            if which in (None, "delay_events"):
-                self.publisher.release_delayed()
-            self.engine.wake()
+            for rank in self.ranks:
+                if which in (None, "delay_events"):
+                    rank.publisher.release_delayed()
+                rank.engine.wake()
         elif kind == "reset_cache":
             return {"replica": self.index, "reset": self.reset_prefix_cache()}
         elif kind == "restart":
@@ -307,29 +348,33 @@ class SimReplica:
 
     # --- introspection -------------------------------------------------------------------
 
-    def snapshot(self) -> CacheSnapshot:
-        """The cached hashes per tier (what the published events must rebuild)."""
-        return self.engine.cache.snapshot()
+    def snapshot(self, dp_rank: int = 0) -> CacheSnapshot:
+        """The cached hashes per tier of one rank (what its published events must rebuild)."""
+        return self.ranks[dp_rank].engine.cache.snapshot()
 
     def idle(self) -> bool:
         """No request queued or running (every event of finished work is published)."""
-        return not self.engine.running and not self.engine.waiting
+        return not any(r.engine.running or r.engine.waiting for r in self.ranks)
 
     def kv_event_sources(self) -> Any:
         ev = self.config.events
-        endpoint = self.publisher.endpoint.replace("0.0.0.0", "*")
-        replay = self.publisher.replay_endpoint.replace("0.0.0.0", "*")
+        sources = []
+        for rank in self.ranks:
+            endpoint = rank.publisher.endpoint.replace("0.0.0.0", "*")
+            replay = rank.publisher.replay_endpoint.replace("0.0.0.0", "*")
+            sources.append((rank.dp_rank, endpoint, replay))
         if ev.sources_format == "list":
             return [
                 {
-                    "data_parallel_rank": 0,
+                    "data_parallel_rank": rank,
                     "endpoint": endpoint,
                     "replay_endpoint": replay,
                     "topic": ev.topic,
                 }
+                for rank, endpoint, replay in sources
             ]
         return {
-            "0": {
+            str(rank): {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
                 "endpoint": endpoint,
@@ -339,6 +384,7 @@ class SimReplica:
                 "max_queue_size": 100_000,
                 "topic": ev.topic,
             }
+            for rank, endpoint, replay in sources
         }
 
     def state(self) -> dict[str, Any]:
@@ -349,6 +395,18 @@ class SimReplica:
             "url": self.url,
             "events_endpoint": self.events_endpoint,
             "replay_endpoint": self.replay_endpoint,
+            "dp_size": len(self.ranks),
+            "dp_ranks": [
+                {
+                    "dp_rank": r.dp_rank,
+                    "events_endpoint": r.publisher.endpoint,
+                    "replay_endpoint": r.publisher.replay_endpoint,
+                    "running": len(r.engine.running),
+                    "waiting": len(r.engine.waiting),
+                    "gpu_cached_blocks": r.engine.cache.gpu_cached,
+                }
+                for r in self.ranks
+            ],
             "generation": self.generation,
             "event_seq": self.publisher.next_seq,
             "running": len(engine.running),

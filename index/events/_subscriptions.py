@@ -63,6 +63,8 @@ class Subscriptions:
         self._on_discovered = on_discovered
         self._on_block_size = on_block_size
         self._joined: dict[WorkerId, _Joined] = {}
+        # the data-parallel ranks of each worker with several (one endpoint each), in order
+        self._ranked: dict[WorkerId, tuple[int, ...]] = {}
         self._pending: set[asyncio.Task[None]] = set()  # first discoveries and reapers
         self._context: zmq.asyncio.Context | None = None
 
@@ -154,6 +156,9 @@ class Subscriptions:
         self._metrics.declare_feed(worker.id)
         subscriber = Subscriber(feed, endpoints, self._config, self._context, self._metrics)
         joined.subscribers.append(subscriber)
+        ranks = tuple(sorted({s.endpoints.dp_rank for s in joined.subscribers}))
+        if len(ranks) > 1:
+            self._ranked[worker.id] = ranks
         task = asyncio.create_task(
             self._supervise(worker.id, subscriber), name=f"kv-events {worker.id} {endpoints}"
         )
@@ -210,6 +215,7 @@ class Subscriptions:
     def leave(self, worker: WorkerId) -> None:
         """Stop a worker's subscriptions and drop its event entries, at once."""
         joined = self._joined.pop(worker, None)
+        self._ranked.pop(worker, None)
         if joined is None:
             return
         for task in joined.tasks:
@@ -239,6 +245,11 @@ class Subscriptions:
     def has_events(self, worker: WorkerId) -> bool:
         joined = self._joined.get(worker)
         return joined is not None and bool(joined.subscribers)
+
+    @property
+    def ranked(self) -> dict[WorkerId, tuple[int, ...]]:
+        """The workers publishing for several data-parallel ranks: their ranks, in order."""
+        return self._ranked
 
     def subscriber(self, worker: WorkerId, dp_rank: int) -> Subscriber:
         joined = self._joined.get(worker)

@@ -32,6 +32,7 @@ from typing import Any
 from tokenizers import Encoding, Tokenizer
 
 from kvgate.index.api import PromptInput
+from kvgate.index.config import tokenizer_problem
 from kvgate.index.errors import TemplateError, TokenizeError
 from kvgate.index.keys._blocks import block_keys, cache_seed
 from kvgate.index.keys._chat_template import ChatTemplate, load_template_source
@@ -292,12 +293,23 @@ def _first_token_from(encoding: Encoding, count: int, char: int) -> int:
     return low
 
 
+def _load_tokenizer(directory: Path) -> Tokenizer:
+    """The folder's ``tokenizer.json``; ``TokenizeError`` saying what is wrong otherwise."""
+    problem = tokenizer_problem("", directory)
+    if problem is not None:
+        raise TokenizeError(problem)
+    try:
+        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as exc:  # the tokenizers library raises bare Exception on a bad file
+        raise TokenizeError(f"{directory / 'tokenizer.json'} is not a tokenizer: {exc}") from exc
+
+
 class ModelTokenizer:
     """One model's tokenizer, chat template and rendered-prefix tokenization cache."""
 
     def __init__(self, directory: Path, cache_tokens: int, inline_chars: int) -> None:
         self.directory = directory
-        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.tokenizer = _load_tokenizer(directory)
         config = self._read_config(directory)
         special = {name: _token_text(config.get(name)) for name in _SPECIAL_NAMES}
         source = load_template_source(config)

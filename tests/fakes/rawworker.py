@@ -41,7 +41,7 @@ class RawWorker:
                     if name.strip().lower() == "content-length":
                         length = int(value)
                 await reader.readexactly(length)
-                if method == "POST" and path.startswith("/v1/"):
+                if method == "POST" and path.startswith("/v1/") and not path.endswith("/render"):
                     self.posts += 1
                     await self.answer(writer)
                     return  # what an answer leaves of the connection is not reusable

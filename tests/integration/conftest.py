@@ -99,11 +99,13 @@ def ports() -> PortAllocator:
 def vllm_fleet(
     engine_layout: EngineLayout, tiny_model_dir: Path, ports: PortAllocator
 ) -> Iterator[Fleet]:
-    """Two live vLLM replicas (block size 32, prefix caching, KV events + replay)."""
+    """Two live vLLM replicas (block size 32, prefix caching, KV events + replay, the
+    renderer's endpoints: ``--enable-scale-out``)."""
     options = EngineOptions(
         python=engine_layout.python,
         model_dir=tiny_model_dir,
         logs=engine_layout.logs / "pytest",
+        extra_args=("--enable-scale-out",),
     )
     fleet = Fleet(options, plan_free_replicas(2, socket_dir(engine_layout.root), ports))
     started = time.monotonic()

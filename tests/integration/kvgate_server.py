@@ -27,9 +27,12 @@ class KvgateServer:
         port: int,
         extra_args: Sequence[str] = (),
         block_size: int | None = 32,
+        dp_size: int = 1,
     ) -> None:
         """``tokenizer``: given as ``--tokenizer`` (None: the engines tokenize);
-        ``block_size``: given as ``--index-block-size`` (None: kvgate adopts the engines')."""
+        ``block_size``: given as ``--index-block-size`` (None: kvgate adopts the engines');
+        ``dp_size``: data-parallel ranks of every worker (an event subscriber each)."""
+        self.dp_size = dp_size
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.workers = list(workers)
@@ -84,7 +87,8 @@ class KvgateServer:
         if len(workers) != len(self.workers) or not all(w["healthy"] for w in workers):
             return False
         subscribers = [s for w in index["workers"].values() for s in w["subscribers"]]
-        return len(subscribers) == len(self.workers) and all(s["connected"] for s in subscribers)
+        expected = len(self.workers) * self.dp_size
+        return len(subscribers) == expected and all(s["connected"] for s in subscribers)
 
     def _wait_ready(self) -> None:
         with httpx.Client(timeout=5.0) as client:
@@ -100,9 +104,12 @@ class KvgateServer:
         urls = [spec.split(",", 1)[0] for spec in self.workers]
         with httpx.Client(timeout=60.0) as client:
             for url in urls:
-                prompt = f"prime {self.port} {url} " * 16  # unique: new blocks, a new event
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-                client.post(f"{url}/v1/completions", json=body).raise_for_status()
+                for rank in range(self.dp_size):  # every rank publishes once
+                    prompt = f"prime {self.port} {url} {rank} " * 16  # unique: a new event
+                    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                    headers = {"x-data-parallel-rank": str(rank)} if self.dp_size > 1 else {}
+                    reply = client.post(f"{url}/v1/completions", json=body, headers=headers)
+                    reply.raise_for_status()
             self._wait(lambda: self._joined(client), "kvgate to replay the engines' history")
 
     def _joined(self, client: httpx.Client) -> bool:
