@@ -19,7 +19,8 @@ reusable tokens) before the fault and the time until it is back within 5% of the
 round's fault-free run (``baseline``); client-side TTFT p50/p99; kvgate's retries (its
 metrics) and the client's (connection refused by a gateway that is down); for a kvgate
 restart, how long it was down and when its index was rebuilt. Bounded: every run ends after
-``--seconds`` plus a drain of at most ``--drain`` seconds. docs/benchmarks.md, "Faults".
+``--seconds`` plus a drain of at most ``--drain`` seconds. docs/benchmarks.md, "Overload,
+faults and the event storm".
 """
 
 from __future__ import annotations

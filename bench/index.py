@@ -1,7 +1,7 @@
 """Index-layer benchmark: ingestion rate, find-matches latency, prompt → keys time, memory.
 
-    python bench/index.py            # full: 1M entries over 8 workers (a few minutes)
-    python bench/index.py --quick    # smaller sizes, well under a minute
+    python -m kvgate.bench.index            # full: 1M entries over 8 workers (a few minutes)
+    python -m kvgate.bench.index --quick    # smaller sizes, well under a minute
 
 Prints one line per figure (and ``--json PATH`` writes them). Figures go to docs/benchmarks.md.
 """
