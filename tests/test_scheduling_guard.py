@@ -12,13 +12,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fakes.gateway import Kvgate, kvgate
+from fakes.gateway import Kvgate
+from fakes.simgate import MODEL, fleet_config, gate, sim_fleets, worker_specs
 from fakes.wait import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
-from test_sim_support import fault, sim_config, sim_fleet
+from test_sim_support import fault
 
-from kvgate.backends.sim.tokenizer import tokenizer_dir
 from kvgate.index.types import WorkerId
 from kvgate.scheduling.capacity import KV_FIT, PartsTable
 from kvgate.scheduling.config import Tuning
@@ -150,7 +150,6 @@ def test_a_part_is_off_exactly_when_its_last_full_window_lost(
 
 # -- through a real kvgate -----------------------------------------------------------------
 
-MODEL = "kvgate-sim"
 PREFIX = "the cached part of a long conversation that one replica holds " * 8
 
 
@@ -183,18 +182,10 @@ def _chosen(explained: dict[str, Any]) -> str:
 async def _fleet_and_kvgate(guard: GuardConfig) -> AsyncIterator[tuple[Kvgate, list[str]]]:
     """Two simulated replicas, KV events wired, kvgate's kv policy with a limit of one
     request in flight per worker."""
-    async with sim_fleet(sim_config(replicas=2, block_size=16)) as fleet:
-        tokenizer = await anyio.to_thread.run_sync(tokenizer_dir)
-        workers = [
-            f"{r.url},models={MODEL},events={r.events},replay={r.replay}" for r in fleet.replicas
-        ]
-        async with kvgate(
-            workers,
-            policy="kv",
-            tokenizers=[f"{MODEL}={tokenizer}"],
-            scheduling={"max_in_flight": 1},
-            tuning=Tuning(guard=guard),
-        ) as gw:
+    async with sim_fleets(fleet_config(2)) as (fleet,):
+        workers = worker_specs(fleet, models=MODEL)
+        tuning = Tuning(guard=guard)
+        async with gate(workers, scheduling={"max_in_flight": 1}, tuning=tuning) as gw:
             yield gw, [r.url for r in fleet.replicas]
 
 
