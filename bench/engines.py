@@ -125,8 +125,18 @@ def needs_private_netns(spec: FleetSpec) -> bool:
 # --- vLLM ---------------------------------------------------------------------------------
 
 
-class _VllmPart:
-    def __init__(self, fleet: Fleet) -> None:
+class _ProcessFleet(Protocol):
+    """An engine launcher's fleet (vLLM's ``Fleet``, SGLang's ``SglangFleet``)."""
+
+    def process_groups(self) -> list[int]: ...
+
+    def stop(self) -> None: ...
+
+
+class _FleetPart:
+    """A launched engine fleet as a bench fleet's part: its processes' CPU, its stop."""
+
+    def __init__(self, fleet: _ProcessFleet) -> None:
         self.fleet = fleet
 
     def cpu_seconds(self) -> float:
@@ -183,7 +193,7 @@ def _start_vllm(spec: FleetSpec, log_dir: Path) -> EngineFleet:
         [r.spec.replay_endpoint for r in fleet.replicas],
         spec.block_size,
         layout.model_dir,
-        parts=[_VllmPart(fleet)],
+        parts=[_FleetPart(fleet)],
     )
 
 
@@ -252,17 +262,6 @@ def _start_mocker(spec: FleetSpec, log_dir: Path) -> EngineFleet:
 # --- SGLang (hook) --------------------------------------------------------------------------
 
 
-class _SglangPart:
-    def __init__(self, fleet: SglangFleet) -> None:
-        self.fleet = fleet
-
-    def cpu_seconds(self) -> float:
-        return sum(tree_cpu_seconds(pid) for pid in self.fleet.process_groups())
-
-    def stop(self) -> None:
-        self.fleet.stop()
-
-
 def sglang_options(spec: FleetSpec, layout: SglangLayout, logs: Path) -> SglangOptions:
     """How every replica of an SGLang fleet runs: the page size is the block size, the KV
     pool ``--max-total-tokens`` = capacity x page size (SGLang's own bound)."""
@@ -302,6 +301,6 @@ def _start_sglang(spec: FleetSpec, log_dir: Path) -> EngineFleet:
         [r.spec.replay_endpoint for r in fleet.replicas],
         spec.block_size,
         layout.model_dir,
-        parts=[_SglangPart(fleet)],
+        parts=[_FleetPart(fleet)],
         worker_engine="sglang",
     )
