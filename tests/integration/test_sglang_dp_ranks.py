@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvgate_server import KvgateServer
-from vllm_helpers import MODEL, ChatSession, usage_of
+from vllm_helpers import ranked_turns
 
 from kvgate.backends.process import PortAllocator, free_port_range
 from kvgate.backends.sglang_cpu.launch import (
@@ -67,19 +67,7 @@ def test_ranks_routed_and_predicted_exactly(
         KvgateServer([worker], None, log_path, ports.one(), block_size=None, dp_size=2) as server,
         httpx.Client(base_url=server.url, timeout=120.0) as client,
     ):
-        sessions = [ChatSession.start(f"sdp-{i}", seed=7000 + i) for i in range(SESSIONS)]
-        seen: list[tuple[int, int, int]] = []  # (rank, predicted, cached)
-        for _ in range(TURNS):
-            for session in sessions:
-                session.ask()
-                body = {"model": MODEL, "messages": session.messages, "max_tokens": 8}
-                reply = client.post("/v1/chat/completions", json=body)
-                reply.raise_for_status()
-                data = reply.json()
-                session.answer(data["choices"][0]["message"]["content"] or "")
-                _, cached = usage_of(data)
-                predicted = int(reply.headers["x-kvgate-predicted-cached-tokens"])
-                seen.append((int(reply.headers["x-kvgate-dp-rank"]), predicted, cached))
+        seen = ranked_turns(client, "sdp", 7000, SESSIONS, TURNS)  # (rank, predicted, cached)
         mismatches = [s for s in seen if s[1] != s[2]]
         ranks = sorted({s[0] for s in seen})
         hits = sum(s[2] for s in seen)

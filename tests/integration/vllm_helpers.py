@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -97,6 +98,28 @@ def usage_of(body: dict[str, Any]) -> tuple[int, int]:
     usage = body["usage"]
     details = usage.get("prompt_tokens_details") or {}
     return int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+
+
+def ranked_turns(
+    client: httpx.Client, name: str, seed: int, sessions: int, turns: int
+) -> list[tuple[int, int, int]]:
+    """``sessions`` chat sessions of ``turns`` turns each through kvgate (``client``), turn
+    by turn across sessions: each answer's (data-parallel rank, predicted cached tokens,
+    engine-reported cached tokens)."""
+    chats = [ChatSession.start(f"{name}-{i}", seed=seed + i) for i in range(sessions)]
+    seen: list[tuple[int, int, int]] = []
+    for _ in range(turns):
+        for session in chats:
+            session.ask()
+            body = {"model": MODEL, "messages": session.messages, "max_tokens": 8}
+            reply = client.post("/v1/chat/completions", json=body)
+            reply.raise_for_status()
+            data = reply.json()
+            session.answer(data["choices"][0]["message"]["content"] or "")
+            _, cached = usage_of(data)
+            predicted = int(reply.headers["x-kvgate-predicted-cached-tokens"])
+            seen.append((int(reply.headers["x-kvgate-dp-rank"]), predicted, cached))
+    return seen
 
 
 def sse_chunks(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
