@@ -19,12 +19,19 @@ from typing import Any, Literal, Protocol
 from kvgate.backends.registry import Worker, WorkerRegistry
 from kvgate.index.api import BlockIndex, PromptInput, PromptKeys
 from kvgate.index.types import NO_MATCH, PrefixMatch, WorkerId
-from kvgate.scheduling.capacity import Limits, PartsTable, Refusal, judge, kv_shortfall
+from kvgate.scheduling.capacity import (
+    Limits,
+    PartsTable,
+    Refusal,
+    capacity_of,
+    judge,
+    kv_shortfall,
+)
 from kvgate.scheduling.dp_ranks import choose_rank
 from kvgate.scheduling.errors import ModelNotFound, NoHealthyWorker
 from kvgate.scheduling.ledger import Ledger
 from kvgate.scheduling.tokenize_on import TokenizeOn, TokenizePlanner
-from kvgate.scheduling.ttft import ttft_features, ttft_terms
+from kvgate.scheduling.ttft import TtftEstimate, TtftParams, ttft_features, ttft_terms
 from kvgate.scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from kvgate.scoring.cost import RequestSize, overlap_tokens, request_size
 
@@ -413,13 +420,19 @@ class Router:
         candidate = routed.candidates.get(worker)
         if candidate is None:
             return 0.0
+        estimate, _ = self._ttft(routed, candidate)
+        return estimate.total_s
+
+    def _ttft(self, routed: Routed, candidate: Candidate) -> tuple[TtftEstimate, TtftParams]:
+        """The candidate's predicted TTFT for the request, and the learned model behind it."""
         size = routed.size
-        capacity = candidate.load.kv_capacity_blocks or self.limits.kv_capacity_blocks
-        uncached = float(routed.predicted_uncached_tokens(worker))
+        capacity = capacity_of(candidate.load, self.limits)
+        uncached = float(routed.predicted_uncached_tokens(candidate.worker))
         features = ttft_features(
             candidate.load, uncached, size.prompt_tokens, size.block_size, capacity
         )
-        return self.ledger.calibrator.params(worker).predict(features).total_s
+        params = self.ledger.calibrator.params(candidate.worker)
+        return params.predict(features), params
 
     def explain(self, routed: Routed) -> dict[str, Any]:
         """The ``/debug/route`` answer: every worker, its terms, and why (not) chosen."""
@@ -511,21 +524,16 @@ class Router:
         prefix a request in flight there holds, its requests blocked for room, its
         predicted TTFT and the learned model behind it."""
         entry = self.ledger.entry(candidate.worker)
-        size = routed.size
-        load = candidate.load
-        capacity = load.kv_capacity_blocks or self.limits.kv_capacity_blocks
-        uncached = float(routed.predicted_uncached_tokens(candidate.worker))
-        features = ttft_features(load, uncached, size.prompt_tokens, size.block_size, capacity)
-        params = self.ledger.calibrator.params(candidate.worker)
+        estimate, params = self._ttft(routed, candidate)
         now = self.ledger.now()
         return {
-            "kv_shortfall_blocks": kv_shortfall(candidate, size, self.limits),
+            "kv_shortfall_blocks": kv_shortfall(candidate, routed.size, self.limits),
             "in_flight_prefix_blocks": float(candidate.in_flight_prefix),
             "blocked_requests": float(entry.blocked_requests if entry is not None else 0),
             "blocked_s": entry.blocked_s(now) if entry is not None else 0.0,
             "reuse": entry.reuse if entry is not None else 0.0,
             "busy": 0.0 if candidate.worker not in routed.refused else 1.0,
-            **ttft_terms(params.predict(features), params),
+            **ttft_terms(estimate, params),
         }
 
 
