@@ -58,8 +58,8 @@ class SchedulingConfig(BaseModel):
         default=None,
         gt=0,
         description="KV-cache blocks of one worker, for engines that do not publish theirs "
-        "(vLLM publishes it: leave unset). With it kvgate knows whether a request fits beside "
-        "the requests running there, and weighs decode load by the engine's KV usage",
+        "(vLLM publishes it: leave unset). With it kvgate weighs a worker's decode load by "
+        "its engine's KV usage (the KV-room rule, off by default, is a benchmark's only)",
     )
 
     def limits(self) -> Limits:
