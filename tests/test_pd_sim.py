@@ -22,6 +22,7 @@ from fakes.simgate import (
     gate,
     long_text,
     predicted,
+    replica_counter,
     sim_fleets,
     until,
 )
@@ -103,6 +104,14 @@ async def test_prefill_leg_sends_the_prompt_to_the_decode_worker() -> None:
         assert prefill_cached == gw.metric("kvgate_pd_prefill_predicted_cached_tokens_total", on_p)
         assert await overlap(gw, body, d_url) == cached  # the received blocks' events
         assert fleet.replica(1).engine.cache.gpu_cached > 0
+        # the decode replica counts them as vLLM does: brought by a transfer, used
+        by_source = "vllm:prompt_tokens_by_source"
+        assert await replica_counter(d_url, by_source, source="external_kv_transfer") == cached
+        assert await replica_counter(d_url, "kvgate_sim_kv_transfers", outcome="used") == 1
+        assert await replica_counter(d_url, "kvgate_sim_kv_transfer_tokens") == cached
+        prompt = reply.json()["usage"]["prompt_tokens"]
+        assert await replica_counter(p_url, "kvgate_sim_prefill_leg_prompt_tokens") == prompt
+        assert await replica_counter(d_url, "kvgate_sim_prefill_leg_prompt_tokens") == 0
 
 
 async def test_streamed_answer_comes_from_the_decode_worker() -> None:
@@ -272,6 +281,7 @@ async def test_sglang_bootstrap_legs_are_sent_together(stream: bool) -> None:
         await warm(gw, p_url, body)
         plan = (await gw.client.post("/debug/route", json=body)).json()["disaggregated"]["plan"]
         assert plan["prefill_worker"] == p_url and not plan["skipped"]
+        generated = await replica_counter(p_url, "vllm:generation_tokens")  # warm's 3
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         reply = await gw.client.post("/v1/chat/completions", json=body)
@@ -285,6 +295,8 @@ async def test_sglang_bootstrap_legs_are_sent_together(stream: bool) -> None:
         assert cached == predicted(reply) == plan["predicted_decode_cached_tokens"] > 0
         await until(lambda: legs(gw, "prefill", "ok") == 1, what="the prefill answer read")
         assert not fleet.replica(0).leases._rooms  # the decode leg took its room
+        # SGLang's prefill server generates the first token only, whatever max_tokens says
+        assert await replica_counter(p_url, "vllm:generation_tokens") == generated + 1
 
 
 async def test_a_decode_replica_refuses_a_transfer_it_cannot_find() -> None:
@@ -316,6 +328,29 @@ async def test_a_decode_replica_refuses_a_transfer_it_cannot_find() -> None:
         assert cached_tokens(served) > 0
         again = await client.post(url, json=chat(MODEL, "x") | {"kv_transfer_params": params})
         assert again.status_code == 400  # a lease is taken once
+
+
+async def test_streamed_bootstrap_legs_as_smg_sends_them() -> None:
+    """smg sends SGLang's two legs at once, each as the client asked (here streamed): the
+    streamed prefill leg still hands its room to the decode leg, which reports the blocks
+    cached and counts them as transferred."""
+    async with sim_fleets(fleet_config(2)) as (fleet,), httpx.AsyncClient(timeout=10) as client:
+        p, d = fleet.replicas
+        port = int(p.url.rsplit(":", 1)[1])
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7}
+        body = chat(MODEL, long_text("streamed legs", 300), max_tokens=4) | room | {
+            "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        prefill, decode = await asyncio.gather(
+            client.post(f"{p.url}/v1/chat/completions", json=body),
+            client.post(f"{d.url}/v1/chat/completions", json=body),
+        )
+        assert prefill.status_code == decode.status_code == 200
+        usage = [line for line in decode.text.splitlines() if '"usage"' in line][-1]
+        cached = int(usage.split('"cached_tokens":')[1].split("}")[0].split(",")[0])
+        assert cached > 0
+        transferred = await replica_counter(d.url, "kvgate_sim_kv_transfer_tokens")
+        assert transferred == cached
 
 
 async def test_a_decode_leg_given_its_kv_counts_only_its_tail_as_pending_prefill() -> None:

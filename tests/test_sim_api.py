@@ -137,6 +137,7 @@ async def test_models_health_version_and_event_sources(
     assert (await client.get("/health")).status_code == 200
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == MODEL
+    assert models["data"][0]["owned_by"] == "vllm"
     assert "version" in (await client.get("/version")).json()
     sources = (await client.get("/kv_event_sources")).json()
     _, events, replay = fleet.replicas[0]
@@ -144,6 +145,15 @@ async def test_models_health_version_and_event_sources(
     assert sources["0"]["replay_endpoint"] == replay
     assert sources["0"]["publisher"] == "zmq"
     assert sources["0"]["topic"] == "kv-events"
+
+
+async def test_replicas_can_say_sglang_owns_their_models() -> None:
+    """``owned_by: sglang``: how smg tells an SGLang worker (its P/D bootstrap protocol)."""
+    config = sim_config()
+    config = replace(config, api=replace(config.api, owned_by="sglang"))
+    async with sim_fleet(config) as fleet, httpx.AsyncClient(base_url=fleet.replicas[0].url) as c:
+        models = (await c.get("/v1/models")).json()
+    assert {card["owned_by"] for card in models["data"]} == {"sglang"}
 
 
 async def test_kv_event_sources_list_format() -> None:

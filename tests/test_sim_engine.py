@@ -23,14 +23,27 @@ pytestmark = pytest.mark.anyio
 @dataclass
 class Recorder:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)
+    remote: list[int] = field(default_factory=list)
+    transfers: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
     batches: list[list[KvEvent]] = field(default_factory=list)
     engine: Engine | None = None
     first_token_steps: list[int] = field(default_factory=list)
     """``engine.steps`` when each first token came (the engine counts the step first)."""
 
-    def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
+    def on_admitted(
+        self,
+        prompt_tokens: int,
+        gpu_hit_tokens: int,
+        cpu_hit_tokens: int,
+        remote_tokens: int,
+        prefill_leg: bool,
+    ) -> None:
         self.admitted.append((prompt_tokens, gpu_hit_tokens, cpu_hit_tokens))
+        self.remote.append(remote_tokens)
+
+    def on_transfer(self, pulled_tokens: int, used_tokens: int) -> None:
+        self.transfers.append((pulled_tokens, used_tokens))
 
     def on_first_token(self, ttft_s: float) -> None:
         assert ttft_s >= 0

@@ -206,11 +206,12 @@ class ReplicaApp:
     async def _models(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         replica = self._replica
         cfg = replica.config.engine
+        owner = replica.config.api.owned_by
 
         def card(name: str, root: str, parent: str | None, max_len: int | None) -> Any:
             return {
                 "id": name, "object": "model", "created": replica.started_at,
-                "owned_by": "vllm", "root": root, "parent": parent, "max_model_len": max_len,
+                "owned_by": owner, "root": root, "parent": parent, "max_model_len": max_len,
             }  # fmt: skip
 
         cards = [card(cfg.model, cfg.model, None, cfg.effective_max_model_len)]
@@ -464,10 +465,12 @@ class ReplicaApp:
         elif bootstrap is not None and room is None:
             remote = await self._receive_kv(bootstrap, ids)
         produce = (transfer is not None and transfer[0] == "produce") or room is not None
+        # SGLang's prefill server computes the prompt and its first token only, whatever the
+        # request's max_tokens: the decode server generates the answer
         submitted = self._submit(
             scope,
             ids,
-            sampling.max_tokens,
+            1 if room is not None else sampling.max_tokens,
             salt=sampling.cache_salt,
             arrival=arrival,
             adapter=adapter,
@@ -586,20 +589,25 @@ class _ProducerFramer:
         return self._inner.tokens(req, new)
 
     def closing(self, req: SimRequest) -> list[bytes]:
+        if self._room is not None:  # SGLang's prefill leg may stream (its router drops it)
+            self._keep_room(req, self._room)
         return self._inner.closing(req)
 
     def error(self, error: ApiError) -> list[bytes]:
         return self._inner.error(error)
 
+    def _keep_room(self, req: SimRequest, room: int) -> None:
+        bs = self._replica.config.engine.block_size
+        self._replica.leases.keep_room(room, req.token_ids[: len(req.kept or []) * bs])
+
     def full(self, req: SimRequest) -> bytes:
+        if self._room is not None:
+            self._keep_room(req, self._room)
+            return self._inner.full(req)
         replica = self._replica
         blocks = req.kept or []
         bs = replica.config.engine.block_size
-        tokens = req.token_ids[: len(blocks) * bs]
-        if self._room is not None:
-            replica.leases.keep_room(self._room, tokens)
-            return self._inner.full(req)
-        replica.leases.keep(blocks, tokens)
+        replica.leases.keep(blocks, req.token_ids[: len(blocks) * bs])
         host = replica.config.host
         params = produced(replica.leases, host, replica.http_port, blocks)
         return with_params(self._inner.full(req), params)

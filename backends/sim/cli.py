@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         "/prometheus/metrics, /health_generate, no /tokenize nor renderer; same KV events)",
     )  # fmt: skip
     api.add_argument(
+        "--owned-by", choices=("vllm", "sglang"), default=a.owned_by,
+        help="the engine /v1/models names as owner (sglang: a router such as smg then "
+        "speaks SGLang's P/D bootstrap protocol to these replicas, which they serve)",
+    )  # fmt: skip
+    api.add_argument(
         "--stream-open", choices=("at_accept", "at_first_token"), default=a.stream_open,
         help="when a streaming response sends 200 and its headers: at_accept (vLLM: before "
         "the request queues and prefills) or with the first token",
@@ -196,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ),
         api=ApiConfig(
             engine_kind=args.engine_kind,
+            owned_by=args.owned_by,
             stream_open=args.stream_open,
             responses_store=args.responses_store,
             responses_store_bytes=args.responses_store_mib * 2**20,

@@ -14,6 +14,7 @@ HashFormat = Literal["int", "bytes"]
 SourcesFormat = Literal["object", "list"]
 StreamOpen = Literal["at_accept", "at_first_token"]
 EngineKind = Literal["vllm", "trtllm"]
+OwnedBy = Literal["vllm", "sglang"]
 PrefillMode = Literal["chunked", "serial"]
 
 
@@ -132,12 +133,18 @@ class ApiConfig:
     gauges at ``/prometheus/metrics``, JSON iteration stats at ``/metrics``,
     ``/health_generate``; no ``/tokenize``, renderer nor ``/kv_event_sources``; the
     data-parallel rank header is ignored). The engine and its KV events are the same."""
+    owned_by: OwnedBy = "vllm"
+    """The engine ``/v1/models`` names as the models' owner. Routers tell engines apart by it:
+    smg speaks SGLang's disaggregation protocol (bootstrap host, port and room; both legs at
+    once), which the simulator serves too, only to workers owned by ``sglang``."""
 
     def validate(self) -> None:
         if self.stream_open not in ("at_accept", "at_first_token"):
             raise ConfigError("stream_open must be 'at_accept' or 'at_first_token'")
         if self.engine_kind not in ("vllm", "trtllm"):
             raise ConfigError("engine_kind must be 'vllm' or 'trtllm'")
+        if self.owned_by not in ("vllm", "sglang"):
+            raise ConfigError("owned_by must be 'vllm' or 'sglang'")
         if self.responses_store < 0 or self.responses_store_bytes < 0:
             raise ConfigError("responses_store and responses_store_bytes must be >= 0")
 

@@ -59,8 +59,21 @@ class RequestState(enum.Enum):
 class EngineObserver(Protocol):
     """What the engine reports (implemented by ``ReplicaMetrics``)."""
 
-    def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
-        """A request entered the running batch for the first time."""
+    def on_admitted(
+        self,
+        prompt_tokens: int,
+        gpu_hit_tokens: int,
+        cpu_hit_tokens: int,
+        remote_tokens: int,
+        prefill_leg: bool,
+    ) -> None:
+        """A request entered the running batch for the first time (``remote_tokens``: its
+        prompt tokens a KV transfer brought, beyond what it found here; ``prefill_leg``: it
+        prefills for a remote decode)."""
+
+    def on_transfer(self, pulled_tokens: int, used_tokens: int) -> None:
+        """A decode leg entered the batch with ``pulled_tokens`` prompt tokens brought by a KV
+        transfer, ``used_tokens`` of them not already held here."""
 
     def on_first_token(self, ttft_s: float) -> None:
         """A request produced its first token."""
@@ -478,12 +491,14 @@ class Engine:
             )
             req.num_registered = g + c + r
             work.cpu_loaded_tokens += c * bs
+        if req.remote_tokens:
+            self._observer.on_transfer(req.remote_tokens, r * bs)
         req.remote_tokens = 0  # once: a preempted request computes them again
         req.num_computed = computed
         self._register_full(req, computed + n)
         if req.cached_tokens < 0:
             req.cached_tokens = computed
-            self._observer.on_admitted(total, g * bs, c * bs)
+            self._observer.on_admitted(total, g * bs, c * bs, r * bs, req.kept is not None)
         return n
 
     def _grow(self, req: SimRequest, total_tokens: int) -> bool:

@@ -23,6 +23,10 @@ E2E_BUCKETS = (
 )  # fmt: skip
 
 
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""vLLM's ``vllm:prompt_tokens_by_source`` labels (computed + local hit + external = total)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LiveState:
     """Callables the gauges read at scrape time."""
@@ -130,6 +134,29 @@ class ReplicaMetrics:
             "vllm:prompt_tokens_cached", "Prompt tokens served from cache."
         ).labels(*values)
         self._prompt = counter("vllm:prompt_tokens", "Prompt tokens processed.").labels(*values)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by source.", [*names, "source"],
+            registry=registry,
+        )  # fmt: skip
+        self._by_source = {src: by_source.labels(*values, src) for src in PROMPT_SOURCES}
+        transfers = Counter(
+            "kvgate_sim_kv_transfers",
+            "Decode legs that received a KV transfer: used (it brought blocks this replica "
+            "lacked) or redundant (every block it brought was already here).",
+            ["outcome"],
+            registry=registry,
+        )
+        self._transfers = {o: transfers.labels(o) for o in ("used", "redundant")}
+        self._prefill_legs = Counter(
+            "kvgate_sim_prefill_leg_prompt_tokens",
+            "Prompt tokens of prefill legs (prefilled for a remote decode; the request's "
+            "decode leg counts them again).",
+            registry=registry,
+        )
+        self._pulled = Counter(
+            "kvgate_sim_kv_transfer_tokens", "Prompt tokens pulled by KV transfers.",
+            registry=registry,
+        )  # fmt: skip
         self._generation = counter("vllm:generation_tokens", "Tokens generated.").labels(*values)
         self._preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*values)
         self._success = Counter(
@@ -160,14 +187,32 @@ class ReplicaMetrics:
 
     # --- engine observer -----------------------------------------------------------------
 
-    def on_admitted(self, prompt_tokens: int, gpu_hit_tokens: int, cpu_hit_tokens: int) -> None:
+    def on_admitted(
+        self,
+        prompt_tokens: int,
+        gpu_hit_tokens: int,
+        cpu_hit_tokens: int,
+        remote_tokens: int,
+        prefill_leg: bool,
+    ) -> None:
+        if prefill_leg:
+            self._prefill_legs.inc(prompt_tokens)
         self._queries.inc(prompt_tokens)
         self._hits.inc(gpu_hit_tokens)
         if self._cpu_tier:
             self._ext_queries.inc(prompt_tokens - gpu_hit_tokens)
             self._ext_hits.inc(cpu_hit_tokens)
-        self._cached.inc(gpu_hit_tokens + cpu_hit_tokens)
+        external = cpu_hit_tokens + remote_tokens  # vLLM: the connector's tokens
+        self._cached.inc(gpu_hit_tokens + external)
         self._prompt.inc(prompt_tokens)
+        sources = self._by_source
+        sources["local_compute"].inc(prompt_tokens - gpu_hit_tokens - external)
+        sources["local_cache_hit"].inc(gpu_hit_tokens)
+        sources["external_kv_transfer"].inc(external)
+
+    def on_transfer(self, pulled_tokens: int, used_tokens: int) -> None:
+        self._pulled.inc(pulled_tokens)
+        self._transfers["used" if used_tokens else "redundant"].inc()
 
     def on_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from test_sim_support import shared_tokenizer
 
 from fakes.gateway import Kvgate, kvgate
@@ -130,3 +131,16 @@ async def indexed(gw: Kvgate, body: dict[str, Any], worker: str, path: str = "/d
 
     await until(some, what=f"blocks of the prompt indexed for {worker}")
     return overlap
+
+
+async def replica_counter(url: str, name: str, **labels: str) -> float:
+    """The sum of counter ``name`` (without ``_total``) over the series of the replica at
+    ``url`` whose labels include ``labels``, read from its /metrics."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_total" and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
