@@ -9,6 +9,9 @@ Sub-commands:
   faults   requests lost, phantom hits and recovery through crashes, restarts and lossy
            event wires (bench/faults.py; ``kvgate bench faults --help``)
   overload routers side by side from below to above the saturating session rate (goodput)
+  pd       aggregated against disaggregated (2 prefill + 2 decode) routers, kvgate and its
+           peers' P/D modes, repeated: TTFT, inter-token latency, engine hit rate, skipped
+           prefill legs and transfers, medians (bench/pd.py)
   room-wait  from finished runs' records: the requests that lacked KV room where they were
            sent, their wait for it there, and on the replica that freed room first
   epp      kvgate as the endpoint picker of a real Envoy against kvgate serve, side by side
@@ -28,7 +31,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvgate.bench import matrix, report, room_wait, tail
+from kvgate.bench import matrix, pd, report, room_wait, tail
 from kvgate.bench.args import (
     compare_config,
     fleet_args,
@@ -154,6 +157,25 @@ def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_pd(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each repeat: every router on a cold fleet, the same slice; medians in pd_table.md."""
+    reqs, block = load_requests(args)
+    out = _out_dir(args, "pd")
+    _record_command(out, argv)
+    runs = [RouterRun(n, router_label(n)) for n in _parse_routers(args.routers)]
+    rows: list[pd.PdRow] = []
+    title = _trace_title(args) + ": aggregated vs P/D (half the replicas prefill, half decode)"
+    for repeat in range(args.repeat):
+        cfg = compare_config(args, block, out / f"run{repeat + 1}", f"{title}, run {repeat + 1}")
+        outputs = compare(runs, reqs, cfg)
+        rows += [pd.PdRow(o.summary.label, o.summary, o.pd_stats) for o in outputs if o.pd_stats]
+        table = f"## {title}: medians of {repeat + 1} run(s)\n\n{pd.median_table(rows)}"
+        (out / "pd_table.md").write_text(table)  # kept current: a cut run keeps its repeats
+    print(table)
+    print(f"results in {out}", file=sys.stderr)
+    return 0
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -267,6 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
         "or 'all'",
     )
 
+    p = sub.add_parser(
+        "pd", help="aggregated vs disaggregated routers (kvgate, smg, vllm-router), repeated"
+    )
+    trace_args(p)
+    replay_args(p)
+    fleet_args(p)
+    p.add_argument(
+        "--routers",
+        default="kv,smg_cache_aware,kv_pd,vllm_router_pd,kv_pd_sglang,smg_pd",
+        help="comma list of routers (P/D ones: kv_pd, kv_pd_sglang, smg_pd, vllm_router_pd)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="runs of every router (medians)")
+
     p = sub.add_parser("sweep", help="kv policy: one knob's values x temperature")
     trace_args(p)
     replay_args(p)
@@ -376,7 +411,7 @@ def main(argv: list[str]) -> int:
 
         return faults.main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in {"oracle", "compare", "sweep", "overload", "matrix"}:
+    if args.command in {"oracle", "compare", "sweep", "overload", "matrix", "pd"}:
         _enter_private_netns(args, argv)
     if args.command == "oracle":
         return cmd_oracle(args)
@@ -386,6 +421,8 @@ def main(argv: list[str]) -> int:
         return cmd_compare(args, argv)
     if args.command == "overload":
         return cmd_overload(args, argv)
+    if args.command == "pd":
+        return cmd_pd(args, argv)
     if args.command == "matrix":
         return cmd_matrix(args)
     if args.command == "room-wait":

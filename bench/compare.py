@@ -10,12 +10,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-from kvgate.bench import report
+from kvgate.bench import pd, report
 from kvgate.bench.dynamo_peer import DYNAMO_ROUTERS, scrape_index_counts, start_dynamo_router
 from kvgate.bench.engines import start_bench_fleet
 from kvgate.bench.fleet import (
@@ -23,6 +23,7 @@ from kvgate.bench.fleet import (
     FleetSpec,
     KvgateSpec,
     cpus_apart,
+    pd_roles,
     process_cpu_seconds,
     sim_config,
     start_kvgate,
@@ -30,7 +31,7 @@ from kvgate.bench.fleet import (
 )
 from kvgate.bench.floor import measured_floor
 from kvgate.bench.oracle import oracle, pooled_lru, ttft_floor
-from kvgate.bench.peers import PEERS, RouterProcess, start_peer
+from kvgate.bench.peers import PEERS, SMG, RouterProcess, start_peer
 from kvgate.bench.replay import (
     SAMPLED_METRICS,
     MetricsSample,
@@ -60,6 +61,9 @@ ALL_ROUTERS = (
 
 PD_VARIANT = "kv_pd"
 """kvgate over the same fleet disaggregated (docs/pd.md), against the aggregated routers."""
+PD_SGLANG_VARIANT = "kv_pd_sglang"
+"""``kv_pd`` with SGLang's bootstrap protocol (the one smg's P/D mode speaks over HTTP)."""
+PD_VARIANTS = (PD_VARIANT, PD_SGLANG_VARIANT, "kv_pd_loadfirst")
 BASELINE_TREE = "kv_baseline"
 """Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
 
@@ -76,6 +80,7 @@ KVGATE_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_plain": ("kv", ("--no-queue-enabled",)),  # plain overlap versus load (and no queue)
     "kv_nofp": ("kv", ("--scoring-footprint-weight", "0")),  # no footprint term
     "kv_pd": ("kv", ()),  # disaggregated: the first half of the replicas prefill, the rest decode
+    "kv_pd_sglang": ("kv", ()),  # the same with SGLang's bootstrap protocol
 }
 """Named kvgate configurations beyond a policy: name -> (policy, ``kvgate serve`` flags);
 those in ``bench.variants.TUNINGS`` are served by ``python -m kvgate.bench.variants NAME``."""
@@ -167,14 +172,20 @@ def kvgate_spec(run: RouterRun, cfg: CompareConfig) -> KvgateSpec:
     policy, variant_args = KVGATE_VARIANTS.get(run.name, (run.name, ()))
     args = (*kv_knob_args(run.knobs), *variant_args, *cfg.kvgate_extra_args)
     variant = run.name if run.name in TUNINGS else None
-    roles = pd_roles(cfg.fleet.replicas) if run.name == PD_VARIANT else ()
-    return KvgateSpec(policy, (), args, variant=variant, roles=roles)
+    roles = pd_roles(cfg.fleet.replicas) if run.name in PD_VARIANTS else ()
+    bootstrap = run.name == PD_SGLANG_VARIANT
+    return KvgateSpec(policy, (), args, variant=variant, roles=roles, bootstrap=bootstrap)
 
 
-def pd_roles(replicas: int) -> tuple[str, ...]:
-    """Router ``kv_pd``'s roles: the first half of the replicas prefill, the rest decode."""
-    prefill = max(replicas // 2, 1)
-    return ("prefill",) * prefill + ("decode",) * (replicas - prefill)
+def fleet_for(run: RouterRun, fleet: FleetSpec) -> FleetSpec:
+    """The fleet ``run`` is measured on: the comparison's, its replicas owned by ``sglang``
+    for the routers speaking SGLang's P/D protocol (smg picks its protocol by the owner)."""
+    sglang = run.name == PD_SGLANG_VARIANT or (
+        run.name in PEERS and PEERS[run.name].disaggregated and PEERS[run.name].package is SMG
+    )
+    if not sglang or fleet.engine != "sim":
+        return fleet
+    return replace(fleet, extra_args=(*fleet.extra_args, "--owned-by", "sglang"))
 
 
 def _start_router(
@@ -196,6 +207,8 @@ class RunOutput:
     summary: report.RunSummary
     result: ReplayResult
     router_metrics: dict[str, float] = field(default_factory=dict)
+    pd_stats: pd.PdStats | None = None
+    """What the replicas counted of prefill, transfers and skipped legs (bench/pd.py)."""
 
 
 def run_one(
@@ -216,7 +229,7 @@ def _run_one(
     oracle_rate: float,
     run_dir: Path,
 ) -> RunOutput:
-    fleet = start_bench_fleet(cfg.fleet, run_dir / "logs")
+    fleet = start_bench_fleet(fleet_for(run, cfg.fleet), run_dir / "logs")
     router: RouterProcess | None = None
     try:
         router, url = _start_router(run, fleet, cfg, run_dir / "logs")
@@ -224,12 +237,14 @@ def _run_one(
         rcfg = ReplayConfig(**{**asdict(cfg.replay), "target": url, "metrics_urls": metrics_urls})
         warm_up(url, cfg.replay.model, 2 * cfg.fleet.replicas)
         before = _scrape_all(fleet.urls)
+        pd_before = pd.scrape_series(fleet.urls, pd.FLEET_SERIES) | _skipped(run, url)
         cpu0 = _cpu_snapshot(router, fleet)
         box0 = system_cpu_times()[0]
         t0 = time.perf_counter()
         result = asyncio.run(replay(requests, rcfg))
         wall = time.perf_counter() - t0
         router_metrics = _scrape_router(url, kvgate=not is_peer(run.name))
+        pd_after = pd.scrape_series(fleet.urls, pd.FLEET_SERIES) | _skipped(run, url)
         if run.name in DYNAMO_ROUTERS:
             router_metrics = scrape_index_counts(url)
         cpu1 = _cpu_snapshot(router, fleet)
@@ -257,6 +272,8 @@ def _run_one(
         window_s=cfg.replay.max_duration_s,
         slo_s=cfg.slo_s,
     )
+    pd_stats = pd.pd_stats(result.records, pd_before, pd_after)
+    pd.write_stats(run_dir / "pd.json", pd_stats)
     write_records(run_dir / "records.jsonl", result.records)
     report.write_summary(run_dir / "summary.json", summary)
     _write_samples(run_dir / "samples.jsonl", result.samples)
@@ -272,7 +289,17 @@ def _run_one(
     warning = report.saturation_warning([summary])
     if warning:
         cfg.log(warning)
-    return RunOutput(summary, result, router_metrics)
+    return RunOutput(summary, result, router_metrics, pd_stats)
+
+
+def _skipped(run: RouterRun, url: str) -> dict[str, float]:
+    """The prefill legs ``run``'s router has skipped so far: kvgate's counter; 0 for a peer's
+    P/D mode (it sends both legs of every request); none for an aggregated peer."""
+    if not is_peer(run.name):
+        return pd.scrape_series([url], pd.ROUTER_SERIES)
+    if run.name in PEERS and PEERS[run.name].disaggregated:
+        return {"skipped": 0.0}
+    return {}
 
 
 def _queued_note(router_metrics: dict[str, float]) -> str:

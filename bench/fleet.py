@@ -399,6 +399,16 @@ class KvgateSpec:
     """A variant built in code (``bench.variants``): ``python -m kvgate.bench.variants NAME``."""
     roles: tuple[str, ...] = ()
     """Each replica's worker role, in order (docs/pd.md; empty: whole-request workers)."""
+    bootstrap: bool = False
+    """Prefill workers speak SGLang's bootstrap protocol (the simulator's bootstrap server:
+    each replica's HTTP port)."""
+
+
+def pd_roles(replicas: int) -> tuple[str, ...]:
+    """A disaggregated fleet's roles: the first half of the replicas prefill, the rest
+    decode (every P/D router of a comparison splits the fleet the same way)."""
+    prefill = max(replicas // 2, 1)
+    return ("prefill",) * prefill + ("decode",) * (replicas - prefill)
 
 
 def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[str]:
@@ -414,6 +424,11 @@ def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[st
     else:
         argv = kvgate_argv("serve", *flags)
     roles = [f",role={r}" for r in spec.roles] or [""] * len(fleet.urls)  # (older trees)
+    if spec.bootstrap:
+        roles = [
+            f"{r},bootstrap_port={url.rsplit(':', 1)[1]}" if r == ",role=prefill" else r
+            for r, url in zip(roles, fleet.urls, strict=True)
+        ]
     for url, events, replay, role in zip(
         fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, roles, strict=True
     ):

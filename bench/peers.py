@@ -9,13 +9,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from kvgate.backends.process import LOOPBACK
 from kvgate.backends.vllm_cpu.layout import EngineLayout
-from kvgate.bench.fleet import BenchFleet, ManagedProcess, bench_port_range, wait_own_http
+from kvgate.bench.fleet import (
+    BenchFleet,
+    ManagedProcess,
+    bench_port_range,
+    pd_roles,
+    wait_own_http,
+)
 
 ENGINES_DIR = EngineLayout.default().root  # beside the engines (KVGATE_ENGINES_DIR)
 BENCH_DIR = Path(__file__).resolve().parent
@@ -87,6 +94,9 @@ class PeerSpec:
     label: str  # e.g. "sglang-router cache_aware"
     package: PeerPackage
     policy: str
+    disaggregated: bool = False
+    """The peer's P/D mode over the fleet split by ``pd_roles`` (smg: SGLang's bootstrap
+    protocol, to replicas owned by ``sglang``; vllm-router: vLLM's ``kv_transfer_params``)."""
 
 
 PEERS: dict[str, PeerSpec] = {
@@ -97,6 +107,11 @@ PEERS: dict[str, PeerSpec] = {
     "smg_least_load": PeerSpec("smg least_load", SMG, "least_load"),
     "smg_prefix_hash": PeerSpec("smg prefix_hash", SMG, "prefix_hash"),
     "smg_power_of_two": PeerSpec("smg power_of_two", SMG, "power_of_two"),
+    # disaggregated (docs/pd.md): the fleet's first half prefill, the rest decode
+    "smg_pd": PeerSpec("smg P/D cache_aware", SMG, "cache_aware", disaggregated=True),
+    "vllm_router_pd": PeerSpec(
+        "vllm-router P/D cache_aware", VLLM_ROUTER, "cache_aware", disaggregated=True
+    ),
     # not in the default comparison: a plain proxy baseline to separate proxy cost from policy
     "sglang_round_robin": PeerSpec("sglang-router round_robin", SGLANG_ROUTER, "round_robin"),
 }
@@ -113,9 +128,11 @@ def peer_argv(
         "--host", LOOPBACK, "--port", str(port),
         "--prometheus-host", LOOPBACK, "--prometheus-port", str(prom_port),
         "--policy", spec.policy,
-        "--worker-urls", *fleet.urls,
     ]  # fmt: skip
     argv = [*spec.package.launch(bin_dir), *common]
+    if spec.disaggregated:
+        return argv + pd_argv(spec, fleet.urls)
+    argv += ["--worker-urls", *fleet.urls]
     if spec.package is not VLLM_ROUTER:
         return argv
     if spec.policy == "kv_aware":
@@ -126,6 +143,22 @@ def peer_argv(
             argv += ["--kv-event-replay-source", f"{url}={replay}"]
         argv += ["--kv-event-block-size", str(fleet.block_size), "--kv-event-model", model]
     return argv
+
+
+def pd_argv(spec: PeerSpec, urls: Sequence[str]) -> list[str]:
+    """A peer's P/D flags: ``--prefill URL [BOOTSTRAP_PORT]`` per prefill replica (the
+    simulator's bootstrap server is its HTTP port), ``--decode URL`` per decode replica."""
+    out = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    if spec.package is SMG:
+        out = ["--pd-disaggregation"]
+    for url, role in zip(urls, pd_roles(len(urls)), strict=True):
+        if role == "decode":
+            out += ["--decode", url]
+        elif spec.package is SMG:
+            out += ["--prefill", url, url.rsplit(":", 1)[1]]
+        else:
+            out += ["--prefill", url]
+    return out
 
 
 class RouterProcess(Protocol):

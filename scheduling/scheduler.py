@@ -84,7 +84,13 @@ class Scheduler:
         self.parts = PartsTable(tuning.parts)
         self.ledger = Ledger(registry, limits=limits, parts_of=self.parts.of, clock=clock)
         self.router = Router(
-            registry, self.ledger, policy, block_index, limits=limits, parts=self.parts
+            registry,
+            self.ledger,
+            policy,
+            block_index,
+            limits=limits,
+            parts=self.parts,
+            decode_overlap_scale=tuning.decode_overlap_scale,
         )
         self.queue = AdmissionQueue(
             queue or QueueConfig(),
