@@ -37,6 +37,7 @@ from kvgate.bench.replay import (
     MetricsSample,
     ReplayConfig,
     ReplayResult,
+    metrics_texts,
     parse_prometheus,
     replay,
     select_slice,
@@ -134,16 +135,10 @@ class CompareConfig:
 
 
 def _scrape_all(urls: Sequence[str]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    with httpx.Client(timeout=5.0) as client:
-        for url in urls:
-            try:
-                resp = client.get(f"{url}/metrics")
-            except httpx.HTTPError:
-                continue
-            if resp.status_code == 200:
-                out[f"{url}/metrics"] = parse_prometheus(resp.text, SAMPLED_METRICS)
-    return out
+    return {
+        f"{url}/metrics": parse_prometheus(text, SAMPLED_METRICS)
+        for url, text in metrics_texts(urls).items()
+    }
 
 
 def warm_up(url: str, model: str, requests: int, timeout_s: float = 30.0) -> int:

@@ -19,10 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
-
 from kvgate.bench import report
-from kvgate.bench.replay import RequestRecord
+from kvgate.bench.replay import RequestRecord, metrics_texts
 
 FLEET_SERIES: dict[str, tuple[str, str]] = {
     "admitted_tokens": ("vllm:prompt_tokens_total", ""),
@@ -60,16 +58,9 @@ def parse_series(text: str, series: Mapping[str, tuple[str, str]]) -> dict[str, 
 def scrape_series(urls: Sequence[str], series: Mapping[str, tuple[str, str]]) -> dict[str, float]:
     """``parse_series`` of each ``url``'s /metrics, summed (an unreachable one counts 0)."""
     total = dict.fromkeys(series, 0.0)
-    with httpx.Client(timeout=5.0) as client:
-        for url in urls:
-            try:
-                resp = client.get(f"{url}/metrics")
-            except httpx.HTTPError:
-                continue
-            if resp.status_code != 200:
-                continue
-            for key, value in parse_series(resp.text, series).items():
-                total[key] += value
+    for text in metrics_texts(urls).values():
+        for key, value in parse_series(text, series).items():
+            total[key] += value
     return total
 
 

@@ -242,6 +242,21 @@ SAMPLED_METRICS = (
 )
 
 
+def metrics_texts(urls: Sequence[str], timeout_s: float = 5.0) -> dict[str, str]:
+    """Each server's /metrics text, read now (``url`` -> text; one unreachable or not
+    answering 200 is left out)."""
+    out: dict[str, str] = {}
+    with httpx.Client(timeout=timeout_s) as client:
+        for url in urls:
+            try:
+                resp = client.get(f"{url}/metrics")
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                out[url] = resp.text
+    return out
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
     try:
         resp = await client.get(url, timeout=5.0)
