@@ -64,7 +64,7 @@ PD_VARIANT = "kv_pd"
 """kvgate over the same fleet disaggregated (docs/pd.md), against the aggregated routers."""
 PD_SGLANG_VARIANT = "kv_pd_sglang"
 """``kv_pd`` with SGLang's bootstrap protocol (the one smg's P/D mode speaks over HTTP)."""
-PD_VARIANTS = (PD_VARIANT, PD_SGLANG_VARIANT, "kv_pd_loadfirst")
+PD_VARIANTS = (PD_VARIANT, PD_SGLANG_VARIANT)
 BASELINE_TREE = "kv_baseline"
 """Router name of kvgate ``kv`` run from another checkout (``CompareConfig.baseline_tree``)."""
 

@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 from kvgate.router import serve
 from kvgate.scheduling.capacity import KV_FIT
-from kvgate.scheduling.config import TRANSFER_BLOCK_COST, Tuning
+from kvgate.scheduling.config import Tuning
 from kvgate.scheduling.dispatch_order import OrderConfig
 from kvgate.scheduling.guard import GuardConfig
 
@@ -41,9 +41,6 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType(
         "kv_kvroom_p03": Tuning(room_patience=0.033),
         # the do-no-harm guard off: every mechanism stays on whatever its moves cost
         "kv_noguard": Tuning(guard=GuardConfig(enabled=False)),
-        # disaggregated (with P/D roles): a decode worker's cached blocks credited at the
-        # transfer cost, so decode legs go by load first (did not pay in issue 48's runs)
-        "kv_pd_loadfirst": Tuning(decode_overlap_scale=TRANSFER_BLOCK_COST),
     }
 )
 """Variant name -> the scheduler's tuning."""

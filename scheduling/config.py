@@ -131,12 +131,6 @@ class QueueConfig(BaseModel):
     )
 
 
-TRANSFER_BLOCK_COST = 0.25
-"""Cost of moving one KV block from a prefill worker to a decode worker, in blocks of
-prefill: a transfer reads and writes memory a block at a time where a prefill computes
-every layer's attention for it (a quarter is conservative for loopback and RDMA links)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Tuning:
     """Internal constants of the scheduler: which mechanisms are on (``Parts``, the default
@@ -148,8 +142,3 @@ class Tuning:
     order: OrderConfig = field(default_factory=OrderConfig)
     room_patience: float = ROOM_PATIENCE
     guard: GuardConfig = field(default_factory=GuardConfig)
-    decode_overlap_scale: float = 1.0
-    """A decode leg's ranking credits the blocks a decode worker holds at this share of the
-    overlap credit (1.0: as a whole request's; ``TRANSFER_BLOCK_COST``: a block there saves
-    its transfer only, so decode legs go by load first, the variant ``kv_pd_loadfirst``,
-    which did not pay in issue 48's runs: docs/pd.md)."""

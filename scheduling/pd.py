@@ -30,13 +30,14 @@ from typing import Any
 
 from kvgate.backends.registry import Worker
 from kvgate.index.types import WorkerId
-from kvgate.scheduling.config import TRANSFER_BLOCK_COST
 from kvgate.scheduling.routing import Routed
 from kvgate.scoring.config import KvPolicyConfig
 from kvgate.scoring.cost import Price, overlap_tokens
 
-__all__ = ["TRANSFER_BLOCK_COST", "TRANSFER_SETUP_TOKENS", "LegPlan", "disaggregated", "plan_legs"]
-
+TRANSFER_BLOCK_COST = 0.25
+"""Cost of moving one KV block from a prefill worker to a decode worker, in blocks of
+prefill: a transfer reads and writes memory a block at a time where a prefill computes
+every layer's attention for it (a quarter is conservative for loopback and RDMA links)."""
 TRANSFER_SETUP_TOKENS = 256
 """The prefill leg's own cost, in tokens of prefill: one more request on the prefill
 worker (a scheduling step), two HTTP hops and the decode worker's fetch. A prefill shorter

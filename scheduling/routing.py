@@ -34,7 +34,6 @@ from kvgate.scheduling.tokenize_on import TokenizeOn, TokenizePlanner
 from kvgate.scheduling.ttft import TtftEstimate, TtftParams, ttft_features, ttft_terms
 from kvgate.scoring.api import Candidate, Decision, Policy, RouteRequest, WorkerScore
 from kvgate.scoring.cost import RequestSize, overlap_tokens, request_size
-from kvgate.scoring.kv import KvPolicy
 
 log = logging.getLogger("kvgate.routing")
 DEFAULT_BLOCK_SIZE = 16  # without an index nothing is keyed; the size only scales zeros
@@ -175,12 +174,10 @@ class Router:
         *,
         limits: Limits | None = None,
         parts: PartsTable | None = None,
-        decode_overlap_scale: float = 1.0,
     ) -> None:
         self.registry = registry
         self.ledger = ledger
         self.policy = policy
-        self.decode_overlap_scale = decode_overlap_scale
         self.block_index = block_index
         self.limits = limits or Limits()
         self.parts = parts or PartsTable()
@@ -330,8 +327,7 @@ class Router:
         candidates = self._with_ranks(
             self.ledger.candidates(workers, matches, request.block_keys), keys, request
         )
-        policy = self._policy_for(domain.leg)
-        decision = policy.rank(request, candidates)
+        decision = self.policy.rank(request, candidates)
         size = request_size(request)
         verdicts = judge(
             size, candidates, self.limits, self.parts.of, held=held, waive_room=waive_room
@@ -343,7 +339,7 @@ class Router:
             decision=decision,
             order=admitted_first(decision.ranked, verdicts.refused),
             refused=verdicts.refused,
-            policy=policy.name,
+            policy=self.policy.name,
             base_model=domain.base_model,
             adapter=domain.adapter,
             only=domain.only,
@@ -356,18 +352,6 @@ class Router:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _log_line(routed))
         return routed
-
-    def _policy_for(self, leg: Leg | None) -> Policy:
-        """The policy ranking ``leg``: a decode leg's credits the blocks a decode worker
-        holds at ``decode_overlap_scale`` of the overlap credit (``Tuning``; 1.0 by default:
-        the policy itself)."""
-        policy = self.policy
-        scale = self.decode_overlap_scale
-        if leg != "decode" or scale == 1.0 or not isinstance(policy, KvPolicy):
-            return policy
-        config = policy.config
-        scaled = config.overlap_credit * scale
-        return policy.with_config(config.model_copy(update={"overlap_credit": scaled}))
 
     def _rank_matches(
         self, keys: PromptKeys | None

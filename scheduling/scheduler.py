@@ -84,13 +84,7 @@ class Scheduler:
         self.parts = PartsTable(tuning.parts)
         self.ledger = Ledger(registry, limits=limits, parts_of=self.parts.of, clock=clock)
         self.router = Router(
-            registry,
-            self.ledger,
-            policy,
-            block_index,
-            limits=limits,
-            parts=self.parts,
-            decode_overlap_scale=tuning.decode_overlap_scale,
+            registry, self.ledger, policy, block_index, limits=limits, parts=self.parts
         )
         self.queue = AdmissionQueue(
             queue or QueueConfig(),

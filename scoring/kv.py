@@ -80,10 +80,6 @@ class KvPolicy:
         """A policy whose random source is seeded from ``seed``."""
         return cls(config, random.Random(seed))
 
-    def with_config(self, config: KvPolicyConfig) -> KvPolicy:
-        """The same policy (random source, KV capacity) pricing with ``config``."""
-        return KvPolicy(config, self._rng, kv_capacity_blocks=self.kv_capacity_blocks)
-
     def rank(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         config = self.config
         prices = price_all(request_size(request), candidates, config, self.kv_capacity_blocks)

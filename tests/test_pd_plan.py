@@ -163,29 +163,3 @@ def test_bench_serves_the_kv_pd_router_on_a_disaggregated_fleet(tmp_path: Any) -
     cfg = CompareConfig(FleetSpec(replicas=4), ReplayConfig(target=""), tmp_path, "t")
     assert kvgate_spec(RouterRun("kv_pd", "kv pd"), cfg).roles == pd_roles(4)
     assert kvgate_spec(RouterRun("kv", "kv"), cfg).roles == ()
-
-
-def test_decode_legs_can_credit_a_decode_worker_s_blocks_at_the_transfer_cost() -> None:
-    """Off by default (issue 48's runs did not favour it): with ``decode_overlap_scale`` at
-    the transfer cost, a block the decode worker holds counts as the transfer it saves, so
-    the decode leg weighs load against overlap at that rate, where a whole request's
-    ranking stays with the worker holding the prompt."""
-    from kvgate.backends.registry import WorkerRegistry  # noqa: PLC0415
-    from kvgate.scheduling.ledger import Ledger  # noqa: PLC0415
-    from kvgate.scheduling.routing import Router  # noqa: PLC0415
-    from kvgate.scoring.kv import KvPolicy  # noqa: PLC0415
-
-    registry = WorkerRegistry()
-    policy = KvPolicy.from_config(CONFIG, seed=1)
-    default = Router(registry, Ledger(registry), policy)
-    assert default._policy_for("decode") is policy
-    router = Router(registry, Ledger(registry), policy, decode_overlap_scale=TRANSFER_BLOCK_COST)
-    assert router._policy_for(None) is policy and router._policy_for("prefill") is policy
-    decode_policy = router._policy_for("decode")
-    assert isinstance(decode_policy, KvPolicy)
-    assert decode_policy.config.overlap_credit == CONFIG.overlap_credit * TRANSFER_BLOCK_COST
-    busy = WorkerLoad(in_flight=4, active_decode_blocks=400)  # 8 blocks of load
-    ranking = routed(20, holder=(16, busy), idle=(0, IDLE))
-    candidates = list(ranking.candidates.values())
-    assert policy.rank(ranking.request, candidates).ranked[0] == "holder"
-    assert decode_policy.rank(ranking.request, candidates).ranked[0] == "idle"
