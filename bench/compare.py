@@ -210,8 +210,7 @@ def run_one(
     run: RouterRun, requests: Sequence[TraceRequest], cfg: CompareConfig, oracle_rate: float
 ) -> RunOutput:
     """Cold fleet + router, replay, stop both; write records and summary under out_dir."""
-    slug = run.label.replace(" ", "_").replace("/", "_")
-    run_dir = cfg.out_dir / slug
+    run_dir = cfg.out_dir / report.run_dir_name(run.label)
     cfg.log(f"[{run.label}] starting fleet ({cfg.fleet.replicas} replicas) and router")
     with cpus_apart(cfg.fleet.cpus):
         return _run_one(run, requests, cfg, oracle_rate, run_dir)

@@ -50,6 +50,7 @@ from kvgate.bench.fleet import (
     SimFleet,
     bench_port_range,
     kvgate_argv,
+    port_of,
     process_cpu_seconds,
     start_fleet,
     wait_own_http,
@@ -299,7 +300,7 @@ def run(spec: FleetSpec, plan: Plan, epp_replicas: int, log_dir: Path) -> list[R
     fleet = start_fleet(spec, log_dir)
     results = []
     try:
-        ports = [int(url.rsplit(":", 1)[1]) for url in fleet.urls]
+        ports = [port_of(url) for url in fleet.urls]
         starts: list[Callable[[], Target]] = [
             lambda: Target("direct", lambda session: ports[session % len(ports)]),
             lambda: start_serve(fleet, log_dir),

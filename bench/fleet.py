@@ -404,6 +404,12 @@ class KvgateSpec:
     each replica's HTTP port)."""
 
 
+def port_of(url: str) -> int:
+    """The port of a replica's ``http://host:port`` URL (a simulated replica's bootstrap
+    server for SGLang's P/D protocol is its HTTP port)."""
+    return int(url.rsplit(":", 1)[1])
+
+
 def pd_roles(replicas: int) -> tuple[str, ...]:
     """A disaggregated fleet's roles: the first half of the replicas prefill, the rest
     decode (every P/D router of a comparison splits the fleet the same way)."""
@@ -423,11 +429,10 @@ def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[st
         argv = [sys.executable, "-m", "kvgate.bench.variants", spec.variant, *flags]
     else:
         argv = kvgate_argv("serve", *flags)
-    roles = [f",role={r}" for r in spec.roles] or [""] * len(fleet.urls)  # (older trees)
-    if spec.bootstrap:
+    roles = [""] * len(fleet.urls)  # whole-request workers (and older trees: no role option)
+    if spec.roles:
         roles = [
-            f"{r},bootstrap_port={url.rsplit(':', 1)[1]}" if r == ",role=prefill" else r
-            for r, url in zip(roles, fleet.urls, strict=True)
+            _role_option(r, u, spec.bootstrap) for r, u in zip(spec.roles, fleet.urls, strict=True)
         ]
     for url, events, replay, role in zip(
         fleet.urls, fleet.event_endpoints, fleet.replay_endpoints, roles, strict=True
@@ -436,6 +441,14 @@ def kvgate_serve_argv(spec: KvgateSpec, fleet: BenchFleet, port: int) -> list[st
         engine = getattr(fleet, "worker_engine", None)  # an engine fleet's kind (bench.engines)
         argv += ["--worker", option if engine is None else f"{option},engine={engine}"]
     return argv + list(spec.extra_args)
+
+
+def _role_option(role: str, url: str, bootstrap: bool) -> str:
+    """A worker entry's role option (and a prefill worker's bootstrap port: SGLang's
+    protocol, served by a simulated replica on its HTTP port)."""
+    if bootstrap and role == "prefill":
+        return f",role={role},bootstrap_port={port_of(url)}"
+    return f",role={role}"
 
 
 def start_kvgate(

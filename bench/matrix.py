@@ -316,7 +316,7 @@ def _run_or_reuse(
     name: str, chosen: Sequence[TraceRequest], cfg: CompareConfig, oracle_rate: float
 ) -> report.RunSummary | None:
     label = router_label(name)
-    path = cfg.out_dir / label.replace(" ", "_").replace("/", "_") / "summary.json"
+    path = cfg.out_dir / report.run_dir_name(label) / "summary.json"
     if path.is_file():
         return report.read_summary(path)
     try:

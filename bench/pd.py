@@ -203,9 +203,9 @@ def rows_from(out: Path) -> list[PdRow]:
     for run in sorted(out.glob("run*"), key=lambda p: int(p.name[3:] or 0)):
         summaries = json.loads((run / "summaries.json").read_text())["runs"]
         for entry in summaries:
-            slug = entry["label"].replace(" ", "_").replace("/", "_")
-            stats = json.loads((run / slug / "pd.json").read_text())
-            summary = report.read_summary(run / slug / "summary.json")
+            folder = run / report.run_dir_name(entry["label"])
+            stats = json.loads((folder / "pd.json").read_text())
+            summary = report.read_summary(folder / "summary.json")
             rows.append(PdRow(summary.label, summary, PdStats(**stats)))
     return rows
 

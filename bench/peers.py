@@ -21,6 +21,7 @@ from kvgate.bench.fleet import (
     ManagedProcess,
     bench_port_range,
     pd_roles,
+    port_of,
     wait_own_http,
 )
 
@@ -148,16 +149,13 @@ def peer_argv(
 def pd_argv(spec: PeerSpec, urls: Sequence[str]) -> list[str]:
     """A peer's P/D flags: ``--prefill URL [BOOTSTRAP_PORT]`` per prefill replica (the
     simulator's bootstrap server is its HTTP port), ``--decode URL`` per decode replica."""
-    out = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
-    if spec.package is SMG:
-        out = ["--pd-disaggregation"]
+    smg = spec.package is SMG
+    out = ["--pd-disaggregation"] if smg else ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for url, role in zip(urls, pd_roles(len(urls)), strict=True):
         if role == "decode":
             out += ["--decode", url]
-        elif spec.package is SMG:
-            out += ["--prefill", url, url.rsplit(":", 1)[1]]
         else:
-            out += ["--prefill", url]
+            out += ["--prefill", url, *([str(port_of(url))] if smg else [])]
     return out
 
 

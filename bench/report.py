@@ -267,6 +267,12 @@ def summarize(
     )
 
 
+def run_dir_name(label: str) -> str:
+    """The folder of a router's run in a comparison's output (its label, no spaces or
+    slashes)."""
+    return label.replace(" ", "_").replace("/", "_")
+
+
 def write_summary(path: Path, summary: RunSummary) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(summary), indent=2, default=str) + "\n")
